@@ -1,0 +1,70 @@
+"""The few collectives mp_grpo makes, in one place.
+
+In the style of megatron-core's ``tensor_parallel/mappings.py``: every helper takes its process
+group as an explicit argument (``None`` means "no parallelism"), returns early for a group of size
+1, and says what it reduces. None of them is differentiable: the autograd Functions that call them
+derive their backward analytically so that backward needs no collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """World size of ``group``; 1 for ``None`` or when torch.distributed is not initialized."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; 0 for ``None`` or without torch.distributed."""
+    if group_size(group) == 1:
+        return 0
+    return dist.get_rank(group)
+
+
+def all_gather_stacked(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Gather ``x`` from every rank of ``group`` into a new ``[world, *x.shape]`` tensor.
+
+    One ``all_gather_into_tensor`` call; rank r's tensor lands at index r.
+    """
+    world = group_size(group)
+    if world == 1:
+        return x.unsqueeze(0)
+    x = x.contiguous()
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.view(world, *x.shape)
+
+
+def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum ``x`` over ``group``; returns a new tensor and leaves ``x`` unchanged."""
+    if group_size(group) == 1:
+        return x.clone()
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_reduce_max(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Element-wise maximum of ``x`` over ``group``; returns a new tensor."""
+    if group_size(group) == 1:
+        return x.clone()
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
+def all_gather_object_sizes(value: int, group: ProcessGroup | None) -> list[int]:
+    """Gather one Python int from every rank of ``group`` (a CPU-side handshake, not a hot path)."""
+    world = group_size(group)
+    if world == 1:
+        return [value]
+    out: list[int | None] = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return [int(v) for v in out]  # type: ignore[arg-type]
