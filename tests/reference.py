@@ -29,7 +29,10 @@ def logprobs_reference(
     logz = torch.logsumexp(z, dim=-1, keepdim=True)
     logp = z - logz
     p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    # p * log p -> 0 as p -> 0. Select before multiplying so that neither the value nor the
+    # gradient sees 0 * (-inf).
+    finite_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
+    entropy = -(p * finite_logp).sum(-1)
     valid = target != ignore_index
     safe_target = torch.where(valid, target, torch.zeros_like(target))
     picked = logp.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)

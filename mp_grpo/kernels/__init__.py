@@ -1,0 +1,27 @@
+"""Triton kernels. No torch.distributed here: launches and collectives live in ``mp_grpo.ops``.
+
+On a machine without a CUDA GPU the kernels can only run under Triton's interpreter, which
+``triton.jit`` selects when it decorates a function (triton.language's own helpers are decorated
+when triton is first imported); so the choice is made here, before anything imports triton —
+``mp_grpo/__init__.py`` imports this package first. An explicit ``TRITON_INTERPRET`` is respected.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from mp_grpo.kernels.launch_config import LogprobLaunchConfig, logprob_launch_config  # noqa: E402
+from mp_grpo.kernels.logprob_backward import logprob_backward_kernel  # noqa: E402
+from mp_grpo.kernels.logprob_merge import logprob_merge_kernel  # noqa: E402
+from mp_grpo.kernels.logprob_stats import logprob_stats_kernel  # noqa: E402
+
+__all__ = [
+    "LogprobLaunchConfig",
+    "logprob_backward_kernel",
+    "logprob_launch_config",
+    "logprob_merge_kernel",
+    "logprob_stats_kernel",
+]

@@ -1,0 +1,68 @@
+"""Backward: the gradient of (log-prob, entropy) w.r.t. one vocabulary shard, in one pass (Triton).
+
+With z = logits / T, p_j = exp(z_j - logZ), logZ = M + log S over the *whole* vocabulary (both
+terms saved by forward; log p_j = (z_j - M) - log S keeps precision for logits near 1e4):
+
+    d logprob / d z_j = [j == target] - p_j
+    d entropy / d z_j = -p_j (log p_j + H)
+
+so  grad_logits_j = (g_lp ([j == target] - p_j) - g_H p_j (log p_j + H)) / T.
+
+Every quantity that couples the shards (M, S, H) was merged in forward, so backward needs no
+collective. Each program handles BLOCK_V columns of one row: it reads them once and writes their
+gradient once, in the gradient buffer's dtype (which may be the logits buffer itself).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def logprob_backward_kernel(
+    # pointers
+    x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16
+    grad_x_ptr,  # [N, V_local] out, logits' dtype (may alias x_ptr)
+    target_ptr,  # [N] int64 global token ids
+    row_max_ptr,  # [N] fp32 M, the row maximum over the whole vocabulary
+    log_sum_ptr,  # [N] fp32 log S, S = sum exp(z - M) over the whole vocabulary
+    entropy_ptr,  # [N] fp32 entropy (only with HAS_ENTROPY_GRAD)
+    grad_logprob_ptr,  # [N] fp32 upstream gradient of the log-probs
+    grad_entropy_ptr,  # [N] fp32 upstream gradient of the entropy (only with HAS_ENTROPY_GRAD)
+    # shapes
+    V_local,
+    vocab_start,
+    ignore_index,
+    # strides
+    stride_x_row,
+    stride_grad_x_row,
+    # scalars
+    inv_temperature,  # fp32, 1 / temperature
+    # meta-parameters
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V_local
+
+    # --- 1. per-row scalars: log-partition terms, target, upstream gradients ---
+    row_max = tl.load(row_max_ptr + row)
+    log_sum = tl.load(log_sum_ptr + row)
+    target = tl.load(target_ptr + row)
+    # An ignored row's log-prob is the constant 0: no gradient flows from it.
+    g_logprob = tl.where(target != ignore_index, tl.load(grad_logprob_ptr + row), 0.0)
+
+    # --- 2. probabilities of this block, recomputed from the logits ---
+    z = tl.load(x_ptr + row * stride_x_row + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
+    log_p = (z * inv_temperature - row_max) - log_sum
+    p = tl.exp(log_p)
+    grad = tl.where(cols == target - vocab_start, g_logprob, 0.0) - g_logprob * p
+    if HAS_ENTROPY_GRAD:
+        entropy = tl.load(entropy_ptr + row)
+        g_entropy = tl.load(grad_entropy_ptr + row)
+        # p = 0 (a -inf logit) contributes nothing; p * log_p would be 0 * -inf = NaN.
+        grad -= g_entropy * tl.where(p > 0.0, p * (log_p + entropy), 0.0)
+
+    # --- 3. write the gradient once, in the buffer's dtype ---
+    grad = grad * inv_temperature
+    tl.store(grad_x_ptr + row * stride_grad_x_row + cols, grad.to(grad_x_ptr.dtype.element_ty), mask=col_mask)

@@ -1,0 +1,91 @@
+"""Forward pass 2 of 2: merge the per-shard statistics of all TP ranks into log-probs (Triton).
+
+Input is the all-gathered ``[TP, N, 4]`` tensor of ``logprob_stats_kernel`` outputs. With
+M = max_r m_r and w_r = exp(m_r - M):
+
+    S       = sum_r w_r s_r                      logZ     = M + log S
+    U       = sum_r w_r (u_r + (m_r - M) s_r)    entropy  = log S - U / S
+    z_t     = sum_r z_t,r   (one shard owns it, the others wrote 0)
+    logprob = (z_t - M) - log S    (0 where target == ignore_index)
+
+logZ is kept as its two terms (M, log S): with logits near 1e4 the fp32 sum M + log S would lose
+log S to rounding (ulp(1e4) ~ 1e-3), and z - M is exact for the logits near the maximum that matter.
+
+It also checks its inputs so that the host can raise a clear error with one read of two int32s
+instead of passes of its own: ``errors[0]`` counts targets outside ``[0, V_global)`` other than
+``ignore_index``; ``errors[1]`` counts TP ranks whose shard size (row N of the stats, column 0)
+differs from rank 0's.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def logprob_merge_kernel(
+    # pointers
+    stats_ptr,  # [TP, N + 1, 4] fp32 per-shard (m, s, u, z_t); row N holds (V_local, 0, 0, 0)
+    target_ptr,  # [N] int64 global token ids
+    logprob_ptr,  # [N] fp32 out
+    entropy_ptr,  # [N] fp32 out (only with HAS_ENTROPY)
+    row_max_ptr,  # [N] fp32 out: M, saved for backward
+    log_sum_ptr,  # [N] fp32 out: log S (logZ = M + log S), saved for backward
+    errors_ptr,  # [2] int32 out, zero-initialized: (bad targets, shard-size mismatches)
+    # shapes
+    N,
+    TP,
+    V_global,
+    ignore_index,
+    # strides
+    stride_stats_rank,
+    stride_stats_row,
+    # meta-parameters
+    HAS_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    row_ptr = stats_ptr + rows * stride_stats_row
+
+    # --- 1. global maximum over the shards ---
+    m_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for r in range(0, TP):
+        m_r = tl.load(row_ptr + r * stride_stats_rank + 0, mask=row_mask, other=0.0)
+        m_max = tl.maximum(m_max, m_r)
+
+    # --- 2. rescale and sum the shards' sum-exp, sum-exp*z and target logits ---
+    s_tot = tl.zeros([BLOCK_N], dtype=tl.float32)
+    u_tot = tl.zeros([BLOCK_N], dtype=tl.float32)
+    z_target = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in range(0, TP):
+        shard_ptr = row_ptr + r * stride_stats_rank
+        m_r = tl.load(shard_ptr + 0, mask=row_mask, other=0.0)
+        s_r = tl.load(shard_ptr + 1, mask=row_mask, other=0.0)
+        w_r = tl.exp(m_r - m_max)
+        s_tot += w_r * s_r
+        if HAS_ENTROPY:
+            u_r = tl.load(shard_ptr + 2, mask=row_mask, other=0.0)
+            u_tot += w_r * (u_r + (m_r - m_max) * s_r)
+        z_target += tl.load(shard_ptr + 3, mask=row_mask, other=0.0)
+
+    # --- 3. log-prob of the target, entropy, log-partition terms; count bad targets ---
+    log_s = tl.log(s_tot)
+    target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+    valid = target != ignore_index
+    tl.store(logprob_ptr + rows, tl.where(valid, (z_target - m_max) - log_s, 0.0), mask=row_mask)
+    tl.store(row_max_ptr + rows, m_max, mask=row_mask)
+    tl.store(log_sum_ptr + rows, log_s, mask=row_mask)
+    if HAS_ENTROPY:
+        tl.store(entropy_ptr + rows, log_s - u_tot / s_tot, mask=row_mask)
+    out_of_range = valid & ((target < 0) | (target >= V_global)) & row_mask
+    tl.atomic_add(errors_ptr + 0, tl.sum(out_of_range.to(tl.int32), axis=0))
+
+    # --- 4. every shard the same size as rank 0's (checked once, by program 0) ---
+    if pid == 0:
+        v_rank0 = tl.load(stats_ptr + N * stride_stats_row)
+        mismatches = 0
+        for r in range(0, TP):
+            v_r = tl.load(stats_ptr + r * stride_stats_rank + N * stride_stats_row)
+            mismatches += (v_r != v_rank0).to(tl.int32)
+        tl.store(errors_ptr + 1, mismatches)

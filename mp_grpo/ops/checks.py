@@ -1,0 +1,64 @@
+"""Argument checks shared by the log-prob ops. Each error names the argument at fault."""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_logits_and_target(logits: torch.Tensor, target: torch.Tensor, *, logits_name: str = "logits") -> None:
+    """Dtypes, shapes and devices of a ``[..., V_local]`` logits shard and its ``[...]`` targets."""
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
+        got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise TypeError(f"{logits_name} must be a float32, bfloat16 or float16 tensor, got {got}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"{logits_name} must have a non-empty last (vocabulary) dimension, got shape {tuple(logits.shape)}")
+    check_target(target, expected_shape=logits.shape[:-1], device=logits.device, expected_from=f"{logits_name}.shape[:-1]")
+
+
+def check_target(target: torch.Tensor, *, expected_shape: torch.Size, device: torch.device, expected_from: str) -> None:
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
+        got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
+        raise TypeError(f"target must be an int64 (or int32) tensor of token ids, got {got}")
+    if target.shape != expected_shape:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal {expected_from} = {tuple(expected_shape)}"
+        )
+    if target.device != device:
+        raise ValueError(f"target is on {target.device} but the logits are on {device}")
+
+
+def check_temperature(temperature: float) -> float:
+    """Return ``1 / temperature`` as a Python float after checking it."""
+    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
+    if not temperature > 0.0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return 1.0 / float(temperature)
+
+
+def check_runs_here(x: torch.Tensor, name: str) -> None:
+    """Triton runs on CUDA tensors, or on CPU tensors only under its interpreter."""
+    from triton import knobs
+
+    if x.device.type != "cuda" and not knobs.runtime.interpret:
+        raise RuntimeError(
+            f"{name} is on {x.device}: the Triton kernels run on CUDA tensors, or on CPU tensors only with "
+            "TRITON_INTERPRET=1 set before mp_grpo is imported"
+        )
+
+
+def raise_on_kernel_errors(errors: torch.Tensor, *, v_global: int, ignore_index: int, shard_sizes: torch.Tensor) -> None:
+    """Turn the merge kernel's error counters into exceptions (the op's one host read)."""
+    bad_targets, shard_mismatches = errors.tolist()
+    if shard_mismatches:
+        sizes = [int(v) for v in shard_sizes.tolist()]
+        raise ValueError(
+            f"logits: the vocabulary shards differ in size across the tensor-parallel group (V_local per rank: "
+            f"{sizes}); every rank must hold an equal, contiguous shard (Megatron's layout)"
+        )
+    if bad_targets:
+        raise ValueError(
+            f"target has {bad_targets} token id(s) outside [0, {v_global}) that are not ignore_index ({ignore_index})"
+        )

@@ -1,0 +1,134 @@
+"""Host launchers for the log-prob kernels: shapes in, tensors out, no collectives.
+
+Shared by :mod:`mp_grpo.ops.vocab_parallel_logprobs` (logits given) and
+:mod:`mp_grpo.ops.fused_linear_logprobs` (logits computed chunk by chunk).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from mp_grpo.kernels import (
+    logprob_backward_kernel,
+    logprob_launch_config,
+    logprob_merge_kernel,
+    logprob_stats_kernel,
+)
+
+STATS_WIDTH = 4
+"""Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit)."""
+
+
+def new_stats_buffer(rows: int, v_local: int, device: torch.device) -> torch.Tensor:
+    """``[rows + 1, 4]`` fp32 buffer for :func:`shard_statistics`.
+
+    The extra last row carries this shard's vocabulary size through the same all-gather as the
+    statistics, so the merge can check that every TP rank holds a shard of the same size without a
+    collective of its own (exact in fp32 up to 2**24 columns).
+    """
+    stats = torch.empty(rows + 1, STATS_WIDTH, dtype=torch.float32, device=device)
+    stats[rows] = torch.tensor([float(v_local), 0.0, 0.0, 0.0])
+    return stats
+
+
+def shard_statistics(
+    logits: torch.Tensor,  # [n, V_local], last dim contiguous
+    target: torch.Tensor,  # [n] int64
+    out: torch.Tensor,  # [n, 4] fp32 view into a stats buffer
+    *,
+    vocab_start: int,
+    inv_temperature: float,
+    with_entropy: bool,
+) -> None:
+    """Write the per-row statistics of ``logits`` into ``out`` (one read of the logits)."""
+    n, v_local = logits.shape
+    if n == 0:
+        return
+    cfg = logprob_launch_config(v_local)
+    logprob_stats_kernel[(n,)](
+        logits, target, out,
+        v_local, vocab_start,
+        logits.stride(0), out.stride(0),
+        inv_temperature,
+        HAS_ENTROPY=with_entropy,
+        BLOCK_V=cfg.stats_block_v,
+        num_warps=cfg.stats_warps,
+    )
+
+
+class Merged(NamedTuple):
+    logprobs: torch.Tensor
+    """[N] fp32; 0 where target == ignore_index."""
+    entropy: torch.Tensor
+    """[N] fp32; empty (0 rows) when the merge was asked for no entropy."""
+    row_max: torch.Tensor
+    """[N] fp32 row maximum M of z = logits / T over the whole vocabulary (saved for backward)."""
+    log_sum: torch.Tensor
+    """[N] fp32 log S, S = sum exp(z - M); logZ = M + log S (saved for backward)."""
+    errors: torch.Tensor
+    """[2] int32: (targets outside [0, V_global) other than ignore_index, shard-size mismatches)."""
+
+
+def merge_statistics(
+    stats: torch.Tensor,  # [TP, N + 1, 4] fp32 gathered stats buffers
+    target: torch.Tensor,  # [N] int64
+    *,
+    v_local: int,
+    ignore_index: int,
+    with_entropy: bool,
+) -> Merged:
+    """Merge the gathered statistics of every TP shard (one small kernel)."""
+    tp, rows_plus_one, _ = stats.shape
+    n = rows_plus_one - 1
+    device = stats.device
+    logprobs = torch.empty(n, dtype=torch.float32, device=device)
+    entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=device)
+    row_max = torch.empty(n, dtype=torch.float32, device=device)
+    log_sum = torch.empty(n, dtype=torch.float32, device=device)
+    errors = torch.zeros(2, dtype=torch.int32, device=device)
+    block_n = logprob_launch_config(v_local).merge_block_n
+    logprob_merge_kernel[(max(triton.cdiv(n, block_n), 1),)](
+        stats, target, logprobs, entropy, row_max, log_sum, errors,
+        n, tp, tp * v_local, ignore_index,
+        stats.stride(0), stats.stride(1),
+        HAS_ENTROPY=with_entropy,
+        BLOCK_N=block_n,
+    )
+    return Merged(logprobs, entropy, row_max, log_sum, errors)
+
+
+def logprob_backward(
+    logits: torch.Tensor,  # [n, V_local]
+    grad_logits: torch.Tensor,  # [n, V_local] out; may be ``logits`` itself
+    target: torch.Tensor,  # [n] int64
+    row_max: torch.Tensor,  # [n] fp32
+    log_sum: torch.Tensor,  # [n] fp32
+    entropy: torch.Tensor | None,  # [n] fp32, or None when no entropy gradient flows
+    grad_logprobs: torch.Tensor,  # [n] fp32
+    grad_entropy: torch.Tensor | None,  # [n] fp32, or None
+    *,
+    vocab_start: int,
+    ignore_index: int,
+    inv_temperature: float,
+) -> None:
+    """Write d(loss)/d(logits) into ``grad_logits`` (one read, one write of the shard)."""
+    n, v_local = logits.shape
+    if n == 0:
+        return
+    cfg = logprob_launch_config(v_local)
+    has_entropy_grad = grad_entropy is not None
+    logprob_backward_kernel[(n, triton.cdiv(v_local, cfg.backward_block_v))](
+        logits, grad_logits, target, row_max, log_sum,
+        entropy if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
+        grad_logprobs,
+        grad_entropy if has_entropy_grad else grad_logprobs,  # unused placeholder pointer
+        v_local, vocab_start, ignore_index,
+        logits.stride(0), grad_logits.stride(0),
+        inv_temperature,
+        HAS_ENTROPY_GRAD=has_entropy_grad,
+        BLOCK_V=cfg.backward_block_v,
+        num_warps=cfg.backward_warps,
+    )

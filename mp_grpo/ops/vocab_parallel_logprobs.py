@@ -1,0 +1,160 @@
+"""Log-probabilities (and entropy) of sampled tokens from a vocabulary sharded over TP ranks.
+
+Schedule of :class:`VocabParallelLogProbs` (``N`` rows, ``V_local`` columns on each of ``TP`` ranks)
+
+Forward
+    1. ``logprob_stats_kernel``: one pass over this rank's shard writes per-row (max, sum-exp,
+       sum-exp·z, target logit) — 16 bytes a row; the logits are read once.
+    2. One collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped
+       for a group of size 1). Row N carries this shard's size, so shard sizes are checked without a
+       collective of their own.
+    3. ``logprob_merge_kernel``: merge the TP shards' statistics into log-prob, entropy and logZ
+       (as M and log S) per row; count bad targets and shard-size mismatches; one host read raises
+       a clear error.
+    Saved for backward: the logits (not a copy), targets, M, log S and entropy — 20 bytes a row
+    beyond the logits, no ``[N, V]`` fp32 buffer.
+
+Backward
+    1. ``logprob_backward_kernel``: one pass reads the shard once and writes its gradient once, in
+       the logits' dtype (into the logits buffer itself with ``inplace_backward=True``). logZ and
+       the entropy already describe the whole vocabulary, so no collective is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+
+from mp_grpo.collectives import ProcessGroup, all_gather_stacked, group_rank, group_size
+from mp_grpo.ops.checks import (
+    check_logits_and_target,
+    check_runs_here,
+    check_temperature,
+    raise_on_kernel_errors,
+)
+from mp_grpo.ops.logprob_launch import logprob_backward, merge_statistics, new_stats_buffer, shard_statistics
+
+
+class VocabParallelLogProbs(torch.autograd.Function):
+    """Differentiable w.r.t. ``logits``; see the module docstring for the schedule."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits: torch.Tensor,  # [..., V_local]
+        target: torch.Tensor,  # [...]
+        tp_group: ProcessGroup | None,
+        inv_temperature: float,
+        with_entropy: bool,
+        ignore_index: int,
+        inplace_backward: bool,
+    ):
+        ctx.set_materialize_grads(False)
+        v_local = logits.shape[-1]
+        x = logits.reshape(-1, v_local)  # a view whenever the leading dims allow one
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        t = target.reshape(-1).to(torch.int64)
+        n = x.shape[0]
+        tp = group_size(tp_group)
+        vocab_start = group_rank(tp_group) * v_local
+
+        # --- 1. statistics of this rank's shard (one read of the logits) ---
+        stats = new_stats_buffer(n, v_local, x.device)
+        shard_statistics(
+            x, t, stats[:n], vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy
+        )
+
+        # --- 2. the one collective: all-gather of the [N + 1, 4] statistics ---
+        gathered = all_gather_stacked(stats, tp_group)
+
+        # --- 3. merge into log-prob, entropy, logZ = M + log S; raise on bad input ---
+        merged = merge_statistics(gathered, t, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
+        raise_on_kernel_errors(
+            merged.errors, v_global=tp * v_local, ignore_index=ignore_index, shard_sizes=gathered[:, n, 0]
+        )
+
+        ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy)
+        ctx.logits_shape = logits.shape
+        ctx.vocab_start = vocab_start
+        ctx.inv_temperature = inv_temperature
+        ctx.ignore_index = ignore_index
+        ctx.inplace_backward = inplace_backward
+        logprobs = merged.logprobs.view(target.shape)
+        if with_entropy:
+            return logprobs, merged.entropy.view(target.shape)
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
+        x, t, row_max, log_sum, entropy = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 7
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(row_max)
+        grad_logprobs = grad_logprobs.reshape(-1).float().contiguous()
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.reshape(-1).float().contiguous()
+
+        # --- 1. one pass: recompute p from the logits and logZ, write the gradient ---
+        grad_x = x if ctx.inplace_backward else torch.empty_like(x)
+        logprob_backward(
+            x, grad_x, t, row_max, log_sum, entropy if grad_entropy is not None else None, grad_logprobs, grad_entropy,
+            vocab_start=ctx.vocab_start, ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature,
+        )
+        return grad_x.view(ctx.logits_shape), None, None, None, None, None, None
+
+
+@overload
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ..., temperature: float = ...,
+    with_entropy: Literal[False] = ..., ignore_index: int = ..., inplace_backward: bool = ...,
+) -> torch.Tensor: ...
+@overload
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ..., temperature: float = ...,
+    with_entropy: Literal[True], ignore_index: int = ..., inplace_backward: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: ProcessGroup | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    ignore_index: int = -100,
+    inplace_backward: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax(logits / temperature)[target]`` over the whole vocabulary, shape ``target.shape``.
+
+    Args:
+        logits: ``[..., V_local]`` fp32 / bf16 / fp16 — this rank's contiguous vocabulary shard; rank
+            r of ``tp_group`` owns global ids ``[r * V_local, (r + 1) * V_local)`` (Megatron's layout).
+            Any leading shape (``[S, B]``, ``[B, S]``, ``[N]``); non-contiguous inputs are handled
+            (copied when the leading dims cannot be flattened into a view).
+        target: ``[...]`` integer global token ids, ``logits.shape[:-1]``.
+        tp_group: the tensor-parallel process group; ``None`` means no tensor parallelism.
+        temperature: logits are divided by it inside the kernels (no extra pass).
+        with_entropy: also return the entropy of the whole distribution (differentiable).
+        ignore_index: rows with this target get log-prob 0 and no gradient from it (their entropy is
+            still computed).
+        inplace_backward: write the gradient into the logits buffer, saving one ``[N, V_local]``
+            allocation. The logits are overwritten during backward: use it only when nothing else
+            reads them afterwards (for example the output of the model's last linear layer).
+
+    Returns:
+        fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``. The
+        return type follows the literal value of ``with_entropy`` (see the overloads).
+
+    One all-gather of a ``[N + 1, 4]`` fp32 tensor per call, and one host read of two int32 error
+    counters (bad targets, unequal shards) — the only host synchronization.
+    """
+    check_logits_and_target(logits, target)
+    check_runs_here(logits, "logits")
+    inv_temperature = check_temperature(temperature)
+    return VocabParallelLogProbs.apply(
+        logits, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), bool(inplace_backward)
+    )
