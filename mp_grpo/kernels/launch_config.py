@@ -1,7 +1,7 @@
 """The one place that picks block sizes and warps for the log-prob kernels.
 
-Chosen by a sweep on one H100 (``scripts/bench_logprob.py --sweep``; the table is in
-``docs/benchmarks/logprob.md``). Under the Triton interpreter (CPU) small blocks keep tests fast.
+Chosen by a sweep on one GPU (``scripts/bench_logprob.py --sweep``, results in
+``docs/benchmarks/logprob_sweep.json``). Under the Triton interpreter (CPU) small blocks keep tests fast.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
     if knobs.runtime.interpret:
         block = min(triton.next_power_of_2(v_local), 64)
         return LogprobLaunchConfig(block, 1, block, 1, 16)
-    stats_block = min(triton.next_power_of_2(v_local), 4096)
-    backward_block = min(triton.next_power_of_2(v_local), 4096)
+    # H200 sweep, N = 16384, bf16 (docs/benchmarks/logprob_sweep.json): 4096 columns with 4 warps
+    # was fastest or within 1 % of it for both kernels at V_local = 151936 and 18992.
+    block = min(triton.next_power_of_2(v_local), 4096)
     return LogprobLaunchConfig(
-        stats_block_v=stats_block,
-        stats_warps=8 if stats_block >= 2048 else 4,
-        backward_block_v=backward_block,
-        backward_warps=8 if backward_block >= 2048 else 4,
+        stats_block_v=block,
+        stats_warps=4,
+        backward_block_v=block,
+        backward_warps=4,
         merge_block_n=256,
     )

@@ -11,10 +11,11 @@ M = max_r m_r and w_r = exp(m_r - M):
 logZ is kept as its two terms (M, log S): with logits near 1e4 the fp32 sum M + log S would lose
 log S to rounding (ulp(1e4) ~ 1e-3), and z - M is exact for the logits near the maximum that matter.
 
-It also checks its inputs so that the host can raise a clear error with one read of two int32s
-instead of passes of its own: ``errors[0]`` counts targets outside ``[0, V_global)`` other than
-``ignore_index``; ``errors[1]`` counts TP ranks whose shard size (row N of the stats, column 0)
-differs from rank 0's.
+It also checks its inputs, so that bad input is never silently wrong: a target outside
+``[0, V_global)`` (other than ``ignore_index``) gets a NaN log-prob, and if the TP ranks' shard
+sizes (row N of the stats, column 0) differ, every output is NaN. ``errors[0]`` counts the bad
+targets and ``errors[1]`` the ranks whose shard size differs from rank 0's, so that the host can
+raise a clear error with one read of two int32s instead of passes of its own.
 """
 
 import triton
@@ -48,7 +49,12 @@ def logprob_merge_kernel(
     row_mask = rows < N
     row_ptr = stats_ptr + rows * stride_stats_row
 
-    # --- 1. global maximum over the shards ---
+    # --- 1. shard sizes agree? global maximum over the shards ---
+    v_rank0 = tl.load(stats_ptr + N * stride_stats_row)
+    shard_mismatches = 0
+    for r in range(0, TP):
+        v_r = tl.load(stats_ptr + r * stride_stats_rank + N * stride_stats_row)
+        shard_mismatches += (v_r != v_rank0).to(tl.int32)
     m_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     for r in range(0, TP):
         m_r = tl.load(row_ptr + r * stride_stats_rank + 0, mask=row_mask, other=0.0)
@@ -73,19 +79,17 @@ def logprob_merge_kernel(
     log_s = tl.log(s_tot)
     target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
     valid = target != ignore_index
-    tl.store(logprob_ptr + rows, tl.where(valid, (z_target - m_max) - log_s, 0.0), mask=row_mask)
+    out_of_range = valid & ((target < 0) | (target >= V_global))
+    poisoned = out_of_range | (shard_mismatches > 0)
+    logprob = tl.where(valid, (z_target - m_max) - log_s, 0.0)
+    tl.store(logprob_ptr + rows, tl.where(poisoned, float("nan"), logprob), mask=row_mask)
     tl.store(row_max_ptr + rows, m_max, mask=row_mask)
     tl.store(log_sum_ptr + rows, log_s, mask=row_mask)
     if HAS_ENTROPY:
-        tl.store(entropy_ptr + rows, log_s - u_tot / s_tot, mask=row_mask)
-    out_of_range = valid & ((target < 0) | (target >= V_global)) & row_mask
-    tl.atomic_add(errors_ptr + 0, tl.sum(out_of_range.to(tl.int32), axis=0))
+        entropy = tl.where(shard_mismatches > 0, float("nan"), log_s - u_tot / s_tot)
+        tl.store(entropy_ptr + rows, entropy, mask=row_mask)
 
-    # --- 4. every shard the same size as rank 0's (checked once, by program 0) ---
+    # --- 4. error counters for the host ---
+    tl.atomic_add(errors_ptr + 0, tl.sum((out_of_range & row_mask).to(tl.int32), axis=0))
     if pid == 0:
-        v_rank0 = tl.load(stats_ptr + N * stride_stats_row)
-        mismatches = 0
-        for r in range(0, TP):
-            v_r = tl.load(stats_ptr + r * stride_stats_rank + N * stride_stats_row)
-            mismatches += (v_r != v_rank0).to(tl.int32)
-        tl.store(errors_ptr + 1, mismatches)
+        tl.store(errors_ptr + 1, shard_mismatches)

@@ -9,17 +9,24 @@ One program reads one row of this rank's logits shard exactly once and writes fo
         z_t = z[target - vocab_start] if this shard owns the target, else 0
 
 ``u`` is what the entropy needs: H = log S - U / S after the statistics of all shards are merged
-(see ``logprob_merge.py``). The running state is kept per lane ([BLOCK_V] vectors) so that the loop
-needs no cross-lane reduction; the lanes are reduced once, after the loop.
+(see ``logprob_merge.py``).
+
+The loop is an online softmax over BLOCK_V-column chunks with a scalar running maximum: per element
+one max, one subtract, one multiply, one exp2 and one add (two more for the entropy), which keeps
+the kernel under the memory roofline rather than the FP32 pipe. Two details keep it exact for
+extreme logits: the maximum is tracked on the raw logits (so z_t - m is exact when the target is
+the maximum), and each exponent is formed as (x - m) * log2(e) / T, subtracting before scaling.
 """
 
 import triton
 import triton.language as tl
 
-# Initial running maximum of a lane. A finite sentinel rather than -inf: with -inf, the
-# first update computes (-inf) - (-inf) = NaN for lanes that only ever see -inf (padding past
-# V_local, or a filtered vocabulary). Far below any real logit / temperature.
-MAX_SENTINEL: tl.constexpr = -1.0e30
+# Initial running maximum. A finite sentinel rather than -inf: with -inf, a row (or a shard) whose
+# logits are all -inf (a filtered vocabulary) would compute (-inf) - (-inf) = NaN. Far below any
+# real logit.
+MAX_SENTINEL = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -27,8 +34,11 @@ def logprob_stats_kernel(
     # pointers
     x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16; last dim contiguous
     target_ptr,  # [N] int64 global token ids
-    stats_ptr,  # [N, 4] fp32 out: (m, s, u, z_t)
+    stats_ptr,  # [N_total + 1, 4] fp32 out: rows row_start .. row_start + n; row N_total = size row
     # shapes
+    n,  # rows of x in this launch (the grid is max(n, 1))
+    row_start,  # first stats row written by this launch (chunked callers)
+    N_total,  # rows of the whole stats buffer, less its size row
     V_local,
     vocab_start,  # first global id of this shard
     # strides
@@ -41,46 +51,51 @@ def logprob_stats_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    has_row = row < n  # false only for the single program of an empty launch
     x_row_ptr = x_ptr + row * stride_x_row
     offs = tl.arange(0, BLOCK_V)
+    scale = inv_temperature * LOG2E  # raw logit units -> log2 units of z
+    v_end = tl.where(has_row, V_local, 0)
 
     # --- 1. the target logit, read once by the shard that owns it ---
-    local_target = tl.load(target_ptr + row) - vocab_start
-    owns_target = (local_target >= 0) & (local_target < V_local)
-    z_target = tl.load(x_row_ptr + local_target, mask=owns_target, other=0.0).to(tl.float32)
-    z_target = tl.where(owns_target, z_target * inv_temperature, 0.0)
+    local_target = tl.load(target_ptr + row, mask=has_row, other=-1) - vocab_start
+    owns_target = has_row & (local_target >= 0) & (local_target < V_local)
+    x_target = tl.load(x_row_ptr + local_target, mask=owns_target, other=0.0).to(tl.float32)
+    z_target = tl.where(owns_target, x_target * inv_temperature, 0.0)
 
-    # --- 2. one pass over the row: per-lane online max, sum-exp and (for entropy) sum-exp*z ---
-    m = tl.full([BLOCK_V], MAX_SENTINEL, dtype=tl.float32)
-    s = tl.zeros([BLOCK_V], dtype=tl.float32)
-    u = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for start in range(0, V_local, BLOCK_V):
+    # --- 2. one pass over the row: online max (raw units), sum of 2^t and (entropy) sum of 2^t * t ---
+    # t = (x - m) * scale is z - m/T in log2 units; s, u are relative to the running maximum m.
+    m = tl.full([], MAX_SENTINEL, dtype=tl.float32)
+    s = tl.zeros([], dtype=tl.float32)
+    u = tl.zeros([], dtype=tl.float32)
+    for start in range(0, v_end, BLOCK_V):
         cols = start + offs
-        z = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf")).to(tl.float32)
-        z = z * inv_temperature
-        # One exp per element: with d = |z - m|, exactly one of exp(m - m_new), exp(z - m_new)
-        # is 1 and the other is exp(-d).
-        d = tl.abs(z - m)
-        e = tl.exp(-d)
-        is_new_max = z > m
+        x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        shift = (m - m_new) * scale  # <= 0: rescales what was summed so far
+        alpha = tl.exp2(shift)
+        t = (x - m_new) * scale
+        e = tl.exp2(t)
         if HAS_ENTROPY:
-            # z = -inf gives d = inf and e = 0: e * d would be 0 * inf, so select instead.
-            e_d = tl.where(e > 0.0, e * d, 0.0)
-            u = tl.where(is_new_max, e * (u - d * s), u - e_d)
-        s = tl.where(is_new_max, s * e + 1.0, s + e)
-        m = tl.maximum(m, z)
+            # A -inf logit gives e = 0 and t = -inf: select, since 0 * -inf is NaN.
+            e_t = tl.where(e > 0.0, e * t, 0.0)
+            # s is still the old sum here; the sentinel start has s = 0, so shift * s stays 0.
+            u = alpha * (u + shift * s) + tl.sum(e_t, axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
+        m = m_new
 
-    # --- 3. reduce the lanes to the row's statistics ---
-    m_row = tl.max(m, axis=0)
-    w = tl.exp(m - m_row)
-    s_row = tl.sum(s * w, axis=0)
-    stats_row_ptr = stats_ptr + row * stride_stats_row
-    tl.store(stats_row_ptr + 0, m_row)
-    tl.store(stats_row_ptr + 1, s_row)
-    if HAS_ENTROPY:
-        # Lanes still at the sentinel have s = 0, so (m - m_row) * s stays finite (= 0).
-        u_row = tl.sum(w * (u + (m - m_row) * s), axis=0)
-        tl.store(stats_row_ptr + 2, u_row)
-    else:
-        tl.store(stats_row_ptr + 2, 0.0)
-    tl.store(stats_row_ptr + 3, z_target)
+    # --- 3. store in natural units: m / T, s, u * ln 2, z_t; program 0 also writes the shard size ---
+    stats_row_ptr = stats_ptr + (row_start + row) * stride_stats_row
+    if row == 0:
+        # The size row travels with the statistics through the all-gather, so the merge can check
+        # that every TP rank holds a shard of the same size (exact in fp32 up to 2**24 columns).
+        # Every chunk of a chunked caller writes the same value.
+        size_row_ptr = stats_ptr + N_total * stride_stats_row
+        tl.store(size_row_ptr + 0, V_local.to(tl.float32))
+        tl.store(size_row_ptr + 1, 0.0)
+        tl.store(size_row_ptr + 2, 0.0)
+        tl.store(size_row_ptr + 3, 0.0)
+    tl.store(stats_row_ptr + 0, m * inv_temperature, mask=has_row)
+    tl.store(stats_row_ptr + 1, s, mask=has_row)
+    tl.store(stats_row_ptr + 2, u * LN2, mask=has_row)
+    tl.store(stats_row_ptr + 3, z_target, mask=has_row)

@@ -22,36 +22,34 @@ STATS_WIDTH = 4
 """Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit)."""
 
 
-def new_stats_buffer(rows: int, v_local: int, device: torch.device) -> torch.Tensor:
+def new_stats_buffer(rows: int, device: torch.device) -> torch.Tensor:
     """``[rows + 1, 4]`` fp32 buffer for :func:`shard_statistics`.
 
     The extra last row carries this shard's vocabulary size through the same all-gather as the
     statistics, so the merge can check that every TP rank holds a shard of the same size without a
-    collective of its own (exact in fp32 up to 2**24 columns).
+    collective of its own. The statistics kernel writes it.
     """
-    stats = torch.empty(rows + 1, STATS_WIDTH, dtype=torch.float32, device=device)
-    stats[rows] = torch.tensor([float(v_local), 0.0, 0.0, 0.0])
-    return stats
+    return torch.empty(rows + 1, STATS_WIDTH, dtype=torch.float32, device=device)
 
 
 def shard_statistics(
     logits: torch.Tensor,  # [n, V_local], last dim contiguous
     target: torch.Tensor,  # [n] int64
-    out: torch.Tensor,  # [n, 4] fp32 view into a stats buffer
+    stats: torch.Tensor,  # [N + 1, 4] fp32 from new_stats_buffer(N)
     *,
+    row_start: int = 0,
     vocab_start: int,
     inv_temperature: float,
     with_entropy: bool,
 ) -> None:
-    """Write the per-row statistics of ``logits`` into ``out`` (one read of the logits)."""
+    """Write the statistics of ``logits`` into ``stats[row_start : row_start + n]`` (one read of the
+    logits) and the shard size into ``stats[N]``. Chunked callers pass their chunk's ``row_start``."""
     n, v_local = logits.shape
-    if n == 0:
-        return
     cfg = logprob_launch_config(v_local)
-    logprob_stats_kernel[(n,)](
-        logits, target, out,
-        v_local, vocab_start,
-        logits.stride(0), out.stride(0),
+    logprob_stats_kernel[(max(n, 1),)](
+        logits, target, stats,
+        n, row_start, stats.shape[0] - 1, v_local, vocab_start,
+        logits.stride(0), stats.stride(0),
         inv_temperature,
         HAS_ENTROPY=with_entropy,
         BLOCK_V=cfg.stats_block_v,

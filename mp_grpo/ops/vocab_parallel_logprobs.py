@@ -9,8 +9,8 @@ Forward
        for a group of size 1). Row N carries this shard's size, so shard sizes are checked without a
        collective of their own.
     3. ``logprob_merge_kernel``: merge the TP shards' statistics into log-prob, entropy and logZ
-       (as M and log S) per row; count bad targets and shard-size mismatches; one host read raises
-       a clear error.
+       (as M and log S) per row; count bad targets and shard-size mismatches (their outputs are
+       NaN); with ``check_inputs`` one host read of the counts raises a clear error.
     Saved for backward: the logits (not a copy), targets, M, log S and entropy — 20 bytes a row
     beyond the logits, no ``[N, V]`` fp32 buffer.
 
@@ -49,6 +49,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
         with_entropy: bool,
         ignore_index: int,
         inplace_backward: bool,
+        check_inputs: bool,
     ):
         ctx.set_materialize_grads(False)
         v_local = logits.shape[-1]
@@ -61,19 +62,18 @@ class VocabParallelLogProbs(torch.autograd.Function):
         vocab_start = group_rank(tp_group) * v_local
 
         # --- 1. statistics of this rank's shard (one read of the logits) ---
-        stats = new_stats_buffer(n, v_local, x.device)
-        shard_statistics(
-            x, t, stats[:n], vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy
-        )
+        stats = new_stats_buffer(n, x.device)
+        shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy)
 
         # --- 2. the one collective: all-gather of the [N + 1, 4] statistics ---
         gathered = all_gather_stacked(stats, tp_group)
 
         # --- 3. merge into log-prob, entropy, logZ = M + log S; raise on bad input ---
         merged = merge_statistics(gathered, t, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
-        raise_on_kernel_errors(
-            merged.errors, v_global=tp * v_local, ignore_index=ignore_index, shard_sizes=gathered[:, n, 0]
-        )
+        if check_inputs:
+            raise_on_kernel_errors(
+                merged.errors, v_global=tp * v_local, ignore_index=ignore_index, shard_sizes=gathered[:, n, 0]
+            )
 
         ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy)
         ctx.logits_shape = logits.shape
@@ -90,7 +90,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
         x, t, row_max, log_sum, entropy = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 7
+            return (None,) * 8
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(row_max)
         grad_logprobs = grad_logprobs.reshape(-1).float().contiguous()
@@ -103,18 +103,20 @@ class VocabParallelLogProbs(torch.autograd.Function):
             x, grad_x, t, row_max, log_sum, entropy if grad_entropy is not None else None, grad_logprobs, grad_entropy,
             vocab_start=ctx.vocab_start, ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature,
         )
-        return grad_x.view(ctx.logits_shape), None, None, None, None, None, None
+        return grad_x.view(ctx.logits_shape), None, None, None, None, None, None, None
 
 
 @overload
 def vocab_parallel_logprobs(
     logits: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ..., temperature: float = ...,
     with_entropy: Literal[False] = ..., ignore_index: int = ..., inplace_backward: bool = ...,
+    check_inputs: bool = ...,
 ) -> torch.Tensor: ...
 @overload
 def vocab_parallel_logprobs(
     logits: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ..., temperature: float = ...,
     with_entropy: Literal[True], ignore_index: int = ..., inplace_backward: bool = ...,
+    check_inputs: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -127,6 +129,7 @@ def vocab_parallel_logprobs(
     with_entropy: bool = False,
     ignore_index: int = -100,
     inplace_backward: bool = False,
+    check_inputs: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(logits / temperature)[target]`` over the whole vocabulary, shape ``target.shape``.
 
@@ -144,17 +147,23 @@ def vocab_parallel_logprobs(
         inplace_backward: write the gradient into the logits buffer, saving one ``[N, V_local]``
             allocation. The logits are overwritten during backward: use it only when nothing else
             reads them afterwards (for example the output of the model's last linear layer).
+        check_inputs: raise ``ValueError`` on a target outside ``[0, V_global)`` (other than
+            ``ignore_index``) or on shards of unequal size across ``tp_group``. This reads two
+            int32 counters on the host: one synchronization per call, which exposes the host's
+            launch overhead of the next operations (measured in ``docs/benchmarks/logprob.md``).
+            With ``False`` there is no synchronization, and bad input is still never silently
+            wrong: a bad target's log-prob is NaN, and unequal shards make every output NaN.
 
     Returns:
         fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``. The
         return type follows the literal value of ``with_entropy`` (see the overloads).
 
-    One all-gather of a ``[N + 1, 4]`` fp32 tensor per call, and one host read of two int32 error
-    counters (bad targets, unequal shards) — the only host synchronization.
+    One all-gather of a ``[N + 1, 4]`` fp32 tensor per call.
     """
     check_logits_and_target(logits, target)
     check_runs_here(logits, "logits")
     inv_temperature = check_temperature(temperature)
     return VocabParallelLogProbs.apply(
-        logits, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), bool(inplace_backward)
+        logits, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), bool(inplace_backward),
+        bool(check_inputs),
     )

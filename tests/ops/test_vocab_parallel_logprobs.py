@@ -172,3 +172,12 @@ def test_bad_input_errors():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="temperature"):
             vocab_parallel_logprobs(logits, target, temperature=bad)
+
+
+def test_unchecked_bad_targets_are_nan_not_wrong():
+    """check_inputs=False skips the host read, but a bad target still cannot pass as a number."""
+    logits, _ = _random_case((4,), 10, torch.float32, ignore_frac=0.0)
+    target = torch.tensor([0, 10, -100, -3])
+    lp = vocab_parallel_logprobs(logits, target, check_inputs=False)
+    assert torch.isnan(lp[[1, 3]]).all()
+    assert lp[2] == 0 and torch.isfinite(lp[0])

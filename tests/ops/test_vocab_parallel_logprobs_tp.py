@@ -102,6 +102,10 @@ def case_unequal_shards() -> None:
         assert "differ in size" in str(err) and "[10, 11]" in str(err), err
     else:
         raise AssertionError("unequal vocabulary shards were not detected")
+    lp, ent = vocab_parallel_logprobs(
+        shard, torch.zeros(4, dtype=torch.long), tp_group=dist.group.WORLD, with_entropy=True, check_inputs=False
+    )
+    assert torch.isnan(lp).all() and torch.isnan(ent).all(), "unchecked unequal shards must poison every output"
 
 
 def case_target_range_is_global() -> None:

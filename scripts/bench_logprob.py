@@ -1,0 +1,479 @@
+"""Benchmark: token log-probs from bf16 logits, mp_grpo vs. the libraries it replaces, side by side.
+
+Single GPU (default)::
+
+    python scripts/bench_logprob.py --out docs/benchmarks
+
+  For each V in --vocab (default 151936 and 18992, N = 16384): median forward and forward+backward
+  time (triton.testing.do_bench), extra peak memory (beyond the inputs and one gradient buffer) and
+  the fraction of the memory floor: forward must read the logits once, forward+backward must read
+  them twice and write a bf16 gradient once, at the copy bandwidth measured in the same run.
+  Baselines: torch log_softmax(fp32)+gather, megatron-core vocab_parallel_cross_entropy and
+  fused_vocab_parallel_cross_entropy, Liger-Kernel's LigerVocabParallelCEFunction and
+  triton_grpo_loss (each skipped, and said so, when its package is missing).
+
+Tensor parallel::
+
+    torchrun --nproc_per_node 2 scripts/bench_logprob.py --tp 2 --out docs/benchmarks
+
+  The global vocabulary split over the ranks (NCCL). A fixed number of iterations timed with CUDA
+  events after a barrier (do_bench would pick a different count on each rank): the statistics
+  kernel alone, the all-gather alone, the whole forward and forward+backward; megatron-core's
+  vocab_parallel_cross_entropy on the same shards for comparison.
+
+``--sweep`` times launch configurations of the kernels instead (used to pick
+``mp_grpo/kernels/launch_config.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mp_grpo.ops.logprob_launch as logprob_launch  # noqa: E402
+from mp_grpo import vocab_parallel_logprobs  # noqa: E402
+from mp_grpo.kernels import logprob_launch_config  # noqa: E402
+from tests.reference import logprobs_reference  # noqa: E402
+
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------- measurement helpers
+def median_ms(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    x = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x))
+    del x, y
+    return 2 * 2 * GiB / (ms * 1e-3)
+
+
+def extra_peak_bytes(fwd_bwd) -> int:
+    """Peak memory of one forward+backward beyond what was allocated before it (inputs + grad)."""
+    fwd_bwd()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+# ----------------------------------------------------------------------------- the cases
+def make_inputs(n: int, v: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    g = torch.randn(n, device="cuda", generator=gen)
+    return x, t, g
+
+
+def _fwd_and_fwd_bwd(x, f, *grads):
+    """(forward-only closure, forward+backward closure) for f() returning a tensor or a tuple."""
+
+    def fwd():
+        with torch.no_grad():
+            f()
+
+    def fwd_bwd():
+        x.grad = None
+        out = f()
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, grads[: len(outs)])
+
+    return fwd, fwd_bwd
+
+
+def cases(n: int, v: int):
+    """name -> builder returning (fwd, fwd_bwd); builders import their library lazily."""
+
+    def ours(with_entropy: bool, check_inputs: bool):
+        def build():
+            x, t, g = make_inputs(n, v)
+            g2 = torch.randn_like(g)
+            return _fwd_and_fwd_bwd(
+                x, lambda: vocab_parallel_logprobs(x, t, with_entropy=with_entropy, check_inputs=check_inputs), g, g2
+            )
+
+        return build
+
+    def torch_log_softmax():
+        x, t, g = make_inputs(n, v)
+        return _fwd_and_fwd_bwd(x, lambda: torch.log_softmax(x.float(), -1).gather(-1, t[:, None]).squeeze(-1), g)
+
+    def torch_with_entropy():
+        x, t, g = make_inputs(n, v)
+        g2 = torch.randn_like(g)
+
+        def f():
+            logp = torch.log_softmax(x.float(), -1)
+            return logp.gather(-1, t[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+        return _fwd_and_fwd_bwd(x, f, g, g2)
+
+    def megatron_ce():
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        x, t, g = make_inputs(n, v)
+        return _fwd_and_fwd_bwd(x, lambda: -vocab_parallel_cross_entropy(x.view(n, 1, v), t.view(n, 1)).view(n), g)
+
+    def megatron_fused_ce():
+        from megatron.core import parallel_state
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        x, t, g = make_inputs(n, v)
+        group = parallel_state.get_tensor_model_parallel_group()
+        return _fwd_and_fwd_bwd(
+            x, lambda: -fused_vocab_parallel_cross_entropy(x.view(n, 1, v), t.view(n, 1), group).view(n), g
+        )
+
+    def liger_vocab_parallel_ce():
+        from liger_kernel.ops.vocab_parallel_cross_entropy import LigerVocabParallelCEFunction
+
+        x, t, g = make_inputs(n, v)
+        return _fwd_and_fwd_bwd(
+            x,
+            lambda: -LigerVocabParallelCEFunction.apply(
+                x.view(n, 1, v), t.view(n, 1), None, -100, 0.0, "pytorch", "global"
+            ).view(n),
+            g,
+        )
+
+    def liger_grpo():
+        """Liger's single-pass GRPO kernel (logits -> loss, NOT tensor-parallel): [B, L + 1, V] logits."""
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        b = 8
+        length = n // b
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        x = (torch.randn(b, length + 1, v, device="cuda", generator=gen) * 3).to(torch.bfloat16).requires_grad_()
+        ids = torch.randint(0, v, (b, length), device="cuda", generator=gen)
+        old = -torch.rand(b, length, device="cuda", generator=gen) * 5
+        adv = torch.randn(b, device="cuda", generator=gen)
+        mask = torch.ones(b, length, device="cuda", dtype=torch.int32)
+        f = lambda: triton_grpo_loss(  # noqa: E731
+            x, old, None, ids, adv, mask, temperature=1.0, beta=0.0, inplace=False, reduce=True
+        )[0]
+        return _fwd_and_fwd_bwd(x, f, torch.ones((), device="cuda"))
+
+    return {
+        "mp_grpo vocab_parallel_logprobs": ours(False, False),
+        "mp_grpo vocab_parallel_logprobs +entropy": ours(True, False),
+        "mp_grpo vocab_parallel_logprobs check_inputs=True (1 host sync)": ours(False, True),
+        "torch log_softmax(fp32)+gather": torch_log_softmax,
+        "torch log_softmax(fp32)+gather +entropy": torch_with_entropy,
+        "megatron-core vocab_parallel_cross_entropy": megatron_ce,
+        "megatron-core fused_vocab_parallel_cross_entropy": megatron_fused_ce,
+        "Liger LigerVocabParallelCEFunction": liger_vocab_parallel_ce,
+        "Liger triton_grpo_loss (not TP-aware)": liger_grpo,
+    }
+
+
+def check_correctness(n: int = 512, v: int = 18992) -> float:
+    """Our kernel vs. the float64 reference at a small size, before timing anything."""
+    x, t, g = make_inputs(n, v, seed=5)
+    lp, ent = vocab_parallel_logprobs(x, t, with_entropy=True)
+    lp_ref, ent_ref = logprobs_reference(x.detach().cpu(), t.cpu())
+    return max((lp.cpu().double() - lp_ref).abs().max().item(), (ent.cpu().double() - ent_ref).abs().max().item())
+
+
+def run_single_gpu(args) -> dict:
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(1)
+    except ImportError:
+        print("megatron-core not installed: its cases are skipped")
+    err = check_correctness()
+    print(f"correctness at N=512, V=18992: max |diff| from float64 = {err:.2e}")
+    assert err < 1e-3, err
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.3f} TB/s")
+    rows = []
+    for v in args.vocab:
+        n = args.tokens
+        floor_fwd_ms = n * v * 2 / bw * 1e3
+        floor_fb_ms = 3 * n * v * 2 / bw * 1e3
+        grad_bytes = n * v * 2
+        for name, build in cases(n, v).items():
+            torch.cuda.empty_cache()
+            row = {"case": name, "N": n, "V": v}
+            try:
+                fwd, fwd_bwd = build()
+                extra = extra_peak_bytes(fwd_bwd)
+                row.update(
+                    fwd_ms=median_ms(fwd),
+                    fwd_bwd_ms=median_ms(fwd_bwd),
+                    extra_peak_GiB=extra / GiB,
+                    extra_peak_bytes_per_row=extra / n,
+                    grad_bytes=grad_bytes,
+                )
+                row["fwd_floor_frac"] = floor_fwd_ms / row["fwd_ms"]
+                row["fwd_bwd_floor_frac"] = floor_fb_ms / row["fwd_bwd_ms"]
+            except ImportError as err:
+                row["skipped"] = f"not installed: {err}"
+            except Exception as err:  # a baseline that fails is reported, not hidden
+                traceback.print_exc()
+                row["error"] = repr(err)[:300]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del build
+    return {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "tokens": args.tokens, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+def timed_ms(fn, iters: int, group) -> float:
+    """Median of per-iteration CUDA-event times, after a warm-up and a barrier; same count on all ranks."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def run_tensor_parallel(args) -> dict:
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    group = dist.group.WORLD
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(world)
+        group = parallel_state.get_tensor_model_parallel_group()
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    except ImportError:
+        vocab_parallel_cross_entropy = None
+    rows = []
+    for v in args.vocab:
+        n, v_local = args.tokens, v // world
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        full = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+        x = full[:, rank * v_local : (rank + 1) * v_local].contiguous().requires_grad_()
+        t = torch.randint(0, v_local * world, (n,), device="cuda", generator=gen)
+        g = torch.randn(n, device="cuda", generator=gen)
+        del full
+        stats = logprob_launch.new_stats_buffer(n, v_local, x.device)
+        gathered = torch.empty(world, n + 1, 4, device="cuda")
+
+        def stats_kernel():
+            logprob_launch.shard_statistics(
+                x.detach(), t, stats[:n], vocab_start=rank * v_local, inv_temperature=1.0, with_entropy=False
+            )
+
+        def all_gather():
+            dist.all_gather_into_tensor(gathered.view(-1, 4), stats, group=group)
+
+        def fwd():
+            with torch.no_grad():
+                vocab_parallel_logprobs(x, t, tp_group=group)
+
+        def fwd_bwd():
+            x.grad = None
+            vocab_parallel_logprobs(x, t, tp_group=group).backward(g)
+
+        row = {
+            "tp": world, "N": n, "V": v, "V_local": v_local,
+            "stats_kernel_ms": timed_ms(stats_kernel, args.iters, group),
+            "all_gather_ms": timed_ms(all_gather, args.iters, group),
+            "fwd_ms": timed_ms(fwd, args.iters, group),
+            "fwd_bwd_ms": timed_ms(fwd_bwd, args.iters, group),
+        }
+        row["all_gather_frac_of_fwd"] = row["all_gather_ms"] / row["fwd_ms"]
+        if vocab_parallel_cross_entropy is not None:
+            x.grad = None
+
+            def mc_fwd():
+                with torch.no_grad():
+                    vocab_parallel_cross_entropy(x.view(n, 1, v_local), t.view(n, 1))
+
+            def mc_fwd_bwd():
+                x.grad = None
+                (-vocab_parallel_cross_entropy(x.view(n, 1, v_local), t.view(n, 1))).view(n).backward(g)
+
+            row["megatron_ce_fwd_ms"] = timed_ms(mc_fwd, args.iters, group)
+            row["megatron_ce_fwd_bwd_ms"] = timed_ms(mc_fwd_bwd, args.iters, group)
+        all_rows = [None] * world
+        dist.all_gather_object(all_rows, row)
+        if rank == 0:
+            for r in all_rows:
+                print(json.dumps(r), flush=True)
+            rows.append({"per_rank": all_rows})
+        del x, stats, gathered
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "tp": world, "tokens": args.tokens, "iters": args.iters, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- launch-config sweep
+def run_sweep(args) -> dict:
+    """Time each kernel alone under several (BLOCK_V, num_warps), and the whole forward with each."""
+    rows = []
+    bw = copy_bandwidth()
+    configs = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
+    for v in args.vocab:
+        n = args.tokens
+        x, t, g = make_inputs(n, v)
+        stats = logprob_launch.new_stats_buffer(n, v, x.device)
+        base = logprob_launch_config(v)
+        lp = vocab_parallel_logprobs(x, t)
+        for block, warps in configs:
+            for part in ("stats", "stats+entropy", "forward", "backward"):
+                field = ("backward_block_v", "backward_warps") if part == "backward" else ("stats_block_v", "stats_warps")
+                cfg = replace(base, **{field[0]: block, field[1]: warps})
+                logprob_launch.logprob_launch_config = lambda _v, cfg=cfg: cfg
+                try:
+                    if part.startswith("stats"):
+                        fn = lambda ent=part.endswith("entropy"): logprob_launch.shard_statistics(  # noqa: E731
+                            x.detach(), t, stats[:n], vocab_start=0, inv_temperature=1.0, with_entropy=ent
+                        )
+                        bytes_moved = n * v * 2
+                    elif part == "forward":
+                        fn = lambda: vocab_parallel_logprobs(x.detach(), t)  # noqa: E731
+                        bytes_moved = n * v * 2
+                    else:
+                        def fn():
+                            x.grad = None
+                            torch.autograd.backward(lp, g, retain_graph=True)
+
+                        bytes_moved = 2 * n * v * 2
+                    ms = median_ms(fn)
+                    row = {"V": v, "part": part, "block_v": block, "warps": warps, "ms": ms,
+                           "floor_frac": bytes_moved / bw * 1e3 / ms}
+                except Exception as err:
+                    row = {"V": v, "part": part, "block_v": block, "warps": warps, "error": repr(err)[:200]}
+                finally:
+                    logprob_launch.logprob_launch_config = logprob_launch_config
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        del x, stats, lp
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- reports
+def write_single_gpu_report(result: dict, out: Path) -> None:
+    (out / "logprob.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        f"# Token log-probs from bf16 logits — {result['device']}",
+        "",
+        f"N = {result['tokens']} tokens; copy bandwidth measured in the same run: {result['copy_TBps']:.2f} TB/s. "
+        "Floor: forward reads the logits once; forward+backward reads them twice and writes the bf16 gradient "
+        "once. Extra peak: memory beyond the inputs and one gradient buffer. mp_grpo rows run with "
+        "`check_inputs=False` (no host synchronization) unless the row says otherwise. Command: "
+        "`python scripts/bench_logprob.py --out docs/benchmarks`.",
+        "",
+        "| implementation | V | fwd ms | fwd+bwd ms | extra peak | % of floor fwd / fwd+bwd |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "fwd_ms" in r:
+            extra = f"{r['extra_peak_GiB']:.2f} GiB" if r["extra_peak_GiB"] >= 0.01 else f"{r['extra_peak_bytes_per_row']:.0f} B/row"
+            lines.append(
+                f"| {r['case']} | {r['V']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {extra} | "
+                f"{100 * r['fwd_floor_frac']:.0f} / {100 * r['fwd_bwd_floor_frac']:.0f} |"
+            )
+        else:
+            lines.append(f"| {r['case']} | {r['V']} | — | — | — | {r.get('skipped') or r.get('error')} |")
+    (out / "logprob.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot_single_gpu(result, out / "logprob.png")
+
+
+def plot_single_gpu(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vocabs = sorted({r["V"] for r in result["rows"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(vocabs), figsize=(7 * len(vocabs), 4.5))
+    axes = [axes] if len(vocabs) == 1 else axes
+    for ax, v in zip(axes, vocabs):
+        rows = [r for r in result["rows"] if r["V"] == v and "fwd_ms" in r]
+        names = [r["case"].replace("vocab_parallel", "vp").replace("mp_grpo ", "mp_grpo\n") for r in rows]
+        ax.barh(names, [r["fwd_bwd_ms"] for r in rows], color=["tab:green" if "mp_grpo" in r["case"] else "tab:gray" for r in rows])
+        floor = 3 * result["tokens"] * v * 2 / (result["copy_TBps"] * 1e12) * 1e3
+        ax.axvline(floor, color="tab:red", linestyle="--", label=f"memory floor {floor:.2f} ms")
+        ax.set_xlabel("forward + backward, median ms")
+        ax.set_title(f"N = {result['tokens']}, V = {v}, bf16 ({result['device']})")
+        ax.invert_yaxis()
+        ax.legend(loc="lower right")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_tp_report(result: dict, out: Path) -> None:
+    tp = result["tp"]
+    (out / f"logprob_tp{tp}.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        f"# Tensor-parallel log-probs, TP = {tp} — {result['device']}",
+        "",
+        f"N = {result['tokens']}, bf16, the global vocabulary split over {tp} ranks (NCCL). Median of {result['iters']} "
+        "iterations timed with CUDA events after a barrier, per rank. Command: "
+        f"`torchrun --nproc_per_node {tp} scripts/bench_logprob.py --tp {tp} --out docs/benchmarks`.",
+        "",
+        "| V | V_local | rank | stats kernel ms | all-gather ms | fwd ms | all-gather / fwd | fwd+bwd ms | megatron-core CE fwd / fwd+bwd ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in result["rows"]:
+        for rank, r in enumerate(entry["per_rank"]):
+            mc = f"{r['megatron_ce_fwd_ms']:.3f} / {r['megatron_ce_fwd_bwd_ms']:.3f}" if "megatron_ce_fwd_ms" in r else "—"
+            lines.append(
+                f"| {r['V']} | {r['V_local']} | {rank} | {r['stats_kernel_ms']:.3f} | {r['all_gather_ms']:.3f} | "
+                f"{r['fwd_ms']:.3f} | {100 * r['all_gather_frac_of_fwd']:.1f} % | {r['fwd_bwd_ms']:.3f} | {mc} |"
+            )
+    (out / f"logprob_tp{tp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        result = run_sweep(args)
+        (args.out / "logprob_sweep.json").write_text(json.dumps(result, indent=1))
+    elif args.tp > 1:
+        result = run_tensor_parallel(args)
+        if dist.get_rank() == 0:
+            write_tp_report(result, args.out)
+    else:
+        write_single_gpu_report(run_single_gpu(args), args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
