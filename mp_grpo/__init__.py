@@ -2,12 +2,26 @@
 
 - :func:`vocab_parallel_logprobs`: exact token log-probs (and entropy) from a vocabulary sharded
   over tensor-parallel ranks, one Triton pass forward and one backward, one small collective.
+- :func:`fused_linear_logprobs`: the same from the hidden states and the output-layer weight shard,
+  chunk by chunk, never holding the whole logits.
+- :class:`GRPOLoss`, :class:`GlobalBatch`, :func:`reduce_metrics`, :class:`LossConfig`, :func:`load_config`:
+  the GRPO-family loss with every correction, normalized by the step's explicit global account
+  (``docs/loss.md``); :class:`PaddedSequences` / :class:`PackedSequences` for padded, packed and
+  context-parallel sequences.
 """
 
 # First, before anything imports triton: on a machine without a GPU this selects Triton's
 # interpreter (see mp_grpo/kernels/__init__.py).
 import mp_grpo.kernels  # noqa: F401  isort: skip
 
-from mp_grpo.ops import vocab_parallel_logprobs
+from mp_grpo.ops import fused_linear_logprobs, vocab_parallel_logprobs
 
-__all__ = ["vocab_parallel_logprobs"]
+# The GRPO-family loss layer (plain torch) and its typed config (omegaconf is only needed by load_config).
+from mp_grpo.config import LossConfig, load_config  # noqa: E402  isort: skip
+from mp_grpo.loss import (  # noqa: E402  isort: skip
+    GlobalBatch, GRPOLoss, PackedSequences, PaddedSequences, SequenceLayout, reduce_metrics,
+)
+
+__all__ = ["fused_linear_logprobs", "vocab_parallel_logprobs"]
+__all__ += ["GRPOLoss", "GlobalBatch", "LossConfig", "PackedSequences", "PaddedSequences", "SequenceLayout",
+            "load_config", "reduce_metrics"]

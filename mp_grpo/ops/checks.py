@@ -62,3 +62,59 @@ def raise_on_kernel_errors(errors: torch.Tensor, *, v_global: int, ignore_index:
         raise ValueError(
             f"target has {bad_targets} token id(s) outside [0, {v_global}) that are not ignore_index ({ignore_index})"
         )
+
+
+def check_hidden_weight_and_target(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> None:
+    """``hidden`` ``[..., H]`` and ``weight`` ``[V_local, H]`` of one float dtype and device; ``target`` ``[...]``."""
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{name} must be a float32, bfloat16 or float16 tensor, got {got}")
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise ValueError(f"hidden must have a non-empty last (hidden-size) dimension, got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[0] == 0:
+        raise ValueError(
+            f"weight must be a 2-D [V_local, H] tensor (Megatron's output-layer layout) with V_local > 0, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} is [V_local, H] with H = {weight.shape[1]}, but hidden's last "
+            f"dimension is {hidden.shape[-1]} (hidden shape {tuple(hidden.shape)})"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype} (the output layer runs in one dtype)"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    check_target(target, expected_shape=hidden.shape[:-1], device=hidden.device, expected_from="hidden.shape[:-1]")
+
+
+def check_chunk_size(value: int | None, name: str) -> int | None:
+    """``None`` (automatic) or a positive Python int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+    return value
+
+
+def check_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``weight.main_grad`` gradient buffer, checked: same shape as ``weight``, fp32 or weight's dtype."""
+    main_grad = getattr(weight, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor):
+        raise ValueError(
+            "accumulate_into_main_grad=True needs weight.main_grad (the gradient buffer Megatron's "
+            "DistributedDataParallel attaches to every parameter); weight has none"
+        )
+    if main_grad.shape != weight.shape or main_grad.device != weight.device:
+        raise ValueError(
+            f"weight.main_grad must match weight's shape {tuple(weight.shape)} and device {weight.device}, got "
+            f"{tuple(main_grad.shape)} on {main_grad.device}"
+        )
+    if main_grad.dtype not in (torch.float32, weight.dtype):
+        raise TypeError(f"weight.main_grad must be float32 or weight's dtype {weight.dtype}, got {main_grad.dtype}")
+    if not main_grad.is_contiguous():
+        raise ValueError("weight.main_grad must be contiguous (its row blocks are written in place)")
+    return main_grad

@@ -56,7 +56,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
         x = logits.reshape(-1, v_local)  # a view whenever the leading dims allow one
         if x.stride(-1) != 1:
             x = x.contiguous()
-        t = target.reshape(-1).to(torch.int64)
+        t = target.reshape(-1).to(torch.int64).contiguous()  # the kernels read targets densely
         n = x.shape[0]
         tp = group_size(tp_group)
         vocab_start = group_rank(tp_group) * v_local

@@ -119,6 +119,8 @@ def test_non_contiguous_inputs():
         (base[:, :, 5:70], target.clamp(max=64)),  # a slice of the vocabulary dim: row stride != V
         (base.transpose(-1, -2).contiguous().transpose(-1, -2), target),  # last dim not contiguous
         (base[::2], target[::2]),
+        (base[0, ::2], target[0, ::2]),  # a strided 1-D target (reshape keeps it a strided view)
+        (base[0], target[:, 0].contiguous()[:5]),
     ]:
         _check_against_reference(logits, tgt)
 

@@ -1,0 +1,44 @@
+"""Typed configuration: dataclass schemas loaded through OmegaConf, validated at load time.
+
+- :mod:`mp_grpo.config.loss`: :class:`LossConfig` and its sections and enums (plain dataclasses).
+- :mod:`mp_grpo.config.loading`: :func:`load_config` (any dataclass schema; LossConfig by default),
+  :func:`preset_path`. omegaconf is imported on the first call, so the loss runs where it is not
+  installed (the dataclasses can be built directly, with the same checks).
+"""
+
+from mp_grpo.config.loading import PRESETS_DIR, load_config, preset_path
+
+from mp_grpo.config.loss import (
+    Aggregation,
+    AggregationConfig,
+    ConfigError,
+    EntropyConfig,
+    KLConfig,
+    KLEstimator,
+    LossConfig,
+    MismatchConfig,
+    Objective,
+    OPSMConfig,
+    PolicyConfig,
+    RatioLevel,
+    RolloutCorrectionConfig,
+)
+
+__all__ = [
+    "PRESETS_DIR",
+    "Aggregation",
+    "AggregationConfig",
+    "ConfigError",
+    "EntropyConfig",
+    "KLConfig",
+    "KLEstimator",
+    "LossConfig",
+    "MismatchConfig",
+    "OPSMConfig",
+    "Objective",
+    "PolicyConfig",
+    "RatioLevel",
+    "RolloutCorrectionConfig",
+    "load_config",
+    "preset_path",
+]

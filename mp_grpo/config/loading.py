@@ -1,0 +1,225 @@
+"""Load a typed config from YAML, a dict or a DictConfig, with dotlist overrides.
+
+Schedule of :func:`load_config`
+    1. Read the source (a YAML path, a mapping or a DictConfig); with ``section``, keep that top-level key.
+    2. Merge it and the overrides onto ``OmegaConf.structured(schema)``: unknown keys, wrong types and bad
+       enum values fail here.
+    3. Build the dataclasses (``OmegaConf.to_object``), which runs every section's value checks and the
+       cross-section checks.
+Every failure is a :class:`~mp_grpo.config.loss.ConfigError` naming the key and what is allowed.
+
+omegaconf is imported inside the functions, so importing mp_grpo never needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from mp_grpo.config.loss import ConfigError, LossConfig
+
+if typing.TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+T = TypeVar("T")
+
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
+"""The preset YAML files of a source checkout (``configs/presets``)."""
+
+
+def preset_path(name: str) -> Path:
+    """Path of the preset ``configs/presets/<name>.yaml``; the error lists the presets there."""
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+        raise ConfigError(f"preset: no preset named {name!r} in {PRESETS_DIR}; allowed: {' | '.join(known)}")
+    return path
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | DictConfig | None,
+    overrides: Sequence[str] | None = None,
+    *,
+    schema: type[T] = LossConfig,  # type: ignore[assignment]
+    section: str | None = None,
+) -> T:
+    """A validated ``schema`` instance (default :class:`LossConfig`) from ``source`` and ``overrides``.
+
+    Args:
+        source: a YAML file path, a mapping or a DictConfig holding the keys of ``schema`` (missing keys keep
+            their defaults); ``None`` means the defaults.
+        overrides: dotlist strings applied after the source, e.g. ``["policy.eps_high=0.28", "kl.coef=0.001"]``.
+        schema: the dataclass to load: :class:`LossConfig`, or a job config that nests it next to other sections.
+        section: take only this top-level key of the source (e.g. the ``loss`` section of a job YAML).
+    """
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not dataclasses.is_dataclass(schema) or not isinstance(schema, type):
+        raise TypeError(f"schema must be a dataclass type, got {schema!r}")
+    # --- 1. read the source ---
+    loaded = _read_source(source)
+    if section is not None:
+        if section not in loaded:
+            raise ConfigError(f"{section}: no such top-level section in the source; allowed: {' | '.join(map(str, loaded))}")
+        loaded = loaded[section]
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"{section}: must be a mapping of keys, got {type(loaded).__name__}")
+    if overrides is not None and (isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides)):
+        raise TypeError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
+    _check_sections(loaded, schema, "")
+    # --- 2. merge onto the structured schema: unknown keys, types and enum values fail here ---
+    try:
+        merged = OmegaConf.merge(_structured(schema), loaded, OmegaConf.from_dotlist(list(overrides or [])))
+        # --- 3. build the dataclasses: runs every value and combination check ---
+        obj = OmegaConf.to_object(merged)
+    except ConfigError as exc:
+        raise _with_full_key(exc, merged) from None
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, schema) from exc
+    return obj  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=None)
+def _structured(schema: type) -> DictConfig:
+    """The schema's structured DictConfig, built once per schema (merging never modifies its inputs)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(schema)
+
+
+def _read_source(source: str | Path | Mapping[str, Any] | DictConfig | None) -> DictConfig:
+    from omegaconf import DictConfig, OmegaConf
+
+    if source is None:
+        return OmegaConf.create({})
+    if isinstance(source, DictConfig):
+        return source
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"source: no config file at {path}")
+        loaded = OmegaConf.load(path)
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"source: {path} must hold a mapping of sections, got a list")
+        return loaded
+    if isinstance(source, Mapping):
+        return OmegaConf.create(dict(source))
+    raise TypeError(f"source must be a YAML path, a mapping or a DictConfig, got {type(source).__name__}")
+
+
+def _with_full_key(exc: ConfigError, merged: DictConfig) -> ConfigError:
+    """The error of a value check, with its key prefixed by where the failing section sits in ``merged``.
+
+    A section's check names its key from the section (``policy.delta``); inside a job config that section
+    may sit deeper (``loss.policy``), so the deepest node whose construction fails gives the prefix.
+    """
+    path = _failing_node(merged, [])
+    if not path:
+        return exc
+    key = str(exc).split(":", 1)[0]
+    prefix = path[:-1] if key.split(".", 1)[0] == path[-1] else path
+    return ConfigError(".".join(prefix + [str(exc)])) if prefix else exc
+
+
+def _failing_node(node: DictConfig, path: list[str]) -> list[str] | None:
+    from omegaconf import DictConfig, OmegaConf
+
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            found = _failing_node(child, path + [str(key)])
+            if found is not None:
+                return found
+    try:
+        OmegaConf.to_object(node)
+    except ConfigError:
+        return path
+    return None
+
+
+def _check_sections(loaded: DictConfig, schema: type, prefix: str) -> None:
+    """A section of the schema must be given as a mapping (OmegaConf's own error would not name it)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    hints = _field_types(schema)
+    for key in loaded:
+        inner = _strip_optional(hints.get(str(key)))
+        if not dataclasses.is_dataclass(inner):
+            continue
+        value = loaded._get_node(key)  # the raw node: no interpolation is resolved here
+        if isinstance(value, DictConfig):
+            _check_sections(value, inner, f"{prefix}{key}.")  # type: ignore[arg-type]
+        elif not OmegaConf.is_missing(loaded, key) and loaded[key] is not None:
+            raise ConfigError(f"{prefix}{key}: must be a mapping, got {loaded[key]!r}; allowed: {_describe(inner)}")
+
+
+def _explain(exc: Exception, schema: type) -> ConfigError:
+    """Turn an OmegaConf error into a ConfigError naming the full key and the allowed values."""
+    from omegaconf.errors import ConfigKeyError
+
+    full_key = str(getattr(exc, "full_key", "") or "")
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    parent, leaf = _resolve(schema, full_key.split(".") if full_key else [])
+    if isinstance(exc, ConfigKeyError) or leaf is None:
+        keys = [f.name for f in dataclasses.fields(parent)] if parent is not None else []
+        return ConfigError(f"{full_key or '<root>'}: {message}; allowed keys: {' | '.join(keys)}")
+    if isinstance(_strip_optional(leaf), type) and issubclass(_strip_optional(leaf), Enum):
+        message = message.split(", expected")[0]  # OmegaConf lists the member names; we list the values
+    return ConfigError(f"{full_key}: {message}; allowed: {_describe(leaf)}")
+
+
+def _resolve(schema: type, path: list[str]) -> tuple[type | None, Any]:
+    """(dataclass holding the last key, type of that key) — (holder, None) when the key is unknown."""
+    holder: type | None = schema
+    annotation: Any = schema
+    for name in path:
+        if holder is None or not dataclasses.is_dataclass(holder):
+            return holder, None
+        hints = _field_types(holder)
+        if name not in hints:
+            return holder, None
+        annotation = hints[name]
+        inner = _strip_optional(annotation)
+        if dataclasses.is_dataclass(inner) and name != path[-1]:
+            holder = inner  # type: ignore[assignment]
+    return holder, annotation
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """Field name → type of a dataclass; a field whose annotation cannot be resolved falls back to the type of
+    its default (its default factory for a section)."""
+    try:
+        return typing.get_type_hints(cls)
+    except NameError:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                out[f.name] = f.default_factory  # type: ignore[misc]
+            else:
+                out[f.name] = f.type if isinstance(f.type, type) else type(f.default)
+        return out
+
+
+def _strip_optional(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _describe(annotation: Any) -> str:
+    nullable = type(None) in typing.get_args(annotation)
+    inner = _strip_optional(annotation)
+    prefix = "null | " if nullable else ""
+    if isinstance(inner, type) and issubclass(inner, Enum):
+        return prefix + " | ".join(str(m.value) for m in inner)
+    if dataclasses.is_dataclass(inner):
+        return "a mapping with keys " + " | ".join(f.name for f in dataclasses.fields(inner))
+    return prefix + getattr(inner, "__name__", str(inner))

@@ -1,0 +1,343 @@
+"""Typed schema of the GRPO-family loss: one dataclass per section, enums for every mode.
+
+Loaded through :func:`mp_grpo.config.load_config` (``OmegaConf.structured``), so an unknown key, a wrong
+type or a bad enum value fails at load time. Each section validates its own values in ``__post_init__``
+and :class:`LossConfig` validates the combinations across sections; every error is a
+:class:`ConfigError` that names the key and the allowed values. Constructing the dataclasses directly in
+Python runs the same checks.
+
+The meaning of every key, its default and the paper or framework it comes from are listed in
+``docs/loss.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value or combination; the message names the key and the allowed values."""
+
+
+class Objective(str, Enum):
+    """The per-token policy-gradient surrogate (``policy.objective``)."""
+
+    PPO_CLIP = "ppo_clip"
+    """PPO / GRPO clipped ratio objective (with optional INTELLECT-2 ``delta`` and dual clip)."""
+    CISPO = "cispo"
+    """MiniMax-M1: stop-gradient of the clipped ratio times ``A · log π``."""
+    SAPO = "sapo"
+    """Soft Adaptive Policy Optimization: a sigmoid gate instead of a hard clip."""
+    GSPO = "gspo"
+    """Group Sequence Policy Optimization: the PPO clip on the per-sequence geometric-mean ratio."""
+    GMPO = "gmpo"
+    """Geometric-Mean Policy Optimization: the geometric mean of per-token clipped ratios."""
+    REINFORCE = "reinforce"
+    """Plain policy gradient ``−A · log π`` (no ratio)."""
+
+
+class Aggregation(str, Enum):
+    """How per-token terms become the step objective (``aggregation.mode``)."""
+
+    TOKEN_MEAN = "token_mean"
+    """Σ over valid tokens / global valid tokens (DAPO, TRL ``dapo``/``bnpo`` global, verl ``token-mean``)."""
+    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
+    """Σ over sequences of (Σ over its tokens / its length) / global sequences (GRPO paper, TRL ``grpo``)."""
+    SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"
+    """Σ over valid tokens / global sequences (verl ``seq-mean-token-sum``)."""
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
+    """Σ over valid tokens / (global sequences · ``norm_constant``) (Dr. GRPO, TRL ``dr_grpo``)."""
+
+
+class RatioLevel(str, Enum):
+    """Where the rollout-correction ratio old/rollout is taken (``rollout_correction.*_level``)."""
+
+    TOKEN = "token"
+    """Per token: ``exp(d_t)``."""
+    SEQUENCE = "sequence"
+    """Per sequence: ``exp(Σ_t d_t)`` (the product of the token ratios), broadcast to its tokens."""
+    GEOMETRIC = "geometric"
+    """Per sequence: ``exp(mean_t d_t)`` (the geometric mean of the token ratios), broadcast."""
+
+
+class KLEstimator(str, Enum):
+    """Schulman's estimators of KL(π_θ ‖ π_ref) from ``x = log π_ref − log π_θ`` (``kl.estimator``)."""
+
+    K1 = "k1"
+    """``−x``."""
+    K2 = "k2"
+    """``x² / 2``."""
+    K3 = "k3"
+    """``eˣ − x − 1`` (GRPO, verl ``low_var_kl``, NeMo-RL ``k3``)."""
+
+
+def _allowed(enum: type[Enum], nullable: bool = False) -> str:
+    values = [m.value for m in enum]  # type: ignore[attr-defined]
+    return ("null | " if nullable else "") + " | ".join(values)
+
+
+def _require(ok: bool, key: str, problem: str, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}; allowed: {allowed}")
+
+
+def _check_float(key: str, value: float | None, *, nullable: bool, low: float | None = None,
+                 low_inclusive: bool = True, high: float | None = None, high_inclusive: bool = True) -> None:
+    """Range check of one float key; the error spells the allowed interval."""
+    lo = "" if low is None else f"{low} {'≤' if low_inclusive else '<'} "
+    hi = "" if high is None else f" {'≤' if high_inclusive else '<'} {high}"
+    allowed = ("null or " if nullable else "") + (f"a float with {lo}x{hi}" if lo or hi else "a finite float")
+    if value is None:
+        _require(nullable, key, "must not be null", allowed)
+        return
+    ok = math.isfinite(value)
+    if low is not None:
+        ok = ok and (value >= low if low_inclusive else value > low)
+    if high is not None:
+        ok = ok and (value <= high if high_inclusive else value < high)
+    _require(ok, key, f"got {value}", allowed)
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class PolicyConfig:
+    """``policy``: the surrogate objective and its clipping."""
+
+    objective: Objective = Objective.PPO_CLIP
+    """Per-token surrogate: ppo_clip | cispo | sapo | gspo | gmpo | reinforce."""
+    eps_low: float | None = 0.2
+    """Ratio lower bound is ``1 − eps_low`` (ppo_clip, gspo, cispo); for gmpo the log-ratio lower bound is
+    ``−eps_low`` (GMPO clips in log space). null = unbounded below."""
+    eps_high: float | None = 0.2
+    """Ratio upper bound is ``1 + eps_high`` (ppo_clip, gspo, cispo); for gmpo the log-ratio upper bound is
+    ``eps_high``. null = unbounded above. DAPO's clip-higher uses 0.28; TRL's CISPO cap 5.0 is eps_high = 4.0."""
+    delta: float | None = None
+    """INTELLECT-2 two-sided clipping: the unclipped ratio is capped at ``delta`` (> 1). ppo_clip and gspo only."""
+    dual_clip_c: float | None = None
+    """Dual clip (Ye et al. 2019): where A < 0 the term is at most ``−A · c`` (c > 1; verl uses 3.0).
+    ppo_clip and gspo only."""
+    sapo_tau_pos: float = 1.0
+    """SAPO gate temperature for tokens with A > 0."""
+    sapo_tau_neg: float = 1.05
+    """SAPO gate temperature for tokens with A ≤ 0."""
+    log_ratio_clamp: float | None = 20.0
+    """Bound on |log-ratio| before every ``exp`` (policy ratio, rollout-correction ratios, mismatch
+    metrics): e^20 ≈ 4.9e8 stays finite in fp32 even squared (χ²). 20 is NeMo-RL's and verl's bound.
+    null disables it (an overflow to inf then becomes possible)."""
+
+    def __post_init__(self) -> None:
+        gmpo = self.objective == Objective.GMPO
+        _check_float("policy.eps_low", self.eps_low, nullable=True, low=0.0, high=None if gmpo else 1.0)
+        _check_float("policy.eps_high", self.eps_high, nullable=True, low=0.0)
+        clip_family = (Objective.PPO_CLIP, Objective.GSPO)
+        names = "ppo_clip | gspo"
+        if self.delta is not None:
+            _require(self.objective in clip_family, "policy.delta",
+                     f"is only used by objective {names}, not {self.objective.value}", f"null with {self.objective.value}")
+            _check_float("policy.delta", self.delta, nullable=True, low=1.0, low_inclusive=False)
+        if self.dual_clip_c is not None:
+            _require(self.objective in clip_family, "policy.dual_clip_c",
+                     f"is only used by objective {names}, not {self.objective.value}", f"null with {self.objective.value}")
+            _check_float("policy.dual_clip_c", self.dual_clip_c, nullable=True, low=1.0, low_inclusive=False)
+        _check_float("policy.sapo_tau_pos", self.sapo_tau_pos, nullable=False, low=0.0, low_inclusive=False)
+        _check_float("policy.sapo_tau_neg", self.sapo_tau_neg, nullable=False, low=0.0, low_inclusive=False)
+        _check_float("policy.log_ratio_clamp", self.log_ratio_clamp, nullable=True, low=0.0, low_inclusive=False)
+
+
+@dataclass
+class AggregationConfig:
+    """``aggregation``: how the per-token terms of the whole step become one number."""
+
+    mode: Aggregation = Aggregation.TOKEN_MEAN
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm."""
+    norm_constant: float | None = None
+    """Per-sequence divisor of seq_mean_token_sum_norm (Dr. GRPO: the maximum completion length); required by
+    that mode and only allowed with it."""
+    count_empty_sequences: bool = False
+    """Count every sequence (row / packed segment) in the global sequence count, also those without a valid
+    token, as TRL and verl do; by default only sequences with at least one valid token count."""
+
+    def __post_init__(self) -> None:
+        if self.mode == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+            _check_float("aggregation.norm_constant", self.norm_constant, nullable=False, low=0.0, low_inclusive=False)
+        else:
+            _require(self.norm_constant is None, "aggregation.norm_constant",
+                     f"is only used by mode seq_mean_token_sum_norm, not {self.mode.value}",
+                     f"null with mode {self.mode.value}")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """``rollout_correction``: importance sampling from the rollout engine's policy to the trainer's old policy.
+
+    ``d = old − rollout`` per token (clamped by ``policy.log_ratio_clamp``); the ratio at a level is
+    ``exp(d)`` (token), ``exp(Σ d)`` (sequence) or ``exp(mean d)`` (geometric).
+    """
+
+    weight_level: RatioLevel | None = None
+    """Level of the IS weight that multiplies the policy term (TIS): null | token | sequence | geometric."""
+    weight_min: float | None = None
+    """Lower truncation of the weight; null = none."""
+    weight_max: float | None = None
+    """Upper truncation of the weight (TIS cap); null = none."""
+    reject_level: RatioLevel | None = None
+    """Level of the rejection mask (MIS / IcePop / geometric sequence masking): null | token | sequence | geometric."""
+    reject_min: float | None = None
+    """Reject where the ratio at ``reject_level`` is below this; null = no lower bound."""
+    reject_max: float | None = None
+    """Reject where the ratio at ``reject_level`` is above this; null = no upper bound."""
+    normalize_weights: bool = False
+    """Rescale the truncated weights to mean 1 over the global batch (valid tokens at token level, valid
+    sequences at sequence / geometric level), as verl's ``rollout_is_batch_normalize``."""
+    bypass: bool = False
+    """Take the rollout log-probs as the old policy (no trainer recompute). The correction ratio then is
+    stopgrad(log π_θ) − rollout (verl's bypass mode)."""
+
+    def __post_init__(self) -> None:
+        key = "rollout_correction"
+        if self.weight_level is None:
+            for name in ("weight_min", "weight_max"):
+                _require(getattr(self, name) is None, f"{key}.{name}", "has no effect without weight_level",
+                         "null, or set weight_level to " + _allowed(RatioLevel))
+            _require(not self.normalize_weights, f"{key}.normalize_weights", "has no effect without weight_level",
+                     "false, or set weight_level to " + _allowed(RatioLevel))
+        _check_float(f"{key}.weight_min", self.weight_min, nullable=True, low=0.0)
+        _check_float(f"{key}.weight_max", self.weight_max, nullable=True, low=0.0, low_inclusive=False)
+        if self.weight_min is not None and self.weight_max is not None:
+            _require(self.weight_min <= self.weight_max, f"{key}.weight_min",
+                     f"{self.weight_min} exceeds weight_max {self.weight_max}", "weight_min ≤ weight_max")
+        if self.reject_level is None:
+            for name in ("reject_min", "reject_max"):
+                _require(getattr(self, name) is None, f"{key}.{name}", "has no effect without reject_level",
+                         "null, or set reject_level to " + _allowed(RatioLevel))
+        else:
+            _require(self.reject_min is not None or self.reject_max is not None, f"{key}.reject_level",
+                     f"is {self.reject_level.value} but neither reject_min nor reject_max is set",
+                     "at least one of reject_min / reject_max")
+        _check_float(f"{key}.reject_min", self.reject_min, nullable=True, low=0.0)
+        _check_float(f"{key}.reject_max", self.reject_max, nullable=True, low=0.0, low_inclusive=False)
+        if self.reject_min is not None and self.reject_max is not None:
+            _require(self.reject_min <= self.reject_max, f"{key}.reject_min",
+                     f"{self.reject_min} exceeds reject_max {self.reject_max}", "reject_min ≤ reject_max")
+        if self.bypass:
+            _require(not self.normalize_weights, f"{key}.normalize_weights",
+                     "needs the weights before the step, but with bypass they depend on the current policy",
+                     "false with bypass = true")
+
+
+@dataclass
+class OPSMConfig:
+    """``opsm``: DeepSeek-V3.2 off-policy sequence masking."""
+
+    delta: float | None = None
+    """Zero the policy term of a sequence with A < 0 whose mean over valid tokens of
+    (rollout − stopgrad(log π_θ)) exceeds delta (old instead of rollout when no rollout log-probs are given).
+    null = off. TRL suggests 0.5 as a starting point."""
+
+    def __post_init__(self) -> None:
+        _check_float("opsm.delta", self.delta, nullable=True, low=0.0)
+
+
+@dataclass
+class KLConfig:
+    """``kl``: penalty towards the reference policy, added on every valid token."""
+
+    coef: float = 0.0
+    """β; 0 disables the penalty (the KL is still reported as a metric when ref log-probs are given)."""
+    estimator: KLEstimator = KLEstimator.K3
+    """k1 | k2 | k3, of x = ref − log π_θ."""
+    input_clamp: float | None = 20.0
+    """Bound on |x| before the estimator (NeMo-RL ``kl_input_clamp_value``: e^20 stays finite). null = off."""
+    output_clamp: float | None = 10.0
+    """Bound on |KL| per token after it (NeMo-RL ``kl_output_clamp_value``, verl ``low_var_kl``). null = off."""
+    bias_correction: bool = False
+    """DeepSeek-V3.2 / TRL ``use_bias_correction_kl``: multiply the KL by the token ratio π_θ/π_old (with its
+    gradient)."""
+    score_function: bool = False
+    """NeMo-RL's default: multiply the KL by exp(log π_θ − stopgrad(log π_θ)) — value 1, adds the score-function
+    gradient KL·∇log π_θ (arXiv 2506.09477). Equals bias_correction on-policy."""
+    straight_through: bool = False
+    """verl ``k3+``: the value of k3 with the gradient of k2 (needs estimator k3)."""
+
+    def __post_init__(self) -> None:
+        _check_float("kl.coef", self.coef, nullable=False, low=0.0)
+        _check_float("kl.input_clamp", self.input_clamp, nullable=True, low=0.0, low_inclusive=False)
+        _check_float("kl.output_clamp", self.output_clamp, nullable=True, low=0.0, low_inclusive=False)
+        _require(not (self.bias_correction and self.score_function), "kl.score_function",
+                 "and kl.bias_correction both multiply the KL by a ratio", "at most one of them true")
+        if self.straight_through:
+            _require(self.estimator == KLEstimator.K3, "kl.straight_through",
+                     f"takes the value of k3 but estimator is {self.estimator.value}", "true only with estimator k3")
+
+
+@dataclass
+class EntropyConfig:
+    """``entropy``: entropy bonus and top-entropy token selection."""
+
+    bonus_coef: float = 0.0
+    """Subtract bonus_coef · entropy on every valid token (aggregated like the policy term)."""
+    top_quantile: float = 1.0
+    """Keep the policy term only on valid tokens whose entropy is at least the (1 − top_quantile) quantile
+    (linear interpolation) of the entropies of all valid tokens of the step, on all DP ranks ("Beyond the
+    80/20 rule": 0.2). 1.0 keeps every token."""
+
+    def __post_init__(self) -> None:
+        _check_float("entropy.bonus_coef", self.bonus_coef, nullable=False)
+        _check_float("entropy.top_quantile", self.top_quantile, nullable=False, low=0.0, high=1.0)
+
+
+@dataclass
+class MismatchConfig:
+    """``mismatch``: training–inference mismatch monitor."""
+
+    skip_threshold: float | None = None
+    """Skip the whole step (loss 0, zero gradient, identical on every rank) when the global mean over valid
+    tokens of k3(old ‖ rollout) = e^d − d − 1 exceeds it. null = never skip."""
+
+    def __post_init__(self) -> None:
+        _check_float("mismatch.skip_threshold", self.skip_threshold, nullable=True, low=0.0, low_inclusive=False)
+
+
+@dataclass
+class LossConfig:
+    """The whole GRPO-family loss: one field per section."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Surrogate objective and clipping."""
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    """Token → step aggregation."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance sampling from the rollout engine to the trainer."""
+    opsm: OPSMConfig = field(default_factory=OPSMConfig)
+    """Off-policy sequence masking."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """Reference-policy KL penalty."""
+    entropy: EntropyConfig = field(default_factory=EntropyConfig)
+    """Entropy bonus and top-entropy selection."""
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    """Training–inference mismatch monitor."""
+
+    def __post_init__(self) -> None:
+        rc = self.rollout_correction
+        if rc.bypass and rc.weight_level is not None:
+            _require(self.policy.objective == Objective.REINFORCE, "rollout_correction.weight_level",
+                     f"with bypass = true the policy ratio of {self.policy.objective.value} already is π_θ/π_rollout, "
+                     "so an IS weight would count it twice",
+                     "null with bypass, or policy.objective reinforce")
+        if rc.bypass:
+            _require(self.mismatch.skip_threshold is None, "mismatch.skip_threshold",
+                     "compares old with rollout log-probs, which bypass makes equal", "null with bypass = true")
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        """Whether :class:`~mp_grpo.GRPOLoss` must be given ``rollout_logprobs``."""
+        rc = self.rollout_correction
+        return rc.weight_level is not None or rc.reject_level is not None or rc.bypass \
+            or self.mismatch.skip_threshold is not None
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether :class:`~mp_grpo.GRPOLoss` must be given ``entropy``."""
+        return self.entropy.bonus_coef != 0.0 or self.entropy.top_quantile < 1.0

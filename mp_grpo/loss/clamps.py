@@ -1,0 +1,25 @@
+"""The loss layer's fixed bounds, each with the reason it exists, and the symmetric clamp they share.
+
+The configurable bounds (``policy.log_ratio_clamp``, ``kl.input_clamp``, ``kl.output_clamp``, the
+clipping ranges) live in :mod:`mp_grpo.config.loss`; the constants here are not meant to be tuned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COUNT_FLOOR = 1.0
+"""Floor of every count used as a divisor (tokens, sequences, a sequence's length). A count of 0 only
+occurs where every numerator is exactly 0 (no valid token), so any positive floor leaves the result
+exact; it keeps 0/0 — and its NaN gradient — out of masked positions."""
+
+WEIGHT_MEAN_FLOOR = 1e-8
+"""Below this global mean the IS weights are left unnormalized (verl's rule): a mean this small means
+(almost) every weight truncated to 0, and dividing by it would blow the few others up to ~1e8."""
+
+
+def symmetric_clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """``x`` clamped to ``[-bound, bound]``; ``x`` itself when ``bound`` is None (disabled in the config)."""
+    if bound is None:
+        return x
+    return x.clamp(-bound, bound)

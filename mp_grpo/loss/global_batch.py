@@ -1,0 +1,313 @@
+"""The explicit account of one optimizer step: global counts and step-level decisions, the same on every rank.
+
+**Gradient convention.** :class:`~mp_grpo.GRPOLoss` returns each micro-batch's *share* of the step
+objective J: the shares of all micro-batches on all ranks of the group add up to J, and so do their
+gradients — whatever the split into ranks and micro-batches. Every normalizer of the loss therefore
+comes from here, never from the micro-batch: the global valid-token count N, the global sequence count
+S and the step-level quantities below. (Megatron's schedule scales what a loss function returns; the
+Megatron adapter undoes that scaling — see ``mp_grpo.megatron.scaling``.)
+
+Schedule of :meth:`GlobalBatch.from_rollouts` (and of :meth:`GlobalBatch.from_masks`, which is its
+first steps only)
+    1. Check the micro-batches; the valid tokens of each (loss mask, and inside a packed segment).
+    2. Under context parallelism only: one all-reduce over the CP group of the per-sequence valid counts
+       (and Σd, where a sequence-level weight is normalized), so each sequence is counted once, on CP
+       rank 0, and only when it has a valid token anywhere.
+    3. Step-level sums: IS-weight sum and count (``normalize_weights``), Σ k3(old ‖ rollout)
+       (``mismatch.skip_threshold``).
+    4. ONE all-reduce over ``group`` (DP, or DP×CP) of [valid tokens, valid sequences, all sequences,
+       micro-batches, weight sum, weight count, k3 sum] in float64.
+    5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' entropies over ``group``
+       (sizes, then the padded values, fp32 — fp64 for fp64 inputs) and their exact quantile — an exact
+       quantile needs the values.
+A host synchronization happens only in step 5 (variable sizes); the counts stay on the device.
+
+**Wrong-step protection.** A GlobalBatch records the token shapes of its micro-batches (GRPOLoss
+rejects a micro-batch of any other shape) and optionally the caller's ``step`` id
+(:meth:`check_step` raises for another id); a batch built for another LossConfig is rejected.
+
+Every rank of ``group`` must call the constructor (it makes collectives), with its own micro-batches.
+Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mp_grpo.collectives import ProcessGroup, all_gather_stacked, all_reduce_sum, group_size
+from mp_grpo.config.loss import LossConfig, RatioLevel
+from mp_grpo.loss.clamps import COUNT_FLOOR
+from mp_grpo.loss.entropy import entropy_threshold
+from mp_grpo.loss.mismatch import k3
+from mp_grpo.loss.rollout_correction import level_log_ratio, token_log_ratio, truncated_weight
+from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
+
+
+class StaleGlobalBatchError(ValueError):
+    """A GlobalBatch is used with a micro-batch, step or config it was not built for."""
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalBatch:
+    """Counts and decisions of one optimizer step over the data-parallel group (see the module docstring)."""
+
+    valid_tokens: torch.Tensor
+    """0-dim float64: valid tokens of the step, all ranks (N)."""
+    valid_sequences: torch.Tensor
+    """0-dim float64: sequences with at least one valid token, each counted once (S)."""
+    all_sequences: torch.Tensor
+    """0-dim float64: every sequence (row / packed segment), each counted once (S with count_empty_sequences)."""
+    num_micro_batches: torch.Tensor
+    """0-dim float64: (rank, micro-batch) pairs of the step over the group."""
+    micro_batch_shapes: tuple[tuple[int, ...], ...]
+    """Token shapes of this rank's micro-batches, in order."""
+    step: int | None = None
+    """The caller's optimizer-step id, if given (see :meth:`check_step`)."""
+    config: LossConfig | None = None
+    """The LossConfig the step-level quantities were computed for (None: counts only)."""
+    weight_mean: torch.Tensor | None = None
+    """0-dim float64: global mean of the truncated IS weights (``normalize_weights``)."""
+    entropy_threshold: torch.Tensor | None = None
+    """0-dim float64: entropy quantile below which the policy term is dropped (``top_quantile < 1``)."""
+    mismatch_k3: torch.Tensor | None = None
+    """0-dim float64: global mean of k3(old ‖ rollout) (``mismatch.skip_threshold``)."""
+    skip: torch.Tensor | None = None
+    """0-dim bool: skip this step (``mismatch_k3 > skip_threshold``)."""
+
+    # ------------------------------------------------------------------------------------------ build
+    @classmethod
+    def from_masks(
+        cls,
+        masks: Sequence[torch.Tensor],
+        *,
+        group: ProcessGroup | None = None,
+        layouts: Sequence[SequenceLayout | None] | None = None,
+        step: int | None = None,
+    ) -> GlobalBatch:
+        """Counts only: valid tokens and sequences over ``group`` from this rank's micro-batch loss masks.
+
+        One all-reduce over ``group`` (plus one over the CP group of ``layouts`` under context parallelism).
+        Enough for a LossConfig without step-level features (IS-weight normalization, top-entropy
+        selection, mismatch skip); :meth:`from_rollouts` computes those too.
+        """
+        return cls._build(None, masks, group=group, layouts=layouts, step=step)
+
+    @classmethod
+    def from_rollouts(
+        cls,
+        config: LossConfig,
+        masks: Sequence[torch.Tensor],
+        *,
+        old_logprobs: Sequence[torch.Tensor] | None = None,
+        rollout_logprobs: Sequence[torch.Tensor] | None = None,
+        entropies: Sequence[torch.Tensor] | None = None,
+        group: ProcessGroup | None = None,
+        layouts: Sequence[SequenceLayout | None] | None = None,
+        step: int | None = None,
+    ) -> GlobalBatch:
+        """Counts plus the step-level quantities ``config`` needs, decided identically on every rank.
+
+        Args:
+            config: the LossConfig of the GRPOLoss this batch will be used with.
+            masks: this rank's micro-batch loss masks (nonzero = valid), in order.
+            old_logprobs / rollout_logprobs: per micro-batch, needed by ``rollout_correction.normalize_weights``
+                and ``mismatch.skip_threshold``.
+            entropies: per micro-batch entropies of the policy at the start of the step (the old-log-prob
+                pass), needed by ``entropy.top_quantile < 1``. GRPOLoss compares the entropies it is given
+                with the resulting threshold; they are the same numbers on the step's first pass.
+            group: the DP group (DP×CP under context parallelism); None: this process alone.
+            layouts: per micro-batch :class:`SequenceLayout` (None: padded ``[B, T]``).
+            step: an optimizer-step id to check later with :meth:`check_step`.
+        """
+        if not isinstance(config, LossConfig):
+            raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
+        return cls._build(config, masks, group=group, layouts=layouts, step=step, old_logprobs=old_logprobs,
+                          rollout_logprobs=rollout_logprobs, entropies=entropies)
+
+    @classmethod
+    def _build(
+        cls,
+        config: LossConfig | None,
+        masks: Sequence[torch.Tensor],
+        *,
+        group: ProcessGroup | None,
+        layouts: Sequence[SequenceLayout | None] | None,
+        step: int | None,
+        old_logprobs: Sequence[torch.Tensor] | None = None,
+        rollout_logprobs: Sequence[torch.Tensor] | None = None,
+        entropies: Sequence[torch.Tensor] | None = None,
+    ) -> GlobalBatch:
+        # --- 1. check the micro-batches; valid tokens of each ---
+        masks = list(masks) if isinstance(masks, (list, tuple)) else _not_a_list("masks", masks)
+        if not masks:
+            raise ValueError("masks must hold this rank's loss mask of at least one micro-batch")
+        resolved = _resolve_layouts(layouts, len(masks))
+        cp_group = resolved[0].cp_group
+        shapes = []
+        valid = []
+        for i, (mask, layout) in enumerate(zip(masks, resolved)):
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"masks[{i}] must be a tensor, got {type(mask).__name__}")
+            layout.check_tokens(mask.shape, f"masks[{i}]")
+            shapes.append(tuple(mask.shape))
+            valid.append(layout.valid_tokens(mask))
+        if step is not None and not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        needs_weight_mean = config is not None and config.rollout_correction.normalize_weights
+        needs_skip = config is not None and config.mismatch.skip_threshold is not None
+        needs_entropy = config is not None and config.entropy.top_quantile < 1.0
+        old = rollout = None
+        if needs_weight_mean or needs_skip:
+            why = "rollout_correction.normalize_weights" if needs_weight_mean else "mismatch.skip_threshold"
+            old = _per_micro_batch("old_logprobs", old_logprobs, shapes, why)
+            rollout = _per_micro_batch("rollout_logprobs", rollout_logprobs, shapes, why)
+        ents = _per_micro_batch("entropies", entropies, shapes, "entropy.top_quantile < 1") if needs_entropy else None
+        device = masks[0].device
+        clamp = config.policy.log_ratio_clamp if config is not None else None
+
+        # --- 2. per-sequence valid counts (and Σd), whole sequences: one all-reduce over the CP group ---
+        ds = [token_log_ratio(o, r, v, clamp) for o, r, v in zip(old, rollout, valid)] if old is not None else None
+        per_seq = []
+        for i, (v, layout) in enumerate(zip(valid, resolved)):
+            cols = [v.to(torch.float64)] + ([ds[i].to(torch.float64)] if ds is not None else [])
+            per_seq.append(layout.local_seq_sum(torch.stack(cols, -1), v.shape))
+        sizes = [p.shape[0] for p in per_seq]
+        per_seq = list(all_reduce_sum(torch.cat(per_seq), cp_group).split(sizes))
+        owner = 1.0 if resolved[0].owns_sequences else 0.0
+
+        # --- 3. local sums: counts, IS-weight sum and count, k3 sum ---
+        tokens = sum(v.sum(dtype=torch.float64) for v in valid)
+        valid_seqs = owner * sum((p[:, 0] > 0).sum(dtype=torch.float64) for p in per_seq)
+        all_seqs = torch.full((), owner * sum(sizes), dtype=torch.float64, device=device)  # fills: no host copy
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        w_sum = w_count = k3_sum = zero
+        if needs_weight_mean:
+            rc = config.rollout_correction  # type: ignore[union-attr]
+            if rc.weight_level == RatioLevel.TOKEN:
+                w = [torch.where(v, truncated_weight(d.to(torch.float64), rc), zero) for d, v in zip(ds, valid)]
+                w_sum, w_count = sum(x.sum() for x in w), tokens
+            else:
+                for p in per_seq:
+                    count, sum_d = p[:, 0], p[:, 1]
+                    w = truncated_weight(level_log_ratio(rc.weight_level, sum_d, sum_d, count, clamp), rc)
+                    has = count > 0
+                    w_sum = w_sum + owner * torch.where(has, w, zero).sum()
+                    w_count = w_count + owner * has.sum(dtype=torch.float64)
+        if needs_skip:
+            k3_sum = sum(torch.where(v, k3(d.to(torch.float64)), zero).sum() for d, v in zip(ds, valid))
+
+        # --- 4. the one all-reduce over the group ---
+        totals = all_reduce_sum(torch.stack([
+            tokens, valid_seqs, all_seqs, torch.full((), float(len(masks)), dtype=torch.float64, device=device),
+            w_sum, w_count, k3_sum,
+        ]).to(torch.float64), group)
+        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, w_sum, w_count, k3_sum = totals.unbind()
+        weight_mean = w_sum / w_count.clamp(min=COUNT_FLOOR) if needs_weight_mean else None
+        mismatch_k3 = k3_sum / n_tokens.clamp(min=COUNT_FLOOR) if needs_skip else None
+        skip = mismatch_k3 > config.mismatch.skip_threshold if needs_skip else None  # type: ignore[union-attr]
+
+        # --- 5. the entropy quantile over every valid token of the group ---
+        threshold = None
+        if needs_entropy:
+            dtype = torch.float64 if any(e.dtype == torch.float64 for e in ents) else torch.float32  # type: ignore[union-attr]
+            local = torch.cat([e.detach()[v].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
+            threshold = entropy_threshold(_gather_varlen(local, group), config.entropy.top_quantile)  # type: ignore[union-attr]
+
+        return cls(
+            valid_tokens=n_tokens, valid_sequences=n_valid_seqs, all_sequences=n_all_seqs, num_micro_batches=n_mbs,
+            micro_batch_shapes=tuple(shapes), step=step, config=config, weight_mean=weight_mean,
+            entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip,
+        )
+
+    # ------------------------------------------------------------------------------------------ use
+    def sequences(self, count_empty: bool) -> torch.Tensor:
+        """S: every sequence when ``count_empty``, else those with a valid token."""
+        return self.all_sequences if count_empty else self.valid_sequences
+
+    def skip_step(self) -> bool:
+        """Whether the mismatch monitor skipped this step (one host read): then skip ``optimizer.step()`` too."""
+        return bool(self.skip) if self.skip is not None else False
+
+    def check_step(self, step: int) -> None:
+        """Raise :class:`StaleGlobalBatchError` unless this batch was built with ``step=step``."""
+        if self.step is None:
+            raise StaleGlobalBatchError("this GlobalBatch was built without a step id; pass step= to its constructor")
+        if self.step != step:
+            raise StaleGlobalBatchError(f"this GlobalBatch belongs to step {self.step}, not to step {step}")
+
+    def check_micro_batch(self, token_shape: torch.Size, name: str = "loss_mask") -> None:
+        """Raise :class:`StaleGlobalBatchError` unless ``token_shape`` is the shape of one of its micro-batches."""
+        if tuple(token_shape) not in self.micro_batch_shapes:
+            raise StaleGlobalBatchError(
+                f"{name} has shape {tuple(token_shape)}, but the GlobalBatch was built from micro-batches of shapes "
+                f"{list(self.micro_batch_shapes)}: a GlobalBatch from another step?"
+            )
+
+    def check_config(self, config: LossConfig) -> None:
+        """Raise unless this batch holds the step-level quantities ``config`` needs, computed for ``config``."""
+        needs = []
+        if config.rollout_correction.normalize_weights:
+            needs.append("rollout_correction.normalize_weights")
+        if config.entropy.top_quantile < 1.0:
+            needs.append("entropy.top_quantile < 1")
+        if config.mismatch.skip_threshold is not None:
+            needs.append("mismatch.skip_threshold")
+        if self.config is None:
+            if needs:
+                raise StaleGlobalBatchError(
+                    f"batch: the LossConfig needs step-level quantities ({', '.join(needs)}); build the GlobalBatch "
+                    "with GlobalBatch.from_rollouts(config, ...), not from_masks"
+                )
+        elif self.config != config:
+            raise StaleGlobalBatchError("batch: this GlobalBatch was built for a different LossConfig")
+
+
+def _not_a_list(name: str, value: object) -> list:
+    raise TypeError(f"{name} must be a list (or tuple) of per-micro-batch tensors, got {type(value).__name__}")
+
+
+def _resolve_layouts(layouts: Sequence[SequenceLayout | None] | None, n: int) -> list[SequenceLayout]:
+    if layouts is None:
+        return [PaddedSequences()] * n
+    if not isinstance(layouts, (list, tuple)) or len(layouts) != n:
+        raise ValueError(f"layouts must be a list of one SequenceLayout (or None) per micro-batch ({n}), got {layouts!r}")
+    resolved = [PaddedSequences() if lay is None else lay for lay in layouts]
+    for i, lay in enumerate(resolved):
+        if not isinstance(lay, SequenceLayout):
+            raise TypeError(f"layouts[{i}] must be a SequenceLayout or None, got {type(lay).__name__}")
+        if lay.cp_group is not resolved[0].cp_group:
+            raise ValueError(f"layouts[{i}] has another cp_group than layouts[0]: all micro-batches share one CP group")
+    return resolved
+
+
+def _per_micro_batch(
+    name: str, tensors: Sequence[torch.Tensor] | None, shapes: list[tuple[int, ...]], why: str
+) -> list[torch.Tensor]:
+    if tensors is None:
+        raise ValueError(f"{name} must be given (one tensor per micro-batch): {why} needs it")
+    tensors = list(tensors) if isinstance(tensors, (list, tuple)) else _not_a_list(name, tensors)
+    if len(tensors) != len(shapes):
+        raise ValueError(f"{name} has {len(tensors)} tensors but masks has {len(shapes)} micro-batches")
+    for i, (t, shape) in enumerate(zip(tensors, shapes)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}[{i}] must be a floating-point tensor")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}[{i}] has shape {tuple(t.shape)}, masks[{i}] has {shape}")
+    return tensors
+
+
+def _gather_varlen(local: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's 1-D ``local`` concatenated in rank order (sizes first, then the values padded to the max)."""
+    if group_size(group) == 1:
+        return local
+    sizes = all_gather_stacked(torch.tensor([local.numel()], dtype=torch.int64, device=local.device), group)
+    sizes_list = [int(s) for s in sizes.view(-1).tolist()]
+    if max(sizes_list) == 0:
+        return local
+    padded = torch.zeros(max(sizes_list), dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local
+    gathered = all_gather_stacked(padded, group)
+    return torch.cat([gathered[r, :n] for r, n in enumerate(sizes_list)])

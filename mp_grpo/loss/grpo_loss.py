@@ -1,0 +1,364 @@
+"""GRPOLoss: the GRPO-family loss of one micro-batch, as its share of the whole step's objective.
+
+Schedule of :meth:`GRPOLoss.__call__`
+    1. Check the inputs (shapes, dtypes, what the config needs); host-side only.
+    2. The step's :class:`~mp_grpo.GlobalBatch`: the one given (checked against this micro-batch and the
+       config), or — with ``batch=None`` — one built from this call alone (with its CP peers).
+    3. Token stage: masked positions are replaced by 0 *before* any arithmetic (``torch.where``, so inf /
+       NaN there never reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the
+       rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence.
+    4. Per-sequence sums of those columns over whole sequences (one all-reduce over the CP group under
+       context parallelism, differentiable with a sum backward), broadcast back to the tokens.
+    5. Combine stage: the objective's term; × the IS weight; zeroed where rejected (rollout correction,
+       OPSM, top-entropy); + coef·KL and − bonus·entropy on every valid token; zero when the step is
+       skipped; divided by the aggregation's global divisor and summed → this micro-batch's share.
+    6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`).
+
+No host synchronization happens in steps 3–6; with ``batch=None`` step 2 makes collectives (and one
+host read when the top-entropy quantile is needed). ``compile=True`` compiles the token and combine
+stages with ``torch.compile`` (the per-sequence sums and collectives stay eager).
+
+Convention: summed over all micro-batches of all ranks of the data-parallel group (DP×CP), the returned
+shares give the step objective and their gradients its gradient. Zero valid tokens in the whole step give
+exactly 0 with a zero gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mp_grpo.config.loss import LossConfig
+from mp_grpo.loss import metrics as M
+from mp_grpo.loss.aggregation import token_divisor
+from mp_grpo.loss.clamps import COUNT_FLOOR, symmetric_clamp
+from mp_grpo.loss.entropy import high_entropy
+from mp_grpo.loss.global_batch import GlobalBatch
+from mp_grpo.loss.kl import kl_penalty
+from mp_grpo.loss.mismatch import chi2_sequence, chi2_token, k1, k3
+from mp_grpo.loss.objectives import needs_sequence_mean, policy_term, sequence_input
+from mp_grpo.loss.opsm import opsm_divergence, opsm_keep
+from mp_grpo.loss.rollout_correction import kept, level_log_ratio, normalized_weight, token_log_ratio, truncated_weight
+from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
+
+
+class GRPOLoss:
+    """``loss, metrics = GRPOLoss(config)(logprobs, old_logprobs, advantages, loss_mask, ...)`` per micro-batch."""
+
+    def __init__(self, config: LossConfig, *, compile: bool = False) -> None:
+        """``config``: a validated :class:`LossConfig` (see :func:`mp_grpo.load_config`).
+
+        ``compile``: run the element-wise stages through ``torch.compile`` (fewer kernels; the first calls
+        compile, a second shape recompiles once with dynamic shapes). Dynamo caches the stages of every
+        GRPOLoss together, up to ``torch._dynamo.config.recompile_limit`` entries: meant for one config per
+        process (beyond the limit, calls run eagerly).
+        """
+        if not isinstance(config, LossConfig):
+            raise TypeError(f"config must be a LossConfig (see mp_grpo.load_config), got {type(config).__name__}")
+        self.config = config
+        # Two closures with their own code objects, so that torch.compile caches (and guards) them apart.
+        def token_stage(*args):
+            return _token_stage(config, *args)
+
+        def combine_stage(*args):
+            return _combine_stage(config, *args)
+
+        self._token_stage = torch.compile(token_stage) if compile else token_stage
+        self._combine_stage = torch.compile(combine_stage) if compile else combine_stage
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        *,
+        rollout_logprobs: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+        batch: GlobalBatch | None = None,
+        layout: SequenceLayout | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
+
+        Args:
+            logprobs: log π_θ of the sampled tokens, token-shaped (``[B, T]``; ``[T]`` / ``[1, T]`` packed).
+            old_logprobs: log π_old (detached); None = on-policy (``logprobs.detach()``); must be None with
+                ``rollout_correction.bypass`` (the rollout log-probs are the old ones then).
+            advantages: per sequence ``[S]`` or per token (token-shaped).
+            loss_mask: nonzero where the token is trained on (completion tokens, tool outputs excluded).
+            rollout_logprobs: the inference engine's log-probs (rollout correction, mismatch, OPSM).
+            ref_logprobs: the reference policy's log-probs (KL).
+            entropy: per-token entropy of π_θ, differentiable (entropy bonus, top-entropy selection).
+            batch: the step's GlobalBatch; None: this call (with its CP peers) is the whole step.
+            layout: how tokens form sequences (None: padded rows, no context parallelism).
+        """
+        cfg = self.config
+        # --- 1. check the inputs ---
+        layout = PaddedSequences() if layout is None else layout
+        if not isinstance(layout, SequenceLayout):
+            raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
+        _check_inputs(cfg, layout, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy)
+        token_shape = logprobs.shape
+        valid = layout.valid_tokens(loss_mask)
+        # --- 2. the step's account ---
+        if batch is None:
+            old_for_batch = logprobs.detach() if old_logprobs is None else old_logprobs
+            batch = GlobalBatch.from_rollouts(
+                cfg, [loss_mask], old_logprobs=[old_for_batch],
+                rollout_logprobs=None if rollout_logprobs is None else [rollout_logprobs],
+                entropies=None if entropy is None else [entropy], group=layout.cp_group, layouts=[layout],
+            )
+        elif not isinstance(batch, GlobalBatch):
+            raise TypeError(f"batch must be a GlobalBatch or None, got {type(batch).__name__}")
+        else:
+            batch.check_micro_batch(token_shape)
+            batch.check_config(cfg)
+        if advantages.shape != token_shape:
+            advantages = layout.broadcast(advantages, token_shape)
+        # --- 3. token stage ---
+        tokens = self._token_stage(logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy)
+        # --- 4. per-sequence sums over whole sequences, broadcast back ---
+        seq_sums = layout.seq_sum(tokens.seq_columns, token_shape)
+        seq_tokens = layout.broadcast(seq_sums, token_shape)
+        # --- 5. + 6. combine stage and metrics ---
+        step = _StepValues(
+            tokens=batch.valid_tokens, sequences=batch.sequences(cfg.aggregation.count_empty_sequences),
+            micro_batches=batch.num_micro_batches, weight_mean=batch.weight_mean,
+            entropy_threshold=batch.entropy_threshold, skip=batch.skip,
+        )
+        return self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+
+
+# ------------------------------------------------------------------------------------------------------
+class _Tokens(NamedTuple):
+    """Output of the token stage: sanitized per-token tensors (exactly 0 on masked positions)."""
+
+    logprobs: torch.Tensor
+    log_ratio: torch.Tensor
+    advantages: torch.Tensor
+    valid: torch.Tensor
+    rollout_d: torch.Tensor | None
+    ref: torch.Tensor | None
+    entropy: torch.Tensor | None
+    seq_columns: torch.Tensor
+    """``[*tokens, k]``: valid count, then (per config) the objective's sequence input, d, the OPSM divergence."""
+
+
+class _StepValues(NamedTuple):
+    """What the combine stage reads from the GlobalBatch."""
+
+    tokens: torch.Tensor
+    sequences: torch.Tensor
+    micro_batches: torch.Tensor
+    weight_mean: torch.Tensor | None
+    entropy_threshold: torch.Tensor | None
+    skip: torch.Tensor | None
+
+
+def _token_stage(
+    cfg: LossConfig,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> _Tokens:
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+
+    def clean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, x.to(dtype), zero)
+
+    lp = clean(logprobs)
+    rollout = None if rollout_logprobs is None else clean(rollout_logprobs).detach()
+    if cfg.rollout_correction.bypass:
+        old = rollout
+    elif old_logprobs is None:
+        old = lp.detach()
+    else:
+        old = clean(old_logprobs).detach()
+    adv = clean(advantages).detach()
+    log_ratio = symmetric_clamp(lp - old, cfg.policy.log_ratio_clamp)  # type: ignore[operator]
+    d = None
+    if rollout is not None:
+        trainer = lp.detach() if cfg.rollout_correction.bypass else old
+        d = token_log_ratio(trainer, rollout, valid, cfg.policy.log_ratio_clamp)  # type: ignore[arg-type]
+    columns = [valid.to(dtype)]
+    seq_in = sequence_input(cfg.policy, log_ratio, adv)
+    if seq_in is not None:
+        columns.append(seq_in)
+    if d is not None:
+        columns.append(d)
+    if cfg.opsm.delta is not None:
+        behaviour = rollout if rollout is not None else old
+        columns.append(opsm_divergence(behaviour, lp, valid))  # type: ignore[arg-type]
+    return _Tokens(
+        logprobs=lp, log_ratio=log_ratio, advantages=adv, valid=valid, rollout_d=d,
+        ref=None if ref_logprobs is None else clean(ref_logprobs).detach(),
+        entropy=None if entropy is None else clean(entropy),
+        seq_columns=torch.stack(columns, dim=-1),
+    )
+
+
+def _combine_stage(
+    cfg: LossConfig,
+    t: _Tokens,
+    seq_sums: torch.Tensor,
+    seq_tokens: torch.Tensor,
+    step: _StepValues,
+    owns_sequences: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    valid, lp, adv = t.valid, t.logprobs, t.advantages
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    clamp = cfg.policy.log_ratio_clamp
+    rc = cfg.rollout_correction
+    # Columns of the per-sequence sums, in the order of the token stage.
+    column = iter(range(1, seq_tokens.shape[-1]))
+    seq_count = seq_tokens[..., 0]
+    seq_in_col = next(column) if needs_sequence_mean(cfg.policy) else None
+    d_col = next(column) if t.rollout_d is not None else None
+    opsm_col = next(column) if cfg.opsm.delta is not None else None
+
+    # --- 5a. the objective ---
+    seq_mean = None if seq_in_col is None else seq_tokens[..., seq_in_col] / seq_count.clamp(min=COUNT_FLOOR)
+    pt = policy_term(cfg.policy, lp, t.log_ratio, adv, seq_mean)
+    policy = pt.term
+    # --- 5b. rollout correction: weight and rejection ---
+    raw_weight = weight = truncated = None
+    keep_rc = keep_opsm = keep_ent = None
+    if rc.weight_level is not None:
+        w_log = level_log_ratio(rc.weight_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
+        raw_weight = w_log.exp()
+        weight = truncated = truncated_weight(w_log, rc)
+        if rc.normalize_weights:
+            weight = normalized_weight(truncated, step.weight_mean)  # type: ignore[arg-type]
+        policy = policy * weight
+    if rc.reject_level is not None:
+        r_log = level_log_ratio(rc.reject_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
+        keep_rc = kept(r_log, rc)
+    # --- 5c. OPSM and top-entropy selection ---
+    if cfg.opsm.delta is not None:
+        keep_opsm = opsm_keep(adv, seq_tokens[..., opsm_col], seq_count, cfg.opsm.delta)  # type: ignore[index]
+    if cfg.entropy.top_quantile < 1.0:
+        keep_ent = high_entropy(t.entropy, step.entropy_threshold)  # type: ignore[arg-type]
+    keep = valid
+    for mask in (keep_rc, keep_opsm, keep_ent):
+        if mask is not None:
+            keep = keep & mask
+    policy = torch.where(keep, policy, zero)
+    # --- 5d. KL and entropy bonus on every valid token ---
+    contribution = policy
+    kl = None
+    if t.ref is not None:
+        kl = kl_penalty(lp, t.ref, t.log_ratio, cfg.kl)
+        if cfg.kl.coef != 0.0:
+            contribution = contribution + cfg.kl.coef * kl
+    if cfg.entropy.bonus_coef != 0.0:
+        contribution = contribution - cfg.entropy.bonus_coef * t.entropy  # type: ignore[operator]
+    if step.skip is not None:
+        contribution = torch.where(step.skip, zero, contribution)
+    # --- 5e. aggregation: this micro-batch's share ---
+    divisor = token_divisor(cfg.aggregation, step.tokens.to(lp.dtype), step.sequences.to(lp.dtype), seq_count)
+    share = torch.where(valid, contribution / divisor, zero).sum()
+
+    # --- 6. metrics ---
+    with torch.no_grad():
+        out: dict[str, torch.Tensor] = {
+            "loss": M.total_entry(share, step.micro_batches),
+            "valid_tokens": M.total_entry(valid.sum(), step.micro_batches),
+            "policy_loss": M.mean_entry(policy, valid),
+        }
+        out.update(M.stats_entries("ratio", pt.ratio, valid))
+        for name, flag in (("low", pt.clipped_low), ("high", pt.clipped_high), ("dual", pt.dual_clipped)):
+            if flag is not None:
+                out[f"clip_frac/{name}"] = M.mean_entry(flag.to(lp.dtype), valid)
+        if weight is not None:
+            out.update(M.stats_entries("is_weight/raw", raw_weight, valid))  # type: ignore[arg-type]
+            out.update(M.stats_entries("is_weight/truncated", truncated, valid))  # type: ignore[arg-type]
+            if rc.normalize_weights:
+                out.update(M.stats_entries("is_weight/applied", weight, valid))
+        for name, mask in (("rollout", keep_rc), ("opsm", keep_opsm), ("entropy", keep_ent)):
+            if mask is not None:
+                out[f"rejected_frac/{name}"] = M.mean_entry((~mask).to(lp.dtype), valid)
+        if t.rollout_d is not None:
+            d = t.rollout_d
+            out["mismatch/k1"] = M.mean_entry(k1(d), valid)
+            out["mismatch/k3"] = M.mean_entry(k3(d), valid)
+            out["mismatch/chi2_token"] = M.mean_entry(chi2_token(d), valid)
+            seq_has = (seq_sums[:, 0] > 0) & owns_sequences
+            out["mismatch/chi2_seq"] = M.mean_entry(chi2_sequence(seq_sums[:, d_col], clamp), seq_has)  # type: ignore[index]
+        if step.skip is not None:
+            out["mismatch/skipped"] = torch.stack([step.skip.to(torch.float64), torch.ones_like(step.tokens)])
+        if kl is not None:
+            out["kl"] = M.mean_entry(kl, valid)
+        if t.entropy is not None:
+            out["entropy"] = M.mean_entry(t.entropy, valid)
+    return share, out
+
+
+# ------------------------------------------------------------------------------------------------------
+def _check_inputs(
+    cfg: LossConfig,
+    layout: SequenceLayout,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> None:
+    """Host-side checks; every error names the argument."""
+    _check_float("logprobs", logprobs)
+    shape, device = logprobs.shape, logprobs.device
+    layout.check_tokens(shape, "logprobs")
+    if not isinstance(loss_mask, torch.Tensor) or loss_mask.is_complex():
+        raise TypeError(f"loss_mask must be a bool, integer or floating tensor, got {_kind(loss_mask)}")
+    _check_like("loss_mask", loss_mask, shape, device)
+    rc = cfg.rollout_correction
+    if rc.bypass and old_logprobs is not None:
+        raise ValueError("old_logprobs must be None with rollout_correction.bypass: the rollout log-probs are the old ones")
+    needs = {
+        "rollout_logprobs": (cfg.needs_rollout_logprobs, "rollout_correction / mismatch settings"),
+        "ref_logprobs": (cfg.kl.coef != 0.0, "kl.coef != 0"),
+        "entropy": (cfg.needs_entropy, "entropy.bonus_coef / entropy.top_quantile"),
+    }
+    given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs,
+             "entropy": entropy}
+    for name, value in given.items():
+        if value is None:
+            needed, why = needs.get(name, (False, ""))
+            if needed:
+                raise ValueError(f"{name} must be given: the config's {why} need it")
+            continue
+        _check_float(name, value)
+        _check_like(name, value, shape, device)
+    _check_float("advantages", advantages)
+    num_sequences = layout.num_sequences(shape)
+    if advantages.shape not in (shape, torch.Size([num_sequences])):
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)}; expected one per sequence [{num_sequences}] or one per "
+            f"token {tuple(shape)}"
+        )
+    if advantages.device != device:
+        raise ValueError(f"advantages is on {advantages.device} but logprobs is on {device}")
+
+
+def _kind(x: object) -> str:
+    return str(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _check_float(name: str, x: object) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {_kind(x)}")
+
+
+def _check_like(name: str, x: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    if x.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, logprobs has {tuple(shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but logprobs is on {device}")

@@ -1,0 +1,464 @@
+"""Output layer and log-probs fused: ``log softmax(hidden @ weightᵀ / T)[target]`` without the logits.
+
+At N = 16384 tokens and a 151936-token vocabulary the logits are 4.6 GiB in bf16 per TP rank, and
+their gradient as much again. This op computes them one bounded chunk at a time, reusing the
+kernels of :mod:`mp_grpo.ops.vocab_parallel_logprobs`, and recomputes them in backward: four GEMMs
+(one forward, three backward) instead of the three of a plain output layer — 4/3 is this design's
+time floor — plus the memory-bound Triton passes (one read of each chunk forward, one read and one
+write backward: a few % of the GEMM time at H = 4096). At most one logits chunk
+(≤ ``LOGITS_CHUNK_BYTES``) and one fp32 ``[rows, H]`` accumulator (≤ ``GRAD_HIDDEN_BLOCK_BYTES``)
+are alive at any moment.
+
+Schedule of :class:`FusedLinearLogProbs` (``N`` rows, ``H`` hidden, ``V_local`` columns on each of ``TP`` ranks)
+
+Forward — chunks of whole rows, ``[rows, V_local]``
+    1. For each token chunk: ``logits = hidden[chunk] @ weightᵀ`` (cuBLAS, fp32 accumulation, output
+       in hidden's dtype, into one reused buffer), then ``logprob_stats_kernel`` writes the chunk's
+       per-row statistics into its rows of ONE ``[N + 1, 4]`` stats buffer; the chunk is overwritten
+       by the next. Whole rows, because the statistics kernel reduces a row in one pass — that is what
+       keeps a single stats buffer, so that
+    2. one collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped for
+       a group of size 1; row N carries ``V_local``, so unequal shards are reported, not hung on);
+    3. ``logprob_merge_kernel``: log-prob, entropy, and logZ as (M, log S) per row; with
+       ``check_inputs`` one host read of the error counters raises on bad targets or unequal shards.
+    Saved for backward: ``hidden`` and ``weight`` (not copies), targets, M, log S, entropy — 20 bytes
+    a row; no logits.
+
+Backward — token blocks of ``backward_rows`` rows, each cut into ``[rows, cols]`` vocabulary chunks
+    1. Recompute the chunk's logits ``hidden[block] @ weight[cols]ᵀ`` into one reused buffer.
+    2. ``logprob_backward_kernel`` IN PLACE: the buffer now holds d(loss)/d(logits) of the chunk, in
+       hidden's dtype (the logits path's gradient dtype). M, log S and the entropy describe the whole
+       vocabulary, so any column range is exact and no collective is needed.
+    3. ``grad_hidden[block] (+)= grad_logits @ weight[cols]`` into an fp32 ``[rows, H]`` accumulator
+       (cuBLAS writes fp32 directly, no upcast copy), rounded once to hidden's dtype after the block's
+       last chunk. Skipped when ``hidden`` needs no gradient.
+    4. ``grad_weight[cols] (+)= grad_logitsᵀ @ hidden[block]``: with one token block (the default
+       whenever the fp32 accumulator of all N rows fits ``GRAD_HIDDEN_BLOCK_BYTES``: N·H·4 ≤ 512 MiB) every
+       element of ``grad_weight`` is written once by one GEMM that sums all N tokens in fp32 — the
+       same rounding as the logits path; with several token blocks later blocks add into it
+       (one rounding per block in bf16). With ``accumulate_into_main_grad`` it is added to Megatron's
+       fp32 ``weight.main_grad`` instead (exact fp32 accumulation). Skipped when ``weight`` needs no
+       gradient.
+    Why blocks of tokens × chunks of vocabulary rather than token chunks only: accumulating the
+    ``[V_local, H]`` weight gradient over token chunks needs an fp32 buffer of ``V_local·H·4`` bytes
+    (2.3 GiB at V = 151936, H = 4096) or one bf16 rounding per chunk, and reads and writes it once per
+    chunk; the hidden gradient's accumulator is ``N·H·4`` (256 MiB at N = 16384), the smaller one
+    whenever N < V_local (at N = 16384: every TP degree up to 8 of a 151936 vocabulary).
+
+Tensor parallelism (Megatron's ColumnParallelLinear contract)
+    ``hidden`` is the FULL hidden states on every TP rank (after the sequence-parallel all-gather) and
+    ``weight`` this rank's vocabulary shard ``[V_local, H]``. The gradient w.r.t. ``hidden`` returned
+    here is this shard's PARTIAL contribution; the true gradient is its sum over the TP group. This
+    op makes no collective in backward: the sum is left to Megatron's mapping, applied to the input
+    exactly as ColumnParallelLinear does for its own input::
+
+        # sequence parallelism off: identity forward, all-reduce of the gradient backward
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+        # sequence parallelism on: all-gather [S/TP, B, H] -> [S, B, H] forward, reduce-scatter backward
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=True, group=tp_group)
+        logprobs = fused_linear_logprobs(hidden, output_layer.weight, target_sb, tp_group=tp_group,
+                                         accumulate_into_main_grad=output_layer.gradient_accumulation_fusion)
+
+    (``target_sb`` in the hidden states' ``[S, B]`` layout.) With TP = 1 neither mapping does anything.
+    Unlike ColumnParallelLinear under sequence parallelism, which saves its local input and gathers it
+    again in backward, this op saves the gathered ``hidden`` (N·H·2 bytes, 128 MiB at N = 16384,
+    H = 4096): small next to the logits it replaces.
+
+Megatron gradient-accumulation fusion (``accumulate_into_main_grad=True``)
+    The weight gradient is added into ``weight.main_grad`` (fp32, or weight's dtype; read when
+    forward runs, as Megatron's linear layer does), and what is returned as the weight's gradient follows megatron-core's
+    ``LinearWithGradAccumulationAndAsyncCommunication``: when ``weight`` has the attribute
+    ``grad_added_to_main_grad`` (Megatron's DDP sets it), it is set to True and a placeholder gradient
+    is returned so that DDP's backward hook runs on the main thread; otherwise None. The placeholder
+    is zeros (Megatron leaves it uninitialized unless ``weight.zero_out_wgrad``): the hook ignores it,
+    and anything else that reads ``weight.grad`` sees a correct "nothing beyond main_grad".
+
+Precision: the logits are rounded to hidden's dtype before the statistics, as in the logits path
+``vocab_parallel_logprobs(hidden @ weightᵀ)``. Backward recomputes them with GEMMs of another shape,
+which cuBLAS may tile differently: in bf16 a recomputed logit can differ from forward's by one
+rounding step — an error of the size of the bf16 rounding of the logits themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import torch
+
+from mp_grpo.collectives import ProcessGroup, all_gather_stacked, group_rank, group_size
+from mp_grpo.ops.checks import (
+    check_chunk_size,
+    check_hidden_weight_and_target,
+    check_main_grad,
+    check_runs_here,
+    check_temperature,
+    raise_on_kernel_errors,
+)
+from mp_grpo.ops.logprob_launch import logprob_backward, merge_statistics, new_stats_buffer, shard_statistics
+
+LOGITS_CHUNK_BYTES = 512 * 2**20
+"""The one logits-chunk buffer each pass holds. 0.5 GiB: at N = 16384, V_local = 151936, bf16 the
+forward chunks are 1664 x 151936 and the backward chunks 16384 x 15232 — GEMMs large enough for
+cuBLAS's full rate — against 4.6 GiB for the whole logits."""
+
+GRAD_HIDDEN_BLOCK_BYTES = 512 * 2**20
+"""Backward's fp32 accumulator of the hidden-state gradient, ``[rows, H]``, bounds a token block:
+all N = 16384 rows at H ≤ 8192 fit in one block (the weight gradient is then written once)."""
+
+ROW_ALIGN = 128
+"""Chunk rows are rounded to a multiple of this (whole 128-row GEMM tiles), unless the budget forbids."""
+
+COL_ALIGN = 128
+"""Chunk columns likewise (also keeps the chunk's row stride a multiple of 16 bytes for cuBLAS)."""
+
+_MIXED_DTYPE_GEMM = "dtype_out" in torch.ops.aten.addmm.overloads()
+"""torch ≥ 2.8: cuBLAS GEMMs of bf16 / fp16 operands may write an fp32 output (``out_dtype``)."""
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How one call cuts its work; see the module docstring."""
+
+    forward_rows: int
+    """Rows per forward chunk; a forward chunk is ``[forward_rows, V_local]`` (whole rows)."""
+    backward_rows: int
+    """Rows per backward token block (the fp32 hidden-gradient accumulator is ``[backward_rows, H]``)."""
+    backward_cols: int
+    """Columns per backward chunk; a backward chunk is ``[backward_rows, backward_cols]``."""
+
+
+def _piece_size(total: int, cap: int, align: int) -> int:
+    """Size of the pieces when ``total`` is cut into ⌈total / cap⌉ near-equal pieces of at most ``cap``.
+
+    Rounded up to a multiple of ``align`` unless that would exceed ``cap`` (the budget wins)."""
+    cap = max(cap, 1)  # a budget below one row or column still makes progress, one at a time
+    if total <= cap:
+        return max(total, 1)
+    pieces = -(-total // cap)
+    size = -(-total // pieces)
+    return min(-(-size // align) * align, cap)
+
+
+def plan_chunks(
+    rows: int,
+    hidden_size: int,
+    v_local: int,
+    dtype: torch.dtype,
+    *,
+    chunk_tokens: int | None = None,
+    chunk_vocab: int | None = None,
+) -> ChunkPlan:
+    """The chunks of one call: explicit sizes where given, else the largest within the byte budgets.
+
+    ``chunk_tokens`` sets both the forward chunk rows and the backward token block; ``chunk_vocab``
+    the backward chunk columns (forward chunks are always whole rows).
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    n = max(rows, 1)  # no rows: a one-row plan (the forward still launches once for the shard-size row)
+    if chunk_tokens is not None:
+        forward_rows = backward_rows = min(chunk_tokens, n)
+    else:
+        forward_rows = _piece_size(n, LOGITS_CHUNK_BYTES // (v_local * element), ROW_ALIGN)
+        backward_rows = _piece_size(n, GRAD_HIDDEN_BLOCK_BYTES // (hidden_size * 4), ROW_ALIGN)
+    if chunk_vocab is not None:
+        backward_cols = min(chunk_vocab, v_local)
+    else:
+        backward_cols = _piece_size(v_local, LOGITS_CHUNK_BYTES // (backward_rows * element), COL_ALIGN)
+    return ChunkPlan(forward_rows, backward_rows, backward_cols)
+
+
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
+    """``out = a @ b`` (or ``out += a @ b``) in place; the products are summed in fp32.
+
+    ``out`` is either of the operands' dtype or an fp32 accumulator for bf16 / fp16 operands. On CUDA
+    cuBLAS reads the low-precision operands and writes the fp32 output itself (``out_dtype``, torch ≥
+    2.8): no fp32 copy of either operand. CPU aten (and torch < 2.8) has no mixed-dtype GEMM, so there
+    the operands are upcast first — the same products, summed in fp32, at the cost of fp32 copies of
+    one chunk's operands.
+    """
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif out.is_cuda and _MIXED_DTYPE_GEMM:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.addmm_(a.float(), b.float())
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _chunk_view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous ``[rows, cols]`` tensor on the front of a flat reusable buffer."""
+    return buffer[: rows * cols].view(rows, cols)
+
+
+def _main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight "gradient" returned after accumulating into ``weight.main_grad`` (see module docstring)."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+
+
+def _forward_statistics(
+    h: torch.Tensor,  # [N, H]
+    w: torch.Tensor,  # [V_local, H]
+    t: torch.Tensor,  # [N] int64
+    stats: torch.Tensor,  # [N + 1, 4] fp32 out, from new_stats_buffer(N)
+    plan: ChunkPlan,
+    *,
+    vocab_start: int,
+    inv_temperature: float,
+    with_entropy: bool,
+) -> None:
+    """Forward step 1: logits of ``plan.forward_rows`` rows at a time, into one reused buffer.
+
+    With no rows there is still one (empty) launch: the statistics kernel writes the shard-size row."""
+    n, v_local = h.shape[0], w.shape[0]
+    chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
+    for r0 in range(0, max(n, 1), plan.forward_rows):
+        r1 = min(r0 + plan.forward_rows, n)
+        logits = _chunk_view(chunk, r1 - r0, v_local)
+        torch.mm(h[r0:r1], w.t(), out=logits)
+        shard_statistics(
+            logits, t[r0:r1], stats, row_start=r0,
+            vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
+        )
+
+
+def _backward_chunks(
+    h: torch.Tensor,  # [N, H]
+    w: torch.Tensor,  # [V_local, H]
+    t: torch.Tensor,  # [N] int64
+    row_max: torch.Tensor,  # [N] fp32
+    log_sum: torch.Tensor,  # [N] fp32
+    entropy: torch.Tensor | None,  # [N] fp32, or None when no entropy gradient flows
+    grad_logprobs: torch.Tensor,  # [N] fp32
+    grad_entropy: torch.Tensor | None,  # [N] fp32, or None
+    grad_h: torch.Tensor | None,  # [N, H] out, or None when hidden needs no gradient
+    grad_w: torch.Tensor | None,  # [V_local, H] out (or main_grad), or None
+    plan: ChunkPlan,
+    *,
+    weight_grad_accumulates: bool,
+    vocab_start: int,
+    ignore_index: int,
+    inv_temperature: float,
+) -> None:
+    """Backward steps 1-4 over token blocks x vocabulary chunks (see the module docstring)."""
+    n, hidden_size = h.shape
+    v_local = w.shape[0]
+    # fp32 accumulator of one block's hidden gradient; fp32 inputs accumulate in grad_h directly.
+    acc = None
+    if grad_h is not None and h.dtype != torch.float32:
+        acc = torch.empty(plan.backward_rows, hidden_size, dtype=torch.float32, device=h.device)
+    chunk = torch.empty(plan.backward_rows * plan.backward_cols, dtype=h.dtype, device=h.device)
+
+    for b0 in range(0, n, plan.backward_rows):
+        b1 = min(b0 + plan.backward_rows, n)
+        h_block = h[b0:b1]
+        acc_block = None
+        if grad_h is not None:
+            acc_block = acc[: b1 - b0] if acc is not None else grad_h[b0:b1]
+        for c0 in range(0, v_local, plan.backward_cols):
+            c1 = min(c0 + plan.backward_cols, v_local)
+            w_cols = w[c0:c1]
+            x = _chunk_view(chunk, b1 - b0, c1 - c0)
+
+            # --- 1. recompute the chunk's logits ---
+            torch.mm(h_block, w_cols.t(), out=x)
+
+            # --- 2. their gradient, in place ---
+            logprob_backward(
+                x, x, t[b0:b1], row_max[b0:b1], log_sum[b0:b1],
+                entropy[b0:b1] if entropy is not None else None,
+                grad_logprobs[b0:b1],
+                grad_entropy[b0:b1] if grad_entropy is not None else None,
+                vocab_start=vocab_start + c0, ignore_index=ignore_index, inv_temperature=inv_temperature,
+            )
+
+            # --- 3. hidden gradient of the block, summed over vocabulary chunks in fp32 ---
+            if acc_block is not None:
+                _matmul_into(acc_block, x, w_cols, accumulate=c0 > 0)
+
+            # --- 4. weight gradient of the columns: written by the first block, then added ---
+            if grad_w is not None:
+                _matmul_into(grad_w[c0:c1], x.t(), h_block, accumulate=b0 > 0 or weight_grad_accumulates)
+        if acc is not None:
+            grad_h[b0:b1].copy_(acc_block)
+
+
+class FusedLinearLogProbs(torch.autograd.Function):
+    """Differentiable w.r.t. ``hidden`` and ``weight``; see the module docstring for the schedule."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,  # [..., H]
+        weight: torch.Tensor,  # [V_local, H]
+        target: torch.Tensor,  # [...]
+        tp_group: ProcessGroup | None,
+        inv_temperature: float,
+        with_entropy: bool,
+        ignore_index: int,
+        plan: ChunkPlan,
+        accumulate_into_main_grad: bool,
+        check_inputs: bool,
+    ):
+        ctx.set_materialize_grads(False)
+        v_local, hidden_size = weight.shape
+        h = hidden.reshape(-1, hidden_size).contiguous()  # a view for Megatron's contiguous [S, B, H]
+        w = weight.contiguous()
+        t = target.reshape(-1).to(torch.int64).contiguous()
+        n = h.shape[0]
+        tp = group_size(tp_group)
+        vocab_start = group_rank(tp_group) * v_local
+
+        # --- 1. per token chunk: logits (one GEMM) -> this chunk's rows of ONE stats buffer ---
+        stats = new_stats_buffer(n, h.device)
+        _forward_statistics(
+            h, w, t, stats, plan, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy
+        )
+
+        # --- 2. the one collective: all-gather of the [N + 1, 4] statistics ---
+        gathered = all_gather_stacked(stats, tp_group)
+
+        # --- 3. merge into log-prob, entropy, logZ = M + log S; raise on bad input ---
+        merged = merge_statistics(gathered, t, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
+        if check_inputs:
+            raise_on_kernel_errors(
+                merged.errors, v_global=tp * v_local, ignore_index=ignore_index, shard_sizes=gathered[:, n, 0]
+            )
+
+        ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.entropy)
+        # Like Megatron's linear layer: main_grad is kept on ctx, not saved (no version-counter checks,
+        # since DDP writes into it between forward and backward).
+        ctx.main_grad = weight.main_grad if accumulate_into_main_grad else None
+        ctx.weight = weight if accumulate_into_main_grad else None
+        ctx.hidden_shape = hidden.shape
+        ctx.vocab_start = vocab_start
+        ctx.inv_temperature = inv_temperature
+        ctx.ignore_index = ignore_index
+        ctx.plan = plan
+        logprobs = merged.logprobs.view(target.shape)
+        if with_entropy:
+            return logprobs, merged.entropy.view(target.shape)
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
+        h, w, t, row_max, log_sum, entropy = ctx.saved_tensors
+        not_differentiable = (None,) * 8
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return (None, None, *not_differentiable)
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(row_max)
+        grad_logprobs = grad_logprobs.reshape(-1).float().contiguous()
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.reshape(-1).float().contiguous()
+        n = h.shape[0]
+        main_grad = ctx.main_grad
+
+        grad_h = torch.empty_like(h) if need_hidden else None
+        grad_w = None
+        if need_weight:
+            # Every element is written by the first token block; with no rows there is none.
+            grad_w = main_grad if main_grad is not None else (torch.empty_like(w) if n else torch.zeros_like(w))
+        _backward_chunks(
+            h, w, t, row_max, log_sum, entropy if grad_entropy is not None else None, grad_logprobs, grad_entropy,
+            grad_h, grad_w, ctx.plan,
+            weight_grad_accumulates=main_grad is not None, vocab_start=ctx.vocab_start,
+            ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature,
+        )
+
+        grad_hidden = grad_h.view(ctx.hidden_shape) if need_hidden else None
+        grad_weight = grad_w
+        if need_weight and main_grad is not None:
+            grad_weight = _main_grad_placeholder(ctx.weight, h.dtype)
+        return (grad_hidden, grad_weight, *not_differentiable)
+
+
+@overload
+def fused_linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ...,
+    temperature: float = ..., with_entropy: Literal[False] = ..., ignore_index: int = ...,
+    chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
+    check_inputs: bool = ...,
+) -> torch.Tensor: ...
+@overload
+def fused_linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ...,
+    temperature: float = ..., with_entropy: Literal[True], ignore_index: int = ...,
+    chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
+    check_inputs: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: ProcessGroup | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    chunk_vocab: int | None = None,
+    accumulate_into_main_grad: bool = False,
+    check_inputs: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """What ``vocab_parallel_logprobs(hidden @ weight.T, target, ...)`` returns, without the logits.
+
+    Args:
+        hidden: ``[..., H]`` fp32 / bf16 / fp16 — the full hidden states on every TP rank (after
+            Megatron's sequence-parallel gather); any leading shape (``[S, B]``, ``[B, S]``, ``[N]``).
+        weight: ``[V_local, H]``, hidden's dtype — this rank's output-layer shard; rank r of
+            ``tp_group`` owns global ids ``[r * V_local, (r + 1) * V_local)`` (Megatron's layout).
+        target: ``[...]`` integer global token ids, ``hidden.shape[:-1]``.
+        tp_group: the tensor-parallel process group; ``None`` means no tensor parallelism. The
+            gradient w.r.t. ``hidden`` is this rank's partial sum: apply the op to the output of
+            Megatron's ``copy_to_tensor_model_parallel_region`` (or ``gather_from_sequence_parallel_region``
+            with sequence parallelism), as ColumnParallelLinear does — see the module docstring.
+        temperature: logits are divided by it inside the kernels.
+        with_entropy: also return the entropy of the whole distribution (differentiable).
+        ignore_index: rows with this target get log-prob 0 and no gradient from it.
+        chunk_tokens: rows per forward chunk and per backward token block; None picks them from
+            ``LOGITS_CHUNK_BYTES`` and ``GRAD_HIDDEN_BLOCK_BYTES``. Forward holds
+            ``chunk_tokens x V_local`` logits at a time.
+        chunk_vocab: columns per backward chunk (backward holds ``[token block, chunk_vocab]``
+            logits); None picks it from ``LOGITS_CHUNK_BYTES``. Forward chunks are whole rows.
+        accumulate_into_main_grad: Megatron's gradient-accumulation fusion — add the weight gradient
+            into ``weight.main_grad`` (fp32, or weight's dtype) and return Megatron's placeholder as
+            the weight's gradient. Pass the output layer's ``gradient_accumulation_fusion``.
+        check_inputs: as in :func:`~mp_grpo.vocab_parallel_logprobs`: raise on a target outside
+            ``[0, V_global)`` or on unequal shards (one host read of two int32 counters); with
+            ``False`` no synchronization, and such outputs are NaN instead.
+
+    Returns:
+        fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``.
+
+    One all-gather of a ``[N + 1, 4]`` fp32 tensor per call. No collective in backward.
+    """
+    check_hidden_weight_and_target(hidden, weight, target)
+    check_runs_here(hidden, "hidden")
+    inv_temperature = check_temperature(temperature)
+    chunk_tokens = check_chunk_size(chunk_tokens, "chunk_tokens")
+    chunk_vocab = check_chunk_size(chunk_vocab, "chunk_vocab")
+    if accumulate_into_main_grad:
+        check_main_grad(weight)
+    plan = plan_chunks(
+        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype,
+        chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+    )
+    return FusedLinearLogProbs.apply(
+        hidden, weight, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
+        bool(accumulate_into_main_grad), bool(check_inputs),
+    )

@@ -1,0 +1,473 @@
+"""Benchmark: output layer + token log-probs, fused (no logits) vs. the unfused paths, side by side.
+
+Single GPU (default)::
+
+    python scripts/bench_fused.py --out docs/benchmarks
+
+  N = 16384 tokens, H = 4096, bf16, for V = 151936 and V = 18992 (one TP = 8 shard). For each
+  implementation: median forward and forward+backward time (triton.testing.do_bench) and extra peak
+  memory — the peak of one forward+backward beyond what was allocated before it (inputs, and the
+  gradients of the previous step, which it frees and allocates again). Implementations:
+
+  - bare matmul ``h @ Wᵀ`` forward, its two backward GEMMs (3 GEMMs; no softmax): the time floor of
+    any unfused output layer; its extra peak is the logits;
+  - torch: matmul + log_softmax(fp32) + gather;
+  - mp_grpo logits path: matmul + ``vocab_parallel_logprobs(inplace_backward=True)``;
+  - mp_grpo ``fused_linear_logprobs`` (no entropy, with entropy, and accumulating the weight gradient
+    into an fp32 ``main_grad`` as under Megatron's gradient-accumulation fusion);
+  - Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (chunked, torch.compile; computes its loss and
+    gradients in forward), skipped and said so when liger-kernel is not installed.
+
+  Before timing, the fused op is checked against the float64 reference of ``tests/reference.py`` at
+  a small size. Results: ``fused.json``, ``fused.md`` (table + targets) and ``fused.png``.
+
+Tensor parallel (two GPUs, NCCL)::
+
+    torchrun --nproc_per_node 2 scripts/bench_fused.py --tp 2 --out docs/benchmarks
+
+  Each rank holds the full hidden states and its rows of W. A fixed number of iterations timed with
+  CUDA events after a barrier (do_bench would pick a different count per rank): the fused op forward
+  and forward+backward, the bare matmuls on the same shard, the op's one collective (the all-gather
+  of the ``[N + 1, 4]`` statistics) alone, and the all-reduce of the ``[N, H]`` hidden gradient that
+  Megatron's mapping adds after any column-parallel output layer (not part of the op). Results:
+  ``fused_tp2.json``, ``fused_tp2.md``.
+
+Needs torch, triton and matplotlib; megatron-core and omegaconf are not needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs, plan_chunks  # noqa: E402
+from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs  # noqa: E402
+from tests.reference import linear_logprobs_reference  # noqa: E402
+from tests.tolerances import tolerance  # noqa: E402
+
+GiB = 2**30
+DEVICE = "cuda"
+BARE = "bare matmul h@Wᵀ + 2 backward GEMMs (no softmax)"
+FUSED = "mp_grpo fused_linear_logprobs"
+LIGER = "Liger LigerFusedLinearGRPOLoss (chunked, compiled)"
+TARGET_TIME_RATIO = 1.5  # fwd+bwd vs. bare matmul
+TARGET_EXTRA_GiB = 1.5
+TARGET_LIGER_SPEEDUP = 3.0
+
+
+# ----------------------------------------------------------------------------- measurement helpers
+def median_ms(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=100, rep=1000, return_mode="median")
+
+
+def extra_peak_bytes(fwd_bwd) -> int:
+    """Peak of one forward+backward beyond what was allocated before it (after one warm-up call)."""
+    fwd_bwd()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def make_inputs(n: int, hidden_size: int, v: int, seed: int = 0, weight_std: float = 0.02):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    h = (torch.randn(n, hidden_size, device=DEVICE, generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, hidden_size, device=DEVICE, generator=gen) * weight_std).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, v, (n,), device=DEVICE, generator=gen)
+    g = torch.randn(n, device=DEVICE, generator=gen)
+    return h, w, t, g
+
+
+def _closures(params, f, *grads, forward_without_grad: bool = True):
+    """(forward-only closure, forward+backward closure) for f() returning a tensor or a tuple."""
+
+    def fwd():
+        with torch.set_grad_enabled(not forward_without_grad):
+            f()
+
+    def fwd_bwd():
+        for p in params:
+            p.grad = None
+        out = f()
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, grads[: len(outs)])
+
+    return fwd, fwd_bwd
+
+
+# ----------------------------------------------------------------------------- the cases
+def cases(n: int, hidden_size: int, v: int):
+    """name -> builder returning (fwd, fwd_bwd); builders import optional libraries lazily."""
+
+    def bare():
+        h, w, _, _ = make_inputs(n, hidden_size, v)
+        grad_logits = torch.randn(n, v, device=DEVICE, dtype=torch.bfloat16)
+        return _closures((h, w), lambda: h @ w.t(), grad_logits)
+
+    def torch_path():
+        h, w, t, g = make_inputs(n, hidden_size, v)
+        return _closures((h, w), lambda: torch.log_softmax((h @ w.t()).float(), -1).gather(-1, t[:, None]).squeeze(-1), g)
+
+    def logits_path():
+        h, w, t, g = make_inputs(n, hidden_size, v)
+        f = lambda: vocab_parallel_logprobs(h @ w.t(), t, inplace_backward=True, check_inputs=False)  # noqa: E731
+        return _closures((h, w), f, g)
+
+    def fused(with_entropy: bool, main_grad: bool):
+        def build():
+            h, w, t, g = make_inputs(n, hidden_size, v)
+            g2 = torch.randn_like(g)
+            if main_grad:
+                w.main_grad = torch.zeros(w.shape, device=DEVICE, dtype=torch.float32)
+                w.grad_added_to_main_grad = False  # as Megatron's DDP sets it
+            f = lambda: fused_linear_logprobs(  # noqa: E731
+                h, w, t, with_entropy=with_entropy, check_inputs=False, accumulate_into_main_grad=main_grad
+            )
+            return _closures((h, w), f, g, g2)
+
+        return build
+
+    def liger():
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        b = 8
+        length = n // b
+        h, w, t, _ = make_inputs(n, hidden_size, v)
+        h = h.detach().view(b, length, hidden_size).requires_grad_()
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        mask = torch.ones(b, length, device=DEVICE, dtype=torch.int64)
+        adv = torch.randn(b, device=DEVICE, generator=gen)
+        old = -torch.rand(b, length, device=DEVICE, generator=gen) * 5
+        loss = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, chunk_size=1, loss_type="dapo")
+        f = lambda: loss(h, w, t.view(b, length), mask, adv, old_per_token_logps=old)[0]  # noqa: E731
+        # Its forward computes the gradients too (chunked, with torch.func): timed as called in training.
+        return _closures((h, w), f, torch.ones((), device=DEVICE), forward_without_grad=False)
+
+    return {
+        BARE: bare,
+        "torch matmul + log_softmax(fp32) + gather": torch_path,
+        "mp_grpo logits path: matmul + vocab_parallel_logprobs": logits_path,
+        FUSED: fused(False, False),
+        f"{FUSED} +entropy": fused(True, False),
+        f"{FUSED} into fp32 main_grad": fused(False, True),
+        LIGER: liger,
+    }
+
+
+def check_correctness(n: int = 1000, hidden_size: int = 256, v: int = 5000) -> float:
+    """The fused op (several chunks each way) vs. the float64 reference; returns the worst error / tolerance."""
+    h, w, t, g = make_inputs(n, hidden_size, v, seed=5, weight_std=0.2)  # logits of std ~1.6
+    w.main_grad = torch.zeros(w.shape, device=DEVICE, dtype=torch.float32)
+    lp, ent = fused_linear_logprobs(h, w, t, with_entropy=True, chunk_tokens=256, chunk_vocab=1024)
+    (lp * g + ent * g).sum().backward()
+    fused_linear_logprobs(h.detach(), w, t, chunk_tokens=300, accumulate_into_main_grad=True).backward(g)
+    ref_h, ref_w = h.detach().cpu().double().requires_grad_(), w.detach().cpu().double().requires_grad_()
+    lp_ref, ent_ref = linear_logprobs_reference(ref_h, ref_w, t.cpu(), logits_dtype=torch.bfloat16)
+    (lp_ref * g.cpu().double() + ent_ref * g.cpu().double()).sum().backward()
+    grad_w_ref = ref_w.grad.clone()
+    ref_w.grad = None
+    lp_only, _ = linear_logprobs_reference(ref_h.detach(), ref_w, t.cpu(), logits_dtype=torch.bfloat16)
+    (lp_only * g.cpu().double()).sum().backward()
+
+    def ratio(actual, expected, dtype, scale=1.0):
+        tol = tolerance(dtype)
+        err = (actual.detach().cpu().double() - expected) / scale
+        return (err.abs() / (tol["atol"] + tol["rtol"] * (expected / scale).abs())).max().item()
+
+    # Values: fp32 tolerance. Gradients are sums of bf16-rounded terms: compared on their largest entry.
+    worst = max(
+        ratio(lp, lp_ref, torch.float32),
+        ratio(ent, ent_ref, torch.float32),
+        ratio(h.grad, ref_h.grad, torch.bfloat16, ref_h.grad.abs().max().item()),
+        ratio(w.grad, grad_w_ref, torch.bfloat16, grad_w_ref.abs().max().item()),
+        ratio(w.main_grad, ref_w.grad, torch.bfloat16, ref_w.grad.abs().max().item()),
+    )
+    print(f"correctness vs float64 reference (N={n}, H={hidden_size}, V={v}, several chunks each way): "
+          f"worst error / tolerance = {worst:.3f}", flush=True)
+    return worst
+
+
+def run_single_gpu(args) -> dict:
+    worst = check_correctness()
+    assert worst <= 1.0, f"the fused op disagrees with the float64 reference: worst error / tolerance = {worst:.3f}"
+    rows = []
+    for v in args.vocab:
+        n, hidden_size = args.tokens, args.hidden
+        plan = plan_chunks(n, hidden_size, v, torch.bfloat16)
+        print(f"V = {v}: chunk plan {plan}", flush=True)
+        for name, build in cases(n, hidden_size, v).items():
+            torch.cuda.empty_cache()
+            row = {"case": name, "N": n, "H": hidden_size, "V": v}
+            try:
+                fwd, fwd_bwd = build()
+                row["extra_peak_GiB"] = extra_peak_bytes(fwd_bwd) / GiB
+                row["fwd_ms"] = median_ms(fwd)
+                row["fwd_bwd_ms"] = median_ms(fwd_bwd)
+            except ImportError as err:
+                row["skipped"] = f"not installed: {err}"
+            except Exception as err:  # a baseline that fails is reported, not hidden
+                traceback.print_exc()
+                row["error"] = repr(err)[:300]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del build
+    result = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": args.tokens,
+        "hidden": args.hidden, "correctness_worst_error_over_tolerance": worst, "rows": rows,
+    }
+    add_ratios(result)
+    return result
+
+
+def add_ratios(result: dict) -> None:
+    """Per row: fwd+bwd time relative to the bare matmuls and Liger's time relative to it."""
+    for v in {r["V"] for r in result["rows"]}:
+        rows = {r["case"]: r for r in result["rows"] if r["V"] == v and "fwd_bwd_ms" in r}
+        for r in rows.values():
+            if BARE in rows:
+                r["fwd_bwd_vs_bare"] = r["fwd_bwd_ms"] / rows[BARE]["fwd_bwd_ms"]
+            if LIGER in rows:
+                r["liger_fwd_bwd_over_this"] = rows[LIGER]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+def timed_ms(fn, iters: int) -> float:
+    """Median of per-iteration CUDA-event times, after a warm-up and a barrier; same count on every rank."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def run_tensor_parallel(args) -> dict:
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    group = dist.group.WORLD
+    rows = []
+    for v in args.vocab:
+        n, hidden_size, v_local = args.tokens, args.hidden, v // world
+        h, w_full, t, g = make_inputs(n, hidden_size, v_local * world)
+        w = w_full.detach()[rank * v_local : (rank + 1) * v_local].clone().requires_grad_()
+        del w_full
+        grad_logits = torch.randn(n, v_local, device=DEVICE, dtype=torch.bfloat16)
+        stats = torch.zeros(n + 1, 4, device=DEVICE)
+        gathered = torch.empty(world * (n + 1), 4, device=DEVICE)
+
+        def fused_fwd():
+            with torch.no_grad():
+                fused_linear_logprobs(h, w, t, tp_group=group, check_inputs=False)
+
+        def fused_fwd_bwd():
+            h.grad = w.grad = None
+            fused_linear_logprobs(h, w, t, tp_group=group, check_inputs=False).backward(g)
+
+        def bare_fwd():
+            with torch.no_grad():
+                h @ w.t()
+
+        def bare_fwd_bwd():
+            h.grad = w.grad = None
+            (h @ w.t()).backward(grad_logits)
+
+        def stats_all_gather():
+            dist.all_gather_into_tensor(gathered, stats, group=group)
+
+        def grad_hidden_all_reduce():
+            dist.all_reduce(h.grad, group=group)
+
+        row = {
+            "tp": world, "N": n, "H": hidden_size, "V": v, "V_local": v_local,
+            "fused_fwd_ms": timed_ms(fused_fwd, args.iters),
+            "fused_fwd_bwd_ms": timed_ms(fused_fwd_bwd, args.iters),
+            "bare_fwd_ms": timed_ms(bare_fwd, args.iters),
+            "bare_fwd_bwd_ms": timed_ms(bare_fwd_bwd, args.iters),
+            "stats_all_gather_ms": timed_ms(stats_all_gather, args.iters),
+            "grad_hidden_all_reduce_ms": timed_ms(grad_hidden_all_reduce, args.iters),
+        }
+        del grad_logits
+        torch.cuda.empty_cache()
+        row["fused_extra_peak_GiB"] = extra_peak_bytes(fused_fwd_bwd) / GiB
+        row["fused_fwd_bwd_vs_bare"] = row["fused_fwd_bwd_ms"] / row["bare_fwd_bwd_ms"]
+        row["all_gather_frac_of_fused_fwd"] = row["stats_all_gather_ms"] / row["fused_fwd_ms"]
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, row)
+        if rank == 0:
+            for r in per_rank:
+                print(json.dumps(r), flush=True)
+            rows.append({"per_rank": per_rank})
+        del h, w, t, g, stats, gathered
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": world, "tokens": args.tokens,
+            "hidden": args.hidden, "iters": args.iters, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- reports
+def _targets(result: dict) -> list[str]:
+    """One line per vocabulary size: the issue's three targets for the fused op, met or not."""
+    lines = []
+    for v in sorted({r["V"] for r in result["rows"]}, reverse=True):
+        rows = {r["case"]: r for r in result["rows"] if r["V"] == v}
+        ours = rows.get(FUSED, {})
+        if "fwd_bwd_ms" not in ours:
+            lines.append(f"- V = {v}: {FUSED} did not run ({ours.get('error')})")
+            continue
+        ratio = ours.get("fwd_bwd_vs_bare")
+        speedup = ours.get("liger_fwd_bwd_over_this")
+        parts = [
+            f"fwd+bwd {ratio:.2f}x bare matmul (target ≤ {TARGET_TIME_RATIO}x: {'met' if ratio <= TARGET_TIME_RATIO else 'MISSED'})"
+            if ratio is not None else "bare matmul did not run",
+            f"extra peak {ours['extra_peak_GiB']:.2f} GiB (target ≤ {TARGET_EXTRA_GiB}: "
+            f"{'met' if ours['extra_peak_GiB'] <= TARGET_EXTRA_GiB else 'MISSED'})",
+            f"{speedup:.1f}x faster than Liger (target ≥ {TARGET_LIGER_SPEEDUP}x: "
+            f"{'met' if speedup >= TARGET_LIGER_SPEEDUP else 'MISSED'})"
+            if speedup is not None else "Liger not measured (" + str(rows.get(LIGER, {}).get("skipped") or rows.get(LIGER, {}).get("error")) + ")",
+        ]
+        lines.append(f"- V = {v}: " + "; ".join(parts))
+    return lines
+
+
+def write_single_gpu_report(result: dict, out: Path) -> None:
+    (out / "fused.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        f"# Output layer + token log-probs, fused vs. unfused — {result['device']}",
+        "",
+        f"N = {result['tokens']} tokens, H = {result['hidden']}, bf16, one GPU (torch {result['torch']}). "
+        "Median of triton.testing.do_bench. Extra peak: peak of one forward+backward beyond the memory allocated "
+        "before it (inputs and the previous step's gradients, which each step frees and allocates again). "
+        "mp_grpo rows run with `check_inputs=False`. Liger computes a DAPO loss and its gradients in forward; its "
+        "forward and forward+backward are therefore alike. Command: `python scripts/bench_fused.py --out docs/benchmarks`.",
+        "",
+        "| implementation | V | fwd ms | fwd+bwd ms | fwd+bwd / bare matmul | extra peak GiB | Liger fwd+bwd / this |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "fwd_bwd_ms" in r:
+            vs_bare = f"{r['fwd_bwd_vs_bare']:.2f}" if "fwd_bwd_vs_bare" in r else "—"
+            vs_liger = f"{r['liger_fwd_bwd_over_this']:.1f}" if "liger_fwd_bwd_over_this" in r else "—"
+            lines.append(
+                f"| {r['case']} | {r['V']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {vs_bare} | "
+                f"{r['extra_peak_GiB']:.2f} | {vs_liger} |"
+            )
+        else:
+            lines.append(f"| {r['case']} | {r['V']} | — | — | — | — | {r.get('skipped') or r.get('error')} |")
+    lines += ["", "Targets (issue 5):", *_targets(result)]
+    (out / "fused.md").write_text("\n".join(lines) + "\n")
+    plot_single_gpu(result, out / "fused.png")
+
+
+def plot_single_gpu(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vocabs = sorted({r["V"] for r in result["rows"]}, reverse=True)
+    fig, axes = plt.subplots(2, len(vocabs), figsize=(7 * len(vocabs), 8), squeeze=False)
+    for col, v in enumerate(vocabs):
+        rows = [r for r in result["rows"] if r["V"] == v and "fwd_bwd_ms" in r]
+        names = [r["case"].replace(" + ", "\n+ ").replace(": ", ":\n") for r in rows]
+        colors = ["tab:green" if r["case"].startswith(FUSED) else "tab:gray" for r in rows]
+        time_ax, mem_ax = axes[0][col], axes[1][col]
+        time_ax.barh(names, [r["fwd_bwd_ms"] for r in rows], color=colors)
+        bare = next((r for r in rows if r["case"] == BARE), None)
+        if bare is not None:
+            limit = TARGET_TIME_RATIO * bare["fwd_bwd_ms"]
+            time_ax.axvline(limit, color="tab:red", linestyle="--", label=f"{TARGET_TIME_RATIO}x bare matmul = {limit:.1f} ms")
+            time_ax.legend(loc="lower right", fontsize=8)
+        time_ax.set_xlabel("forward + backward, median ms")
+        time_ax.set_title(f"N = {result['tokens']}, H = {result['hidden']}, V = {v}, bf16 ({result['device']})", fontsize=9)
+        mem_ax.barh(names, [r["extra_peak_GiB"] for r in rows], color=colors)
+        mem_ax.axvline(TARGET_EXTRA_GiB, color="tab:red", linestyle="--", label=f"{TARGET_EXTRA_GiB} GiB")
+        mem_ax.legend(loc="lower right", fontsize=8)
+        mem_ax.set_xlabel("extra peak memory, GiB")
+        for ax in (time_ax, mem_ax):
+            ax.invert_yaxis()
+            ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_tp_report(result: dict, out: Path) -> None:
+    tp = result["tp"]
+    (out / f"fused_tp{tp}.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        f"# Fused output layer + log-probs, TP = {tp} — {result['device']}",
+        "",
+        f"N = {result['tokens']}, H = {result['hidden']}, bf16; W's rows split over {tp} ranks (NCCL), the full hidden "
+        f"states on every rank. Median of {result['iters']} iterations timed with CUDA events after a barrier. The "
+        "all-reduce of the hidden gradient is what Megatron's mapping adds after any column-parallel output layer "
+        "(the op leaves it to the mapping); it is not in the op's times. Command: "
+        f"`torchrun --nproc_per_node {tp} scripts/bench_fused.py --tp {tp} --out docs/benchmarks`.",
+        "",
+        "| V | V_local | rank | fused fwd ms | fused fwd+bwd ms | bare matmul fwd / fwd+bwd ms | fused / bare fwd+bwd | "
+        "stats all-gather ms (% of fused fwd) | grad-hidden all-reduce ms | fused extra peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in result["rows"]:
+        for rank, r in enumerate(entry["per_rank"]):
+            lines.append(
+                f"| {r['V']} | {r['V_local']} | {rank} | {r['fused_fwd_ms']:.2f} | {r['fused_fwd_bwd_ms']:.2f} | "
+                f"{r['bare_fwd_ms']:.2f} / {r['bare_fwd_bwd_ms']:.2f} | {r['fused_fwd_bwd_vs_bare']:.2f} | "
+                f"{r['stats_all_gather_ms']:.3f} ({100 * r['all_gather_frac_of_fused_fwd']:.1f} %) | "
+                f"{r['grad_hidden_all_reduce_ms']:.2f} | {r['fused_extra_peak_GiB']:.2f} |"
+            )
+    (out / f"fused_tp{tp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def print_compact(result: dict) -> None:
+    print(f"\n{'implementation':<58} {'V':>7} {'fwd ms':>8} {'fwd+bwd':>8} {'x bare':>7} {'GiB':>6}")
+    for r in result["rows"]:
+        if "fwd_bwd_ms" in r:
+            ratio = f"{r['fwd_bwd_vs_bare']:.2f}" if "fwd_bwd_vs_bare" in r else "—"
+            print(f"{r['case'][:58]:<58} {r['V']:>7} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {ratio:>7} {r['extra_peak_GiB']:>6.2f}")
+        else:
+            print(f"{r['case'][:58]:<58} {r['V']:>7} {(r.get('skipped') or r.get('error'))[:60]}")
+    print("\n".join(_targets(result)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tp > 1:
+        result = run_tensor_parallel(args)
+        if dist.get_rank() == 0:
+            write_tp_report(result, args.out)
+        dist.destroy_process_group()
+    else:
+        result = run_single_gpu(args)
+        write_single_gpu_report(result, args.out)
+        print_compact(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Benchmark (issue section F): the whole GRPO loss, forward + backward, against the log-prob kernel.
+
+    python scripts/bench_loss.py --out docs/benchmarks
+
+One CUDA GPU; needs torch and triton only (no megatron-core, no omegaconf: the configs are built as
+dataclasses). N = 16384 tokens. In the same run:
+
+* the log-prob kernel: ``vocab_parallel_logprobs`` forward + backward on bf16 logits ``[N, V]``
+  (V = 18992, one TP=8 shard of a 151936 vocabulary), with entropy;
+* the loss: ``GRPOLoss`` forward + backward for the same N tokens with a GlobalBatch built beforehand
+  (the per-micro-batch hot path), for several configs and layouts, eager and ``torch.compile`` d
+  (``compile=True``: the token and combine stages compiled, the per-sequence sums eager). Three numbers:
+    - *alone*: median wall time of the loss by itself (``triton.testing.do_bench``), which includes the
+      CPU time to launch its kernels whenever that exceeds their GPU time;
+    - *GPU*: the summed duration of its CUDA kernels (torch.profiler) — its cost once the launches
+      overlap the GPU work in front of it, as in a training step;
+    - *marginal*: median time of kernel + loss forward and backward chained (logits → log-probs → loss →
+      backward) minus the kernel alone — what the loss really adds to a step.
+  Each is given as a percentage of the kernel's forward + backward; the issue asks for ≤ 5 %.
+* the one-off cost of ``GlobalBatch.from_rollouts`` per step (not part of the hot path).
+
+Before timing, every compiled variant is checked against eager (loss and gradients). Results go to
+``<out>/loss.json`` and ``<out>/loss.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mp_grpo import vocab_parallel_logprobs  # noqa: E402
+from mp_grpo.config.loss import (  # noqa: E402
+    Aggregation,
+    AggregationConfig,
+    EntropyConfig,
+    KLConfig,
+    LossConfig,
+    MismatchConfig,
+    Objective,
+    OPSMConfig,
+    PolicyConfig,
+    RatioLevel,
+    RolloutCorrectionConfig,
+)
+from mp_grpo.loss import GlobalBatch, GRPOLoss, PackedSequences, PaddedSequences  # noqa: E402
+
+N_TOKENS = 16384
+VOCAB = 18992
+BUDGET_PERCENT = 5.0
+
+
+# ----------------------------------------------------------------------------- configs and inputs
+CONFIGS: dict[str, LossConfig] = {
+    "dapo (ppo_clip, token_mean)": LossConfig(policy=PolicyConfig(eps_high=0.28)),
+    "gspo + sequence TIS": LossConfig(
+        policy=PolicyConfig(objective=Objective.GSPO, eps_low=3e-4, eps_high=4e-4),
+        aggregation=AggregationConfig(mode=Aggregation.SEQ_MEAN_TOKEN_MEAN),
+        rollout_correction=RolloutCorrectionConfig(weight_level=RatioLevel.SEQUENCE, weight_max=2.0),
+    ),
+    "everything": LossConfig(
+        policy=PolicyConfig(eps_high=0.28, dual_clip_c=3.0, delta=4.0),
+        aggregation=AggregationConfig(mode=Aggregation.SEQ_MEAN_TOKEN_MEAN),
+        rollout_correction=RolloutCorrectionConfig(
+            weight_level=RatioLevel.TOKEN, weight_max=2.0, normalize_weights=True,
+            reject_level=RatioLevel.GEOMETRIC, reject_min=0.99, reject_max=1.01,
+        ),
+        opsm=OPSMConfig(delta=0.5),
+        kl=KLConfig(coef=0.001, bias_correction=True),
+        entropy=EntropyConfig(bonus_coef=0.001, top_quantile=0.2),
+        mismatch=MismatchConfig(skip_threshold=0.1),
+    ),
+}
+
+
+@dataclass
+class Inputs:
+    logprobs: torch.Tensor
+    old: torch.Tensor
+    rollout: torch.Tensor
+    ref: torch.Tensor
+    entropy: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    layout: object
+
+
+def make_inputs(layout_name: str, seed: int = 0) -> Inputs:
+    """16384 token positions: 64 sequences of up to 256 tokens with random completion lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, width = 64, N_TOKENS // 64
+    lengths = torch.randint(width // 8, width + 1, (rows,), generator=gen, device="cuda")
+    mask = torch.arange(width, device="cuda").unsqueeze(0) < lengths.unsqueeze(1)
+
+    def noise(scale):
+        return torch.randn(rows, width, generator=gen, device="cuda") * scale
+
+    lp = -noise(1.0).abs()
+    old = lp + noise(0.05)
+    rollout = old + noise(0.05)
+    ref = lp + noise(0.1)
+    entropy = torch.rand(rows, width, generator=gen, device="cuda") * 3
+    adv = torch.randn(rows, generator=gen, device="cuda")
+    layout = PaddedSequences()
+    if layout_name == "packed":  # the same positions as one THD row of 64 segments of 256
+        lp, old, rollout, ref, entropy, mask = (x.reshape(-1) for x in (lp, old, rollout, ref, entropy, mask))
+        layout = PackedSequences(torch.arange(0, N_TOKENS + 1, width, device="cuda", dtype=torch.int32))
+    return Inputs(lp, old, rollout, ref, entropy, adv, mask, layout)
+
+
+# ----------------------------------------------------------------------------- measurement helpers
+def median_ms(fn, grad_to_none=None) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def gpu_kernel_ms(fn, iters: int = 20) -> tuple[float, float]:
+    """(summed CUDA kernel time per call in ms, CUDA kernels per call) from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us, count = 0.0, 0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+            count += 1
+    return total_us / iters / 1e3, count / iters
+
+
+def kernel_kwargs() -> dict:
+    params = inspect.signature(vocab_parallel_logprobs).parameters
+    return {"check_inputs": False} if "check_inputs" in params else {}
+
+
+# ----------------------------------------------------------------------------- the cases
+def loss_call(loss_fn: GRPOLoss, x: Inputs, lp: torch.Tensor, ent: torch.Tensor, batch: GlobalBatch):
+    return loss_fn(lp, x.old, x.advantages, x.mask, rollout_logprobs=x.rollout, ref_logprobs=x.ref, entropy=ent,
+                   batch=batch, layout=x.layout)
+
+
+def check_compiled(cfg: LossConfig, x: Inputs, batch: GlobalBatch, compiled: GRPOLoss) -> float:
+    """Max relative difference of loss and gradients between eager and compiled (raises above 1e-4)."""
+    outs = []
+    for fn in (GRPOLoss(cfg), compiled):
+        lp = x.logprobs.clone().requires_grad_()
+        ent = x.entropy.clone().requires_grad_()
+        loss, _ = loss_call(fn, x, lp, ent, batch)
+        loss.backward()
+        outs.append((loss.detach(), lp.grad, ent.grad if ent.grad is not None else torch.zeros_like(ent)))
+    worst = 0.0
+    for a, b in zip(*outs):
+        scale = a.abs().max().clamp(min=1e-12)
+        worst = max(worst, float((a - b).abs().max() / scale))
+    if worst > 1e-4:
+        raise AssertionError(f"compiled loss differs from eager by {worst:.2e} (relative)")
+    return worst
+
+
+def run(out_dir: Path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.cuda.get_device_name()
+    results: dict = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
+                     "n_tokens": N_TOKENS, "vocab": VOCAB, "budget_percent": BUDGET_PERCENT, "rows": []}
+
+    # --- the kernel, forward + backward, with entropy ---
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = (torch.randn(N_TOKENS, VOCAB, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, VOCAB, (N_TOKENS,), generator=gen, device="cuda")
+    g_lp = torch.randn(N_TOKENS, generator=gen, device="cuda")
+    g_ent = torch.randn(N_TOKENS, generator=gen, device="cuda")
+    kw = kernel_kwargs()
+
+    def kernel_fwd_bwd():
+        lp, ent = vocab_parallel_logprobs(logits, target, with_entropy=True, **kw)
+        torch.autograd.backward([lp, ent], [g_lp, g_ent])
+
+    kernel_ms = median_ms(kernel_fwd_bwd, grad_to_none=[logits])
+    results["kernel_fwd_bwd_ms"] = kernel_ms
+    print(f"kernel vocab_parallel_logprobs(+entropy) fwd+bwd, V={VOCAB}: {kernel_ms:.3f} ms")
+
+    for cfg_name, cfg in CONFIGS.items():
+        for layout_name in ("padded", "packed"):
+            x = make_inputs(layout_name)
+            masks, olds, rolls, ents = [x.mask], [x.old], [x.rollout], [x.entropy]
+            build = lambda: GlobalBatch.from_rollouts(  # noqa: E731
+                cfg, masks, old_logprobs=olds, rollout_logprobs=rolls, entropies=ents, layouts=[x.layout])
+            batch = build()
+            build_ms = median_ms(build)
+            for variant in ("eager", "compiled"):
+                row = {"config": cfg_name, "layout": layout_name, "variant": variant, "global_batch_ms": build_ms}
+                try:
+                    if variant == "compiled":
+                        torch._dynamo.reset()  # a fresh cache per case: never hit Dynamo's recompile limit
+                    loss_fn = GRPOLoss(cfg, compile=variant == "compiled")
+                    if variant == "compiled":
+                        row["compiled_vs_eager_rel_diff"] = check_compiled(cfg, x, batch, loss_fn)
+                    lp = x.logprobs.clone().requires_grad_()
+                    ent = x.entropy.clone().requires_grad_()
+
+                    def loss_fwd_bwd():
+                        loss, _ = loss_call(loss_fn, x, lp, ent, batch)
+                        loss.backward()
+
+                    row["alone_ms"] = median_ms(loss_fwd_bwd, grad_to_none=[lp, ent])
+                    row["gpu_ms"], row["kernels_per_call"] = gpu_kernel_ms(loss_fwd_bwd)
+
+                    def chained():
+                        lp_k, ent_k = vocab_parallel_logprobs(logits, target, with_entropy=True, **kw)
+                        loss, _ = loss_call(loss_fn, x, lp_k.view_as(x.logprobs), ent_k.view_as(x.entropy), batch)
+                        loss.backward()
+
+                    row["chained_ms"] = median_ms(chained, grad_to_none=[logits])
+                    row["marginal_ms"] = row["chained_ms"] - kernel_ms
+                    for key in ("alone", "gpu", "marginal"):
+                        row[f"{key}_percent"] = 100.0 * row[f"{key}_ms"] / kernel_ms
+                except Exception as exc:  # report, keep going: an honest table beats a crash
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
+                results["rows"].append(row)
+                print(json.dumps(row))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "loss.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "loss.md").write_text(markdown(results))
+    print(f"wrote {out_dir / 'loss.json'} and {out_dir / 'loss.md'}")
+
+
+def markdown(results: dict) -> str:
+    k = results["kernel_fwd_bwd_ms"]
+    lines = [
+        f"# GRPO loss vs. the log-prob kernel — {results['device']}",
+        "",
+        f"N = {results['n_tokens']} tokens. Kernel: `vocab_parallel_logprobs` with entropy, bf16 logits, "
+        f"V = {results['vocab']}, forward + backward = **{k:.3f} ms** (median, same run). Loss: `GRPOLoss` forward + "
+        "backward with a prebuilt GlobalBatch, metrics included. *alone*: median wall time of the loss by itself "
+        "(includes kernel-launch CPU time when that dominates); *GPU*: summed CUDA kernel time (torch.profiler), its "
+        "cost when the launches overlap earlier GPU work; *marginal*: (kernel → loss → backward chained) − kernel "
+        f"alone. Target: ≤ {results['budget_percent']:.0f} % of the kernel. torch {results['torch']}. "
+        "Command: `python scripts/bench_loss.py --out docs/benchmarks`.",
+        "",
+        "| config | layout | variant | alone ms (%) | GPU ms (%) | kernels | marginal ms (%) | GlobalBatch ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r['layout']} | {r['variant']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        lines.append(
+            f"| {r['config']} | {r['layout']} | {r['variant']} | {r['alone_ms']:.3f} ({r['alone_percent']:.1f}) | "
+            f"{r['gpu_ms']:.3f} ({r['gpu_percent']:.1f}) | {r['kernels_per_call']:.0f} | "
+            f"{r['marginal_ms']:.3f} ({r['marginal_percent']:.1f}) | {r['global_batch_ms']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="directory for loss.json / loss.md")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_loss.py needs a CUDA GPU")
+    run(args.out)
+
+
+if __name__ == "__main__":
+    main()
