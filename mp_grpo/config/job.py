@@ -1,0 +1,223 @@
+"""Typed schema of the main job (``scripts/grpo_step.py``): model, parallel layout, training, rollouts, loss.
+
+One dataclass per section, loaded through :func:`mp_grpo.config.load_config` (``OmegaConf.structured``),
+so an unknown key, a wrong type or a bad enum value fails at load time; each section checks its
+values in ``__post_init__``. :func:`load_job_config` adds the loss preset: ``loss_preset`` names a
+file of ``configs/presets`` whose keys are the base of the ``loss`` section, and the keys written in
+the job's own ``loss`` section override them.
+
+The data-parallel size is not a key: it is the world size divided by TP·CP, checked when the job starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from mp_grpo.config.loading import load_config, preset_path
+from mp_grpo.config.loss import ConfigError, LossConfig
+
+
+class SequenceFormat(str, Enum):
+    """How a micro-batch's sequences are laid out (``parallel.sequence_format``)."""
+
+    PADDED = "padded"
+    """``[B, S]`` rows padded to a common length (Megatron's ``sbhd``)."""
+    PACKED = "packed"
+    """One ``[1, T]`` row of end-to-end segments described by ``cu_seqlens`` (Megatron's ``thd``)."""
+
+
+class ParamsDtype(str, Enum):
+    """Parameter dtype of the GPU model (``model.params_dtype``); the CPU stand-in always uses fp32."""
+
+    FP32 = "fp32"
+    """float32 parameters and activations."""
+    BF16 = "bf16"
+    """bfloat16 through Megatron's ``Float16Module`` (fp32 gradients in the DDP buffers)."""
+
+
+def _positive(key: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}: got {value!r}; allowed: an integer ≥ 1")
+
+
+def _fraction(key: str, value: float, *, closed_high: bool) -> None:
+    ok = 0.0 <= value <= 1.0 if closed_high else 0.0 <= value < 1.0
+    if not ok:
+        raise ConfigError(f"{key}: got {value}; allowed: a float with 0 ≤ x {'≤' if closed_high else '<'} 1")
+
+
+@dataclass
+class ModelConfig:
+    """``model``: a small GPTModel (megatron-core's local layer spec) — or the CPU stand-in on a CPU machine."""
+
+    vocab_size: int = 1024
+    """Vocabulary size, already padded: a multiple of the TP size (each rank holds vocab_size / TP ids)."""
+    hidden_size: int = 128
+    """Hidden size H."""
+    num_layers: int = 2
+    """Transformer layers (GPTModel only; the CPU stand-in has one residual block)."""
+    num_attention_heads: int = 4
+    """Attention heads (GPTModel only); a multiple of the TP size."""
+    max_sequence_length: int = 128
+    """Longest sequence the position embeddings cover (prompt + completion + padding)."""
+    params_dtype: ParamsDtype = ParamsDtype.BF16
+    """fp32 | bf16 parameters on GPU; the CPU stand-in is always fp32."""
+    init_seed: int = 1234
+    """Seed of the initial weights (the same on every rank: every TP layout starts from the same model)."""
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_sequence_length"):
+            _positive(f"model.{key}", getattr(self, key))
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel``: the Megatron layout. DP = world size / (TP · CP)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: ranks the vocabulary (and every layer) is sharded over."""
+    context_parallel_size: int = 1
+    """CP: ranks every sequence is split over (2·CP chunks, rank r holds chunks r and 2·CP−1−r)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (GPU only; needs TP > 1)."""
+    sequence_format: SequenceFormat = SequenceFormat.PADDED
+    """padded | packed micro-batches."""
+    calculate_per_token_loss: bool = False
+    """Megatron's ``calculate_per_token_loss``: the loss function returns (loss, num_tokens, metrics)."""
+    average_in_collective: bool = False
+    """Megatron DDP's ``average_in_collective`` (must be false with calculate_per_token_loss)."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel.tensor_model_parallel_size", self.tensor_model_parallel_size)
+        _positive("parallel.context_parallel_size", self.context_parallel_size)
+        if self.calculate_per_token_loss and self.average_in_collective:
+            raise ConfigError(
+                "parallel.average_in_collective: Megatron DDP cannot average in the collective with "
+                "calculate_per_token_loss; allowed: false with calculate_per_token_loss = true"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1; allowed: false with TP = 1")
+
+
+@dataclass
+class TrainConfig:
+    """``train``: optimizer steps and their micro-batches."""
+
+    steps: int = 4
+    """Optimizer steps."""
+    num_microbatches: int = 2
+    """Micro-batches per DP rank per optimizer step (M of ``forward_backward_func``)."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch. Global batch = DP · M · micro_batch_size sequences."""
+    updates_per_rollout: int = 2
+    """Optimizer steps on each rollout batch: the first is on-policy, later ones see ratios ≠ 1."""
+    lr: float = 1e-3
+    """Adam learning rate."""
+    clip_grad: float = 1.0
+    """Gradient-norm clipping threshold (Megatron's ``clip_grad``)."""
+    seed: int = 0
+    """Seed of the synthetic rollouts (the same on every rank)."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "num_microbatches", "micro_batch_size", "updates_per_rollout"):
+            _positive(f"train.{key}", getattr(self, key))
+        for key in ("lr", "clip_grad"):
+            if not getattr(self, key) > 0.0:
+                raise ConfigError(f"train.{key}: got {getattr(self, key)}; allowed: a float > 0")
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout``: the synthetic rollout engine (random prompts and completions, synthetic rewards)."""
+
+    group_size: int = 4
+    """Completions per prompt; advantages are normalized within each group. Divides the global batch."""
+    prompt_min_length: int = 4
+    """Shortest prompt (tokens)."""
+    prompt_max_length: int = 16
+    """Longest prompt (tokens)."""
+    completion_min_length: int = 1
+    """Shortest completion (tokens)."""
+    completion_max_length: int = 48
+    """Longest completion (tokens)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout engine; the trainer's log-probs use the same (logits / T)."""
+    mismatch_std: float = 0.05
+    """Train–inference mismatch: the rollout engine's log-probs are the trainer's plus N(0, mismatch_std²)
+    noise per token (in nats); 0 makes them equal."""
+    tool_mask_fraction: float = 0.0
+    """Fraction of each completion inside one tool-output span (excluded from the loss mask); 0 = no tools."""
+
+    def __post_init__(self) -> None:
+        for key in ("group_size", "prompt_min_length", "prompt_max_length", "completion_min_length", "completion_max_length"):
+            _positive(f"rollout.{key}", getattr(self, key))
+        if self.prompt_min_length > self.prompt_max_length:
+            raise ConfigError(f"rollout.prompt_min_length: {self.prompt_min_length} exceeds prompt_max_length "
+                              f"{self.prompt_max_length}; allowed: prompt_min_length ≤ prompt_max_length")
+        if self.completion_min_length > self.completion_max_length:
+            raise ConfigError(f"rollout.completion_min_length: {self.completion_min_length} exceeds completion_max_length "
+                              f"{self.completion_max_length}; allowed: completion_min_length ≤ completion_max_length")
+        if not self.temperature > 0.0:
+            raise ConfigError(f"rollout.temperature: got {self.temperature}; allowed: a float > 0")
+        if not self.mismatch_std >= 0.0:
+            raise ConfigError(f"rollout.mismatch_std: got {self.mismatch_std}; allowed: a float ≥ 0")
+        _fraction("rollout.tool_mask_fraction", self.tool_mask_fraction, closed_high=False)
+
+
+@dataclass
+class OutputConfig:
+    """``output``: what the job writes."""
+
+    json_log: str = "out/grpo_step.json"
+    """Path of the JSON log (config, layout, per-step metrics), written by rank 0."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+
+@dataclass
+class JobConfig:
+    """The main job: one field per section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron layout."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer steps and micro-batches."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Synthetic rollouts."""
+    loss_preset: str | None = None
+    """Name of a loss preset in ``configs/presets`` (e.g. ``mismatch_safe``) used as the base of ``loss``."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The loss; keys written here override the preset's."""
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Logs."""
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_model_parallel_size
+        if self.model.vocab_size % tp:
+            raise ConfigError(f"model.vocab_size: {self.model.vocab_size} is not a multiple of "
+                              f"parallel.tensor_model_parallel_size {tp}; allowed: a multiple of {tp} (pad the vocabulary)")
+        if self.model.num_attention_heads % tp:
+            raise ConfigError(f"model.num_attention_heads: {self.model.num_attention_heads} is not a multiple of "
+                              f"parallel.tensor_model_parallel_size {tp}; allowed: a multiple of {tp}")
+        longest = self.rollout.prompt_max_length + self.rollout.completion_max_length
+        if longest > self.model.max_sequence_length:
+            raise ConfigError(f"model.max_sequence_length: {self.model.max_sequence_length} is shorter than the longest "
+                              f"rollout (prompt_max_length + completion_max_length = {longest}); allowed: ≥ {longest}")
+
+
+def load_job_config(source: str | Path | DictConfig | dict, overrides: Sequence[str] | None = None) -> JobConfig:
+    """A validated :class:`JobConfig`: the source, its ``loss_preset`` under its ``loss`` keys, then ``overrides``."""
+    raw = OmegaConf.load(source) if isinstance(source, (str, Path)) else OmegaConf.create(source)
+    raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides or [])))
+    preset = raw.get("loss_preset")
+    if preset is not None:
+        inline = raw.get("loss") or {}
+        raw.loss = OmegaConf.merge(OmegaConf.load(preset_path(str(preset))), inline)
+    return load_config(raw, schema=JobConfig)

@@ -1,0 +1,27 @@
+"""Thin adapter between mp_grpo's loss and Megatron-core's training loop (``forward_backward_func``).
+
+- :mod:`.loss_func`: :class:`MegatronGRPO` — the step's GlobalBatch, ``forward_step_func`` and ``loss_func``.
+- :mod:`.scaling`: :class:`MegatronScaling` — what to return so Megatron's own scaling gives the exact gradient.
+- :mod:`.rollouts`, :mod:`.micro_batch`: token-aligned rollout fields → this rank's shifted, packed, CP-split micro-batch.
+- :mod:`.context_parallel`, :mod:`.packed`: Megatron's 2·CP chunk layout and THD packing.
+- :mod:`.groups`: the process groups (from ``megatron.core.parallel_state`` unless given).
+- :mod:`.cpu_model`, :mod:`.cpu_ddp`, :mod:`.cpu_schedule`: GPTModel, DDP and the schedule's loss contract on
+  CPU, where megatron-core 0.16's own ones need CUDA.
+- :mod:`.synthetic`: the main job's synthetic rollout engine.
+"""
+
+from mp_grpo.megatron.groups import ParallelGroups
+from mp_grpo.megatron.loss_func import MegatronGRPO
+from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch, prepare_micro_batch
+from mp_grpo.megatron.rollouts import Rollouts
+from mp_grpo.megatron.scaling import MegatronScaling
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MegatronGRPO",
+    "MegatronScaling",
+    "MicroBatch",
+    "ParallelGroups",
+    "Rollouts",
+    "prepare_micro_batch",
+]

@@ -1,0 +1,131 @@
+"""A CPU stand-in for GPTModel, built from megatron-core's real tensor-parallel layers.
+
+megatron-core 0.16's GPTModel builds on CPU but cannot run there (its attention asks for a CUDA
+buffer), so CPU tests and the CPU main job use this model instead. It keeps everything the loss
+adapter sees from GPTModel: the same call ``model(input_ids, position_ids, attention_mask,
+packed_seq_params=...)`` and the same output — vocab-parallel logits ``[B, S_local, V_local]``
+(``parallel_output=True``), computed in Megatron's ``[S, B, H]`` activation layout. It has no
+attention: every position is computed from its own token and position only, so context parallelism
+needs no ring exchange and packed segments cannot leak into each other.
+
+Sequence parallelism is not available here: megatron-core's sequence-parallel mappings allocate
+their all-gather / reduce-scatter buffers on CUDA. The GPU tests cover it with GPTModel.
+
+Schedule of :meth:`CpuGPTStandIn.forward`
+
+1. Word embeddings (``VocabParallelEmbedding``, all-reduced over TP) + position embeddings, ``[B, S, H]``.
+2. To Megatron's ``[S, B, H]``.
+3. One residual block: ``x + tanh(W · LayerNorm(x) + b)``.
+4. Output layer (``ColumnParallelLinear``, no bias, ``gather_output=False``): ``[S, B, V_local]``,
+   returned as ``[B, S, V_local]`` like GPTModel.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mp_grpo.collectives import ProcessGroup, group_rank, group_size
+
+
+def cpu_model_config(
+    *,
+    hidden_size: int,
+    tensor_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    calculate_per_token_loss: bool = False,
+) -> TransformerConfig:
+    """A ``TransformerConfig`` for :class:`CpuGPTStandIn` (CPU initialization, fp32, one layer)."""
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden_size,
+        num_attention_heads=tensor_model_parallel_size,  # unused (no attention); Megatron wants a multiple of TP
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        calculate_per_token_loss=calculate_per_token_loss,
+        params_dtype=torch.float32,
+    )
+
+
+class CpuGPTStandIn(MegatronModule):
+    """GPTModel's interface and tensor-parallel data path on CPU; see the module docstring."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        vocab_size: int,
+        max_sequence_length: int,
+        tp_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.sequence_parallel:
+            raise ValueError("config.sequence_parallel: the CPU stand-in cannot run sequence parallelism (see the module docstring)")
+        self.model_type = ModelType.encoder_or_decoder
+        self.vocab_size = vocab_size
+        self.tp_group = tp_group
+        init = torch.nn.init.normal_
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=init, config=config, tp_group=tp_group
+        )
+        self.position_embeddings = torch.nn.Embedding(max_sequence_length, config.hidden_size)
+        self.norm = torch.nn.LayerNorm(config.hidden_size)
+        self.mix = torch.nn.Linear(config.hidden_size, config.hidden_size)
+        self.output_layer = ColumnParallelLinear(
+            config.hidden_size, vocab_size, config=config, init_method=init, bias=False, gather_output=False,
+            tp_group=tp_group,
+        )
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline hook called by Megatron's schedule; this model is a single stage."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        # --- 1. embeddings ---
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        # --- 2. Megatron's [S, B, H] ---
+        x = x.transpose(0, 1).contiguous()
+        # --- 3. residual block ---
+        x = x + torch.tanh(self.mix(self.norm(x)))
+        # --- 4. vocab-parallel output layer ---
+        logits, _ = self.output_layer(x)
+        return logits.transpose(0, 1).contiguous()
+
+    @torch.no_grad()
+    def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy unsharded weights in (vocab-sharded ones cut to this TP rank's rows)."""
+        tp, rank = group_size(self.word_embeddings.tp_group), group_rank(self.word_embeddings.tp_group)
+        for name, param in self.named_parameters():
+            value = full[name]
+            if getattr(param, "tensor_model_parallel", False):
+                rows = value.shape[0] // tp
+                value = value[rank * rows : (rank + 1) * rows]
+            param.copy_(value)
+
+
+def random_full_weights(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, seed: int) -> dict[str, torch.Tensor]:
+    """Unsharded weights for :class:`CpuGPTStandIn`, the same on every rank for a given seed."""
+    gen = torch.Generator().manual_seed(seed)
+    h = config.hidden_size
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    return {
+        "word_embeddings.weight": normal(vocab_size, h, std=1.0),
+        "position_embeddings.weight": normal(max_sequence_length, h, std=0.3),
+        "norm.weight": 1.0 + normal(h, std=0.1),
+        "norm.bias": normal(h, std=0.1),
+        "mix.weight": normal(h, h, std=h**-0.5),
+        "mix.bias": normal(h, std=0.1),
+        "output_layer.weight": normal(vocab_size, h, std=h**-0.5),
+    }

@@ -1,0 +1,215 @@
+"""GRPOLoss as a Megatron ``forward_step_func`` / ``loss_func`` for ``forward_backward_func``.
+
+Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the last pipeline stage)
+
+1. Check the model output against the micro-batch: ``[*targets.shape, V_local]`` with
+   ``V_local · TP`` = the model's (padded) vocabulary — a TP group that does not match the model's
+   vocabulary shards fails here, before any collective.
+2. Log-probs (and entropy) of the targets with :func:`mp_grpo.vocab_parallel_logprobs` on the TP
+   group, at the rollout's sampling temperature. This is the one place that reads the model output:
+   the fused output layer (issue 5) plugs in here, taking the final hidden states and the output
+   weight instead of the logits.
+3. :class:`~mp_grpo.GRPOLoss` with the step's :class:`~mp_grpo.GlobalBatch` and the micro-batch's
+   :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
+4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
+   (:mod:`mp_grpo.megatron.scaling`), returned as ``(loss, metrics)`` or, with
+   ``calculate_per_token_loss``, ``(loss, num_tokens, metrics)``. ``metrics`` is GRPOLoss's dict —
+   Megatron's ``loss_reduced``; reduce the list ``forward_backward_func`` returns with
+   :func:`mp_grpo.reduce_metrics` over the DP×CP group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
+
+import torch
+
+from mp_grpo.config.loss import LossConfig
+from mp_grpo.loss.global_batch import GlobalBatch
+from mp_grpo.loss.grpo_loss import GRPOLoss
+from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
+from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
+from mp_grpo.megatron.scaling import MegatronScaling
+from mp_grpo.ops import vocab_parallel_logprobs
+
+
+class MegatronGRPO:
+    """Builds the pieces of a Megatron step around :class:`~mp_grpo.GRPOLoss`.
+
+    Usage, once per optimizer step (every rank of the DP×CP group, with its own micro-batches)::
+
+        grpo = MegatronGRPO(loss_config, temperature=rollout_temperature, num_microbatches=M,
+                            calculate_per_token_loss=model_config.calculate_per_token_loss)
+        batch = grpo.global_batch(micro_batches, step=step)
+        losses = forward_backward_func(forward_step_func=grpo.forward_step_func(batch, step=step),
+                                       data_iterator=iter(micro_batches), model=model,
+                                       num_microbatches=M, seq_length=..., micro_batch_size=...)
+        metrics = mp_grpo.reduce_metrics(losses, grpo.groups.dp_cp)
+    """
+
+    def __init__(
+        self,
+        config: LossConfig,
+        *,
+        temperature: float,
+        num_microbatches: int,
+        calculate_per_token_loss: bool,
+        groups: ParallelGroups | None = None,
+        vocab_size: int | None = None,
+        with_entropy: bool = True,
+    ) -> None:
+        """
+        Args:
+            config: the loss.
+            temperature: the rollout engine's sampling temperature; the trainer's log-probs are taken at
+                the same temperature (logits / T), so ratios compare like with like.
+            num_microbatches: M, as passed to ``forward_backward_func``.
+            calculate_per_token_loss: the model config's ``calculate_per_token_loss``.
+            groups: process groups; None takes them from ``megatron.core.parallel_state``.
+            vocab_size: the model's (padded) vocabulary size; None reads ``vocab_size`` from the model.
+            with_entropy: compute the policy entropy for the metrics even when the loss does not need it
+                (one extra sum in the log-prob kernel's pass).
+        """
+        if not isinstance(config, LossConfig):
+            raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
+        self.config = config
+        self.loss = GRPOLoss(config)
+        self.temperature = float(temperature)
+        self.groups = resolve_groups(groups)
+        self.scaling = MegatronScaling(
+            calculate_per_token_loss=bool(calculate_per_token_loss),
+            num_microbatches=num_microbatches,
+            dp_size=self.groups.dp_size,
+        )
+        self.vocab_size = vocab_size
+        self.with_entropy = with_entropy or config.needs_entropy
+
+    # ------------------------------------------------------------------------------------------ step
+    def global_batch(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        *,
+        step: int,
+        entropies: Sequence[torch.Tensor] | None = None,
+    ) -> GlobalBatch:
+        """The step's GlobalBatch over the DP×CP group, from this rank's micro-batches (all ranks must call it).
+
+        ``entropies`` (per micro-batch, from the old-log-prob pass) are needed by ``entropy.top_quantile < 1``;
+        old and rollout log-probs are taken from the micro-batches when the config needs them.
+        """
+        micro_batches = list(micro_batches)
+        if len(micro_batches) != self.scaling.num_microbatches:
+            raise ValueError(
+                f"micro_batches holds {len(micro_batches)} micro-batches but num_microbatches is "
+                f"{self.scaling.num_microbatches}"
+            )
+        masks = [mb.loss_mask for mb in micro_batches]
+        layouts = [mb.sequences for mb in micro_batches]
+        needs_logprobs = self.config.rollout_correction.normalize_weights or self.config.mismatch.skip_threshold is not None
+        for i, mb in enumerate(micro_batches):
+            for name in ("old_logprobs", "rollout_logprobs"):
+                if needs_logprobs and getattr(mb, name) is None:
+                    raise ValueError(
+                        f"micro_batches[{i}].{name} is None, but rollout_correction.normalize_weights / "
+                        "mismatch.skip_threshold decide on it before the step: set it (MicroBatch.with_logprobs, "
+                        "e.g. from a no-grad pass of the model at the start of the step)"
+                    )
+        if not needs_logprobs and self.config.entropy.top_quantile == 1.0:
+            return GlobalBatch.from_masks(masks, group=self.groups.dp_cp, layouts=layouts, step=step)
+        return GlobalBatch.from_rollouts(
+            self.config,
+            masks,
+            old_logprobs=[mb.old_logprobs for mb in micro_batches] if needs_logprobs else None,
+            rollout_logprobs=[mb.rollout_logprobs for mb in micro_batches] if needs_logprobs else None,
+            entropies=entropies,
+            group=self.groups.dp_cp,
+            layouts=layouts,
+            step=step,
+        )
+
+    def forward_step_func(
+        self, batch: GlobalBatch, *, step: int, model_kwargs: Mapping[str, object] | None = None
+    ) -> Callable[[Iterator[MicroBatch], torch.nn.Module], tuple[torch.Tensor, Callable]]:
+        """A ``forward_step_func`` for ``forward_backward_func``; its data iterator yields :class:`MicroBatch`.
+
+        The model is called like GPTModel: ``model(input_ids, position_ids, None, packed_seq_params=...,
+        **model_kwargs)`` (``model_kwargs`` e.g. ``{"fp32_output": False}`` to keep a Float16Module's logits
+        in bf16). ``batch`` must be the GlobalBatch built for ``step``.
+        """
+        if not isinstance(batch, GlobalBatch):
+            raise TypeError(f"batch must be a GlobalBatch, got {type(batch).__name__}")
+        batch.check_step(step)
+        batch.check_config(self.config)
+        extra = dict(model_kwargs or {})
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+            mb = next(data_iterator)
+            if not isinstance(mb, MicroBatch):
+                raise TypeError(f"the data iterator must yield MicroBatch objects, got {type(mb).__name__}")
+            kwargs = dict(extra)
+            if mb.packed_seq_params is not None:
+                kwargs["packed_seq_params"] = mb.packed_seq_params
+            output = model(mb.input_ids, mb.position_ids, None, **kwargs)
+            return output, partial(self.loss_func, mb, batch, vocab_size=self._model_vocab_size(model))
+
+        return forward_step
+
+    # ------------------------------------------------------------------------------------------ loss
+    def token_logprobs(
+        self, output_tensor: torch.Tensor, mb: MicroBatch, *, vocab_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps 1–2: fp32 log-probs of ``mb.targets`` (and entropy) from the model's vocab-parallel logits."""
+        # --- 1. the output must be this rank's vocabulary shard of the micro-batch's positions ---
+        logits = output_tensor
+        if not isinstance(logits, torch.Tensor) or logits.dim() != mb.targets.dim() + 1 or logits.shape[:-1] != mb.targets.shape:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(
+                f"model output must be vocab-parallel logits [{', '.join(map(str, mb.targets.shape))}, V_local] "
+                f"(GPTModel with parallel_output=True, labels=None), got {got}"
+            )
+        vocab_size = self.vocab_size if vocab_size is None else vocab_size
+        tp = self.groups.tp_size
+        if vocab_size is not None and logits.shape[-1] * tp != vocab_size:
+            raise ValueError(
+                f"tp_group: the logits hold {logits.shape[-1]} vocabulary ids on each of {tp} tensor-parallel ranks "
+                f"({logits.shape[-1] * tp} in all) but the model's vocabulary has {vocab_size}: the TP group does "
+                "not match the model's vocabulary shards"
+            )
+        # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
+        out = vocab_parallel_logprobs(
+            logits, mb.targets, tp_group=self.groups.tp, temperature=self.temperature,
+            with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
+        )
+        return out if self.with_entropy else (out, None)
+
+    def loss_func(
+        self, mb: MicroBatch, batch: GlobalBatch, output_tensor: torch.Tensor, *, vocab_size: int | None = None
+    ) -> tuple:
+        """Megatron's loss function for one micro-batch; see the module docstring."""
+        # --- 1.–2. log-probs (and entropy) ---
+        logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size)
+        # --- 3. this micro-batch's share of the step objective ---
+        share, metrics = self.loss(
+            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
+            rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+            batch=batch, layout=mb.sequences,
+        )
+        # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
+        loss = self.scaling.megatron_loss(share, batch.valid_tokens)
+        if self.scaling.calculate_per_token_loss:
+            # This rank's valid tokens: summed over micro-batches and DP×CP, the GlobalBatch's valid_tokens.
+            num_tokens = mb.sequences.valid_tokens(mb.loss_mask).sum().to(device=loss.device, dtype=torch.int)
+            return loss, num_tokens, metrics
+        return loss, metrics
+
+    def _model_vocab_size(self, model: torch.nn.Module) -> int | None:
+        if self.vocab_size is not None:
+            return self.vocab_size
+        from megatron.core.utils import get_attr_wrapped_model
+
+        try:
+            return int(get_attr_wrapped_model(model, "vocab_size"))
+        except RuntimeError:
+            return None
+

@@ -1,0 +1,196 @@
+"""One micro-batch on one rank: the model's inputs and the loss's logit-aligned fields, cut as Megatron cuts them.
+
+Schedule of :func:`prepare_micro_batch` (every rank of a DP replica starts from the same :class:`Rollouts`)
+
+1. Layout: padded rows (length rounded up to a multiple of 2·CP, times TP with sequence parallelism),
+   or one packed THD row (each segment padded to a multiple of 2·CP; :class:`PackedLayout`).
+2. Context parallel: the positions this rank keeps — chunks r and 2·CP−1−r of every row (padded) or of
+   every segment (packed), as Megatron's ``get_batch_on_this_cp_rank`` / TE's ``thd_get_partitioned_indices``.
+3. The loss's :class:`~mp_grpo.loss.sequence.SequenceLayout`: rows, or this rank's segment boundaries
+   ``cu_seqlens_padded / CP``, with the CP group so per-sequence sums cover whole sequences.
+4. Fields (:class:`TokenLayout`): model inputs are laid out and cut as they are. The logits at position s
+   predict token s+1, so every per-token loss field first moves one left within its sequence (the
+   target of position s is ``tokens[s+1]``; a sequence's last position has no target) — on whole
+   sequences, before the CP cut, so that a chunk's last target, the first token of the next chunk and
+   usually on another CP rank, is right. Positions not trained on get target ``ignore_index``: the
+   log-prob kernel gives them 0 with no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from mp_grpo.collectives import ProcessGroup, group_rank, group_size
+from mp_grpo.config.job import SequenceFormat
+from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
+from mp_grpo.megatron.context_parallel import cp_positions, select_positions, thd_cp_positions
+from mp_grpo.megatron.packed import PackedLayout, packed_seq_params, round_up
+from mp_grpo.megatron.rollouts import Rollouts
+
+IGNORE_INDEX = -100
+"""Target of positions that are not trained on (the log-prob kernel's default ``ignore_index``)."""
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How token-aligned ``[B, S]`` fields of one micro-batch become this rank's local tensors."""
+
+    row_len: int
+    """Length of the full (pre-CP) row: padded rows' length, or the packed row's length T."""
+    packed: PackedLayout | None
+    """Segment boundaries (packed format only)."""
+    positions: torch.Tensor
+    """Positions along the row (padded: of ``padded_len``; packed: of the packed row) this CP rank holds."""
+
+    def input_field(self, x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+        """A token-aligned ``[B, S, ...]`` field as the model sees it on this rank (laid out and CP-cut, no shift)."""
+        if self.packed is not None:
+            row = self.packed.pack(x, fill).unsqueeze(0)
+        else:
+            pad = self.row_len - x.shape[1]
+            row = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1) if pad else x
+        return select_positions(row, self.positions.to(x.device), seq_dim=1)
+
+    def target_field(self, x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+        """A token-aligned ``[B, S, ...]`` field moved to the logit that predicts it (shifted, laid out, CP-cut)."""
+        shifted = torch.cat([x[:, 1:], x.new_full((x.shape[0], 1, *x.shape[2:]), fill)], dim=1)
+        return self.input_field(shifted, fill)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """This rank's share of one micro-batch: model inputs and the loss's fields, all ``[b, s_local]``."""
+
+    input_ids: torch.Tensor
+    """``[B, S_local]`` (padded) or ``[1, T_local]`` (packed) int64 model input."""
+    position_ids: torch.Tensor
+    """Same shape: positions within each sequence."""
+    packed_seq_params: object | None
+    """Megatron ``PackedSeqParams`` (``thd``) for a packed micro-batch, else None."""
+    targets: torch.Tensor
+    """Same shape: the token each logit position predicts, ``IGNORE_INDEX`` where not trained on."""
+    loss_mask: torch.Tensor
+    """Same shape, bool: positions whose target is trained on."""
+    advantages: torch.Tensor
+    """``[num_sequences]`` per-sequence advantages, or per token in the local shape."""
+    rollout_logprobs: torch.Tensor | None
+    """Local logit-aligned rollout-engine log-probs of the targets, or None."""
+    old_logprobs: torch.Tensor | None
+    """Local logit-aligned old log-probs, or None (on-policy)."""
+    ref_logprobs: torch.Tensor | None
+    """Local logit-aligned reference log-probs, or None."""
+    sequences: SequenceLayout
+    """Which local positions form which sequence, with the CP group."""
+    layout: TokenLayout
+    """How further token-aligned fields are cut the same way (:meth:`TokenLayout.target_field`)."""
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """A copy with every tensor (``packed_seq_params``' boundaries included) on ``device``."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        params = self.packed_seq_params
+        if params is not None:
+            params = replace(params, **{f.name: getattr(params, f.name).to(device) for f in fields(params)
+                                        if isinstance(getattr(params, f.name), torch.Tensor)})
+        return replace(self, packed_seq_params=params, **moved)
+
+    def with_logprobs(
+        self, *, old_logprobs: torch.Tensor | None = None, rollout_logprobs: torch.Tensor | None = None
+    ) -> MicroBatch:
+        """A copy with local logit-aligned old / rollout log-probs set (e.g. from a trainer recompute)."""
+        for name, x in (("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs)):
+            if x is not None and x.shape != self.targets.shape:
+                raise ValueError(f"{name} must have the local shape {tuple(self.targets.shape)}, got {tuple(x.shape)}")
+        return replace(
+            self,
+            old_logprobs=self.old_logprobs if old_logprobs is None else old_logprobs,
+            rollout_logprobs=self.rollout_logprobs if rollout_logprobs is None else rollout_logprobs,
+        )
+
+
+def prepare_micro_batch(
+    rollouts: Rollouts,
+    *,
+    sequence_format: SequenceFormat = SequenceFormat.PADDED,
+    cp_group: ProcessGroup | None = None,
+    sequence_parallel_size: int = 1,
+    seq_len: int | None = None,
+) -> MicroBatch:
+    """This rank's :class:`MicroBatch` of ``rollouts`` (see the module docstring for the schedule).
+
+    Args:
+        rollouts: the whole micro-batch, token-aligned (the same on every TP / CP rank of a DP replica).
+        sequence_format: padded rows or one packed THD row.
+        cp_group: the context-parallel group (None: no context parallelism).
+        sequence_parallel_size: the TP size when Megatron's sequence parallelism is on (each CP rank's
+            row must then split evenly over the TP ranks), else 1.
+        seq_len: padded format only: pad rows to this length (a fixed length, e.g. for pipeline
+            parallelism); None pads to the longest sequence. Rounded up to the multiple CP / SP need.
+    """
+    if not isinstance(rollouts, Rollouts):
+        raise TypeError(f"rollouts must be a Rollouts, got {type(rollouts).__name__}")
+    sequence_format = SequenceFormat(sequence_format)
+    cp, cp_rank = group_size(cp_group), group_rank(cp_group)
+    if sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be ≥ 1, got {sequence_parallel_size}")
+    multiple = 2 * cp * sequence_parallel_size if cp > 1 else sequence_parallel_size
+
+    # --- 1. layout ---
+    packed: PackedLayout | None = None
+    if sequence_format == SequenceFormat.PACKED:
+        if seq_len is not None:
+            raise ValueError("seq_len is only used by the padded format; packed rows take the lengths as they are")
+        packed = PackedLayout.build(rollouts.lengths.cpu(), segment_multiple=2 * cp if cp > 1 else 1, total_multiple=multiple)
+        row_len = packed.total
+        # --- 2. context parallel: chunks r and 2·CP−1−r of every segment ---
+        positions = thd_cp_positions(packed.cu_seqlens_padded, cp, cp_rank) if cp > 1 else torch.arange(row_len)
+        # --- 3. the loss's sequence layout: this rank's segment boundaries ---
+        sequences: SequenceLayout = PackedSequences(packed.cu_seqlens_padded // cp, cp_group=cp_group)
+    else:
+        longest = int(rollouts.lengths.max())
+        if seq_len is not None and seq_len < longest:
+            raise ValueError(f"seq_len ({seq_len}) is shorter than the longest sequence ({longest})")
+        row_len = round_up(longest if seq_len is None else seq_len, multiple)
+        rollouts = _trim(rollouts, row_len)
+        # --- 2. context parallel: chunks r and 2·CP−1−r of every row ---
+        positions = cp_positions(row_len, cp, cp_rank) if cp > 1 else torch.arange(row_len)
+        # --- 3. the loss's sequence layout: rows ---
+        sequences = PaddedSequences(cp_group=cp_group)
+    layout = TokenLayout(row_len, packed, positions)
+
+    # --- 4. inputs as they are; loss fields shifted by one, then cut alike ---
+    device = rollouts.tokens.device
+    tokens = rollouts.tokens.to(torch.int64)
+    loss_mask = layout.target_field(rollouts.loss_mask, False)
+    targets = torch.where(loss_mask, layout.target_field(tokens, 0), torch.full((), IGNORE_INDEX, device=device))
+    advantages = rollouts.advantages if rollouts.advantages.dim() == 1 else layout.target_field(rollouts.advantages, 0.0)
+    optional = {
+        name: None if getattr(rollouts, name) is None else layout.target_field(getattr(rollouts, name), 0.0)
+        for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs")
+    }
+    b, s = tokens.shape
+    positions_in_row = torch.arange(s, device=device).expand(b, s)  # packing restarts them in every segment
+    return MicroBatch(
+        input_ids=layout.input_field(tokens, 0),
+        position_ids=layout.input_field(positions_in_row, 0),
+        packed_seq_params=None if packed is None else packed_seq_params(packed, device=device),
+        targets=targets,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        sequences=sequences,
+        layout=layout,
+        **optional,
+    )
+
+
+def _trim(rollouts: Rollouts, length: int) -> Rollouts:
+    """Rows cut (or left) to at most ``length`` columns — only padding is removed (lengths ≤ length)."""
+    if rollouts.seq_len <= length:
+        return rollouts
+    cut = {}
+    for name in ("tokens", "loss_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs"):
+        x = getattr(rollouts, name)
+        cut[name] = None if x is None else x[:, :length]
+    adv = rollouts.advantages
+    return Rollouts(lengths=rollouts.lengths, advantages=adv if adv.dim() == 1 else adv[:, :length], **cut)

@@ -1,0 +1,271 @@
+"""megatron-core GPTModel on two GPUs through the real ``forward_backward_func``: TP = 2 and DP = 2 give the
+gradients of TP = 1, DP = 1.
+
+Run on a machine with ≥ 2 CUDA GPUs (skipped otherwise)::
+
+    NCCL_NVLS_ENABLE=0 python -m pytest tests/gpu -v -s
+
+Each case is a fresh ``torchrun`` (NCCL) launched from pytest, like the CPU tests:
+
+1. ``reference`` (1 GPU): GPTModel (local layer spec, 2 layers) built from a seed; its initial weights are
+   saved. For fp32 and for bf16 (``Float16Module``) and for every contract variant (the 2-tuple and
+   the 3-tuple ``calculate_per_token_loss`` loss, DDP averaging in the collective or not, two loss
+   configs), the whole global batch goes through ``forward_backward_func`` as ONE micro-batch; the
+   gradients (DDP's fp32 ``main_grad``) are saved.
+2. ``tp2`` (TP = 2, DP = 1, 2 micro-batches of 4) and ``dp2`` (TP = 1, DP = 2, 2 micro-batches of 2 per
+   rank): the same weights (sharded along each parameter's ``partition_dim``), the same sequences;
+   after one ``forward_backward_func`` the gradients, gathered over TP, must equal the reference's.
+
+Gradients are compared by their relative L2 error ‖g − g_ref‖ / ‖g_ref‖: over all parameters together it must
+stay within ``tests/tolerances``' rtol of the model's dtype (fp32: 2e-5, bf16: 1.6e-2), and so must every single
+parameter in fp32 (in bf16: ``BF16_PER_PARAMETER_RTOL``); the reduced loss must match at the same rtol. A wrong
+factor in the loss scaling (M, DP, the token count) fails by far. The errors of every variant are printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # the worker processes run this file as a script
+
+NUM_SEQUENCES = 8
+VOCAB = 512
+LOSS_CONFIGS = {
+    "ppo_token_tis": ["rollout_correction.weight_level=token", "rollout_correction.weight_max=2.0"],
+    "gspo_seq_mean": ["policy.objective=gspo", "aggregation.mode=seq_mean_token_mean",
+                      "rollout_correction.weight_level=geometric", "rollout_correction.weight_max=1.5",
+                      "kl.coef=0.0", "entropy.bonus_coef=0.01"],
+}
+# (calculate_per_token_loss, average_in_collective, loss config)
+VARIANTS = [(False, False, "ppo_token_tis"), (False, True, "gspo_seq_mean"), (True, False, "gspo_seq_mean"),
+            (True, False, "ppo_token_tis")]
+DTYPES = ["fp32", "bf16"]
+LAYOUTS = {"tp2": dict(tp=2, num_microbatches=2), "dp2": dict(tp=1, num_microbatches=2)}
+TINY_NORM = 1e-30
+"""Floor of a reference gradient's norm in the relative error (every GPTModel parameter gets a gradient)."""
+BF16_PER_PARAMETER_RTOL = 0.1
+"""bf16 bound for a single parameter's gradient: the LayerNorm gradients are small and their bf16 rounding error
+relative to their norm reaches ~3e-2 between two layouts — as large as between bf16 and fp32 (measured with this
+model on CPU). A wrong scaling factor gives ≥ 0.5."""
+
+
+def _relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm().clamp(min=TINY_NORM))
+
+
+# ------------------------------------------------------------------------------------------------ pytest
+def _torchrun(case: str, nproc: int, **kwargs) -> str:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # real GPU kernels
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           __file__, case, json.dumps(kwargs)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{case} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-10000:]}\n"
+                             f"--- stderr ---\n{proc.stderr[-10000:]}")
+    return proc.stdout
+
+
+needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                    reason="needs 2 CUDA GPUs")
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpt_reference")
+    print(_torchrun("case_reference", 1, out_dir=str(out)))
+    return out
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gpt_layout_equals_one_gpu(layout: str, reference_dir: Path) -> None:
+    print(_torchrun("case_layout", 2, out_dir=str(reference_dir), layout=layout))
+
+
+# ------------------------------------------------------------------------------------------------ workers
+def _init() -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _configs(tp: int, dtype: str, per_token: bool, avg: bool):
+    from mp_grpo.config.job import ModelConfig, ParallelConfig, ParamsDtype
+
+    model = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,
+                        max_sequence_length=64, params_dtype=ParamsDtype(dtype), init_seed=1234)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, calculate_per_token_loss=per_token, average_in_collective=avg)
+    return model, parallel
+
+
+def _rollouts():
+    from mp_grpo.config.job import RolloutConfig
+    from mp_grpo.megatron.rollouts import Rollouts
+    from mp_grpo.megatron.synthetic import synthesize_rollouts
+
+    cfg = RolloutConfig(group_size=4, prompt_min_length=4, prompt_max_length=12, completion_min_length=4,
+                        completion_max_length=40, tool_mask_fraction=0.2, mismatch_std=0.1)
+    synth = synthesize_rollouts(cfg, num_sequences=NUM_SEQUENCES, vocab_size=VOCAB, seed=3)
+    r = synth.rollouts
+    # Rollout-engine log-probs independent of the model: the correction weights then differ from 1.
+    gen = torch.Generator().manual_seed(4)
+    rollout = -torch.rand(r.tokens.shape, generator=gen) * 6.0 - 2.0
+    return Rollouts(tokens=r.tokens, lengths=r.lengths, loss_mask=r.loss_mask, advantages=r.advantages,
+                    rollout_logprobs=rollout)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    from megatron.core.transformer.module import Float16Module
+
+    inner = model.module
+    return inner.module if isinstance(inner, Float16Module) else inner
+
+
+def _one_step(tp: int, dtype: str, per_token: bool, avg: bool, config_name: str, rows: list[int],
+              num_microbatches: int, weights: dict[str, torch.Tensor] | None):
+    """One forward_backward_func over this rank's ``rows``; returns (the model, reduced metrics)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mp_grpo.config import load_config
+    from mp_grpo.loss.metrics import reduce_metrics
+    from mp_grpo.megatron import MegatronGRPO, prepare_micro_batch
+    from mp_grpo.megatron.gpt import build_gpt_for_training
+
+    model_cfg, parallel_cfg = _configs(tp, dtype, per_token, avg)
+    built = build_gpt_for_training(model_cfg, parallel_cfg)
+    gpt = _unwrap(built.model)
+    if weights is not None:
+        _load_sharded(gpt, weights)
+    rollouts = _rollouts()
+    size = len(rows) // num_microbatches
+    micro = []
+    for i in range(num_microbatches):
+        part = rollouts.select(torch.tensor(rows[i * size:(i + 1) * size]))
+        micro.append(prepare_micro_batch(part, seq_len=64).to("cuda"))
+    grpo = MegatronGRPO(load_config(None, LOSS_CONFIGS[config_name]), temperature=0.8,
+                        num_microbatches=num_microbatches, calculate_per_token_loss=per_token)
+    batch = grpo.global_batch(micro, step=0)
+    built.model.zero_grad_buffer()
+    losses = get_forward_backward_func()(
+        forward_step_func=grpo.forward_step_func(batch, step=0, model_kwargs={"fp32_output": False} if dtype == "bf16" else None),
+        data_iterator=iter(micro), model=built.model, num_microbatches=num_microbatches, seq_length=64,
+        micro_batch_size=size, forward_only=False,
+    )
+    return gpt, reduce_metrics(losses, grpo.groups.dp_cp)
+
+
+def _load_sharded(gpt: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            full = weights[name]
+            if getattr(p, "tensor_model_parallel", False):
+                full = full.chunk(tp, dim=p.partition_dim)[rank]
+            p.copy_(full.to(device=p.device, dtype=p.dtype))
+
+
+def _full_grads(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, p in gpt.named_parameters():
+        g = p.main_grad.float()
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(parts, g.contiguous(), group=ps.get_tensor_model_parallel_group())
+            g = torch.cat(parts, dim=p.partition_dim)
+        out[name] = g.cpu()
+    return out
+
+
+def case_reference(out_dir: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    _init()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    out = Path(out_dir)
+    model_cfg, parallel_cfg = _configs(1, "fp32", False, False)
+    from mp_grpo.megatron.gpt import build_gpt_model
+
+    gpt, _, spec = build_gpt_model(model_cfg, parallel_cfg)
+    weights = {name: p.detach().float().cpu().clone() for name, p in gpt.named_parameters()}
+    torch.save(weights, out / "weights.pt")
+    print(f"layer spec: {spec}")
+    rows = list(range(NUM_SEQUENCES))
+    for dtype in DTYPES:
+        for per_token, avg, name in VARIANTS:
+            gpt, metrics = _one_step(1, dtype, per_token, avg, name, rows, 1, weights)
+            torch.save({"grads": _full_grads(gpt), "loss": metrics["loss"]}, out / f"ref_{dtype}_{per_token}_{avg}_{name}.pt")
+            print(f"reference {dtype} per_token={per_token} avg={avg} {name}: loss {metrics['loss']:.6f}")
+    ps.destroy_model_parallel()
+
+
+def case_layout(out_dir: str, layout: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from tests.tolerances import tolerance
+
+    _init()
+    tp, m = LAYOUTS[layout]["tp"], LAYOUTS[layout]["num_microbatches"]
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    out = Path(out_dir)
+    weights = torch.load(out / "weights.pt")
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = NUM_SEQUENCES // dp
+    rows = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    failures = []
+    for dtype in DTYPES:
+        dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+        for per_token, avg, name in VARIANTS:
+            ref = torch.load(out / f"ref_{dtype}_{per_token}_{avg}_{name}.pt")
+            gpt, metrics = _one_step(tp, dtype, per_token, avg, name, rows, m, weights)
+            grads = _full_grads(gpt)
+            where = f"{layout} {dtype} per_token={per_token} avg={avg} {name}"
+            rtol = tolerance(dt)["rtol"]
+            per_param_bound = rtol if dtype == "fp32" else BF16_PER_PARAMETER_RTOL
+            errors = {pname: _relative_l2(grads[pname], g_ref) for pname, g_ref in ref["grads"].items()}
+            whole = _relative_l2(torch.cat([grads[p].flatten() for p in ref["grads"]]),
+                                 torch.cat([g.flatten() for g in ref["grads"].values()]))
+            worst_name = max(errors, key=errors.get)
+            if not whole <= rtol:
+                failures.append(f"all gradients: relative L2 error {whole:.2e} > {rtol:.1e} [{where}]")
+            failures += [f"grad {n}: relative L2 error {e:.2e} > {per_param_bound:.1e} [{where}]"
+                         for n, e in errors.items() if not e <= per_param_bound]
+            if not abs(metrics["loss"] - ref["loss"]) <= rtol * abs(ref["loss"]):
+                failures.append(f"loss {metrics['loss']:.6f} vs reference {ref['loss']:.6f} [{where}]")
+            if dist.get_rank() == 0:
+                print(f"{where}: loss {metrics['loss']:.6f} (reference {ref['loss']:.6f}); relative L2 error of all "
+                      f"gradients {whole:.2e}, worst parameter {errors[worst_name]:.2e} ({worst_name})")
+    ps.destroy_model_parallel()
+    assert not failures, "\n".join(failures)
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    case, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    try:
+        {"case_reference": case_reference, "case_layout": case_layout}[case](**kwargs)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
