@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -263,9 +264,9 @@ def timed_ms(fn, iters: int) -> float:
 
 
 def run_tensor_parallel(args) -> dict:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
     group = dist.group.WORLD
     rows = []
     for v in args.vocab:

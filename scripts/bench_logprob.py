@@ -12,14 +12,16 @@ Single GPU (default)::
   fused_vocab_parallel_cross_entropy, Liger-Kernel's LigerVocabParallelCEFunction and
   triton_grpo_loss (each skipped, and said so, when its package is missing).
 
-Tensor parallel::
+Tensor parallel (any number of ranks, 1 included)::
 
-    torchrun --nproc_per_node 2 scripts/bench_logprob.py --tp 2 --out docs/benchmarks
+    torchrun --nproc_per_node 2 scripts/bench_logprob.py --out docs/benchmarks
 
   The global vocabulary split over the ranks (NCCL). A fixed number of iterations timed with CUDA
   events after a barrier (do_bench would pick a different count on each rank): the statistics
   kernel alone, the all-gather alone, the whole forward and forward+backward; megatron-core's
-  vocab_parallel_cross_entropy on the same shards for comparison.
+  vocab_parallel_cross_entropy on the same shards for comparison. Each run writes
+  ``logprob_tp<N>.{json,md}`` and redraws ``logprob_tp_scaling.png`` from every ``logprob_tp*.json``
+  in ``--out`` (time per rank vs. TP size).
 
 ``--sweep`` times launch configurations of the kernels instead (used to pick
 ``mp_grpo/kernels/launch_config.py``).
@@ -257,9 +259,9 @@ def timed_ms(fn, iters: int, group) -> float:
 
 
 def run_tensor_parallel(args) -> dict:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
     group = dist.group.WORLD
     try:
         from megatron.core import parallel_state
@@ -278,12 +280,12 @@ def run_tensor_parallel(args) -> dict:
         t = torch.randint(0, v_local * world, (n,), device="cuda", generator=gen)
         g = torch.randn(n, device="cuda", generator=gen)
         del full
-        stats = logprob_launch.new_stats_buffer(n, v_local, x.device)
+        stats = logprob_launch.new_stats_buffer(n, x.device)
         gathered = torch.empty(world, n + 1, 4, device="cuda")
 
         def stats_kernel():
             logprob_launch.shard_statistics(
-                x.detach(), t, stats[:n], vocab_start=rank * v_local, inv_temperature=1.0, with_entropy=False
+                x.detach(), t, stats, vocab_start=rank * v_local, inv_temperature=1.0, with_entropy=False
             )
 
         def all_gather():
@@ -291,11 +293,11 @@ def run_tensor_parallel(args) -> dict:
 
         def fwd():
             with torch.no_grad():
-                vocab_parallel_logprobs(x, t, tp_group=group)
+                vocab_parallel_logprobs(x, t, tp_group=group, check_inputs=False)
 
         def fwd_bwd():
             x.grad = None
-            vocab_parallel_logprobs(x, t, tp_group=group).backward(g)
+            vocab_parallel_logprobs(x, t, tp_group=group, check_inputs=False).backward(g)
 
         row = {
             "tp": world, "N": n, "V": v, "V_local": v_local,
@@ -338,7 +340,7 @@ def run_sweep(args) -> dict:
     for v in args.vocab:
         n = args.tokens
         x, t, g = make_inputs(n, v)
-        stats = logprob_launch.new_stats_buffer(n, v, x.device)
+        stats = logprob_launch.new_stats_buffer(n, x.device)
         base = logprob_launch_config(v)
         lp = vocab_parallel_logprobs(x, t)
         for block, warps in configs:
@@ -349,7 +351,7 @@ def run_sweep(args) -> dict:
                 try:
                     if part.startswith("stats"):
                         fn = lambda ent=part.endswith("entropy"): logprob_launch.shard_statistics(  # noqa: E731
-                            x.detach(), t, stats[:n], vocab_start=0, inv_temperature=1.0, with_entropy=ent
+                            x.detach(), t, stats, vocab_start=0, inv_temperature=1.0, with_entropy=ent
                         )
                         bytes_moved = n * v * 2
                     elif part == "forward":
@@ -436,7 +438,7 @@ def write_tp_report(result: dict, out: Path) -> None:
         "",
         f"N = {result['tokens']}, bf16, the global vocabulary split over {tp} ranks (NCCL). Median of {result['iters']} "
         "iterations timed with CUDA events after a barrier, per rank. Command: "
-        f"`torchrun --nproc_per_node {tp} scripts/bench_logprob.py --tp {tp} --out docs/benchmarks`.",
+        f"`torchrun --nproc_per_node {tp} scripts/bench_logprob.py --out docs/benchmarks`.",
         "",
         "| V | V_local | rank | stats kernel ms | all-gather ms | fwd ms | all-gather / fwd | fwd+bwd ms | megatron-core CE fwd / fwd+bwd ms |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -452,12 +454,44 @@ def write_tp_report(result: dict, out: Path) -> None:
     print("\n".join(lines))
 
 
+def plot_tp_scaling(out: Path) -> None:
+    """Per-rank time vs. TP size, from every logprob_tp*.json in ``out`` (rank 0's numbers; ranks agree)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = sorted((json.loads(p.read_text()) for p in out.glob("logprob_tp*.json")), key=lambda r: r["tp"])
+    if not results:
+        return
+    vocabs = sorted({e["per_rank"][0]["V"] for r in results for e in r["rows"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(vocabs), figsize=(6 * len(vocabs), 4.2))
+    axes = [axes] if len(vocabs) == 1 else axes
+    for ax, v in zip(axes, vocabs):
+        rows = [(r["tp"], e["per_rank"][0]) for r in results for e in r["rows"] if e["per_rank"][0]["V"] == v]
+        tps = [tp for tp, _ in rows]
+        for key, label in [("fwd_bwd_ms", "forward + backward"), ("fwd_ms", "forward"),
+                           ("stats_kernel_ms", "statistics kernel"), ("all_gather_ms", "all-gather [N+1, 4]")]:
+            ax.plot(tps, [r[key] for _, r in rows], marker="o", label=label)
+        if all("megatron_ce_fwd_bwd_ms" in r for _, r in rows):
+            ax.plot(tps, [r["megatron_ce_fwd_bwd_ms"] for _, r in rows], marker="x", linestyle="--",
+                    label="megatron-core CE forward + backward")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(tps, [str(t) for t in tps])
+        ax.set_xlabel("tensor-parallel size")
+        ax.set_ylabel("ms per rank (median)")
+        ax.set_title(f"N = {results[0]['tokens']}, V = {v} split over TP ranks ({results[0]['device']})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "logprob_tp_scaling.png", dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
-    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
@@ -465,10 +499,11 @@ def main() -> None:
     if args.sweep:
         result = run_sweep(args)
         (args.out / "logprob_sweep.json").write_text(json.dumps(result, indent=1))
-    elif args.tp > 1:
+    elif "LOCAL_RANK" in os.environ:  # started by torchrun: the tensor-parallel benchmark
         result = run_tensor_parallel(args)
         if dist.get_rank() == 0:
             write_tp_report(result, args.out)
+            plot_tp_scaling(args.out)
     else:
         write_single_gpu_report(run_single_gpu(args), args.out)
     if dist.is_initialized():

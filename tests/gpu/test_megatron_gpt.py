@@ -1,7 +1,7 @@
-"""megatron-core GPTModel on two GPUs through the real ``forward_backward_func``: TP = 2 and DP = 2 give the
-gradients of TP = 1, DP = 1.
+"""megatron-core GPTModel through the real ``forward_backward_func``: TP = 2, DP = 2 (two GPUs) and TP = 4,
+TP = 2 × DP = 2 (four GPUs), TP = 4 × DP = 2 (eight) give the gradients of TP = 1, DP = 1.
 
-Run on a machine with ≥ 2 CUDA GPUs (skipped otherwise)::
+Run on a machine with ≥ 2 CUDA GPUs (skipped otherwise; each layout is skipped without its GPUs)::
 
     NCCL_NVLS_ENABLE=0 python -m pytest tests/gpu -v -s
 
@@ -12,9 +12,10 @@ Each case is a fresh ``torchrun`` (NCCL) launched from pytest, like the CPU test
    the 3-tuple ``calculate_per_token_loss`` loss, DDP averaging in the collective or not, two loss
    configs), the whole global batch goes through ``forward_backward_func`` as ONE micro-batch; the
    gradients (DDP's fp32 ``main_grad``) are saved.
-2. ``tp2`` (TP = 2, DP = 1, 2 micro-batches of 4) and ``dp2`` (TP = 1, DP = 2, 2 micro-batches of 2 per
-   rank): the same weights (sharded along each parameter's ``partition_dim``), the same sequences;
-   after one ``forward_backward_func`` the gradients, gathered over TP, must equal the reference's.
+2. Each layout of ``LAYOUTS`` (e.g. ``tp2``: TP = 2, DP = 1, 2 micro-batches of 4; ``dp2``: TP = 1, DP = 2,
+   2 micro-batches of 2 per rank): the same weights (sharded along each parameter's ``partition_dim``), the
+   same sequences; after one ``forward_backward_func`` the gradients, gathered over TP, must equal the
+   reference's.
 
 Gradients are compared by their relative L2 error ‖g − g_ref‖ / ‖g_ref‖: over all parameters together it must
 stay within ``tests/tolerances``' rtol of the model's dtype (fp32: 2e-5, bf16: 1.6e-2), and so must every single
@@ -48,7 +49,14 @@ LOSS_CONFIGS = {
 VARIANTS = [(False, False, "ppo_token_tis"), (False, True, "gspo_seq_mean"), (True, False, "gspo_seq_mean"),
             (True, False, "ppo_token_tis")]
 DTYPES = ["fp32", "bf16"]
-LAYOUTS = {"tp2": dict(tp=2, num_microbatches=2), "dp2": dict(tp=1, num_microbatches=2)}
+LAYOUTS = {
+    # name: tensor-parallel size, GPUs (DP = GPUs / TP), micro-batches per rank
+    "tp2": dict(tp=2, gpus=2, num_microbatches=2),
+    "dp2": dict(tp=1, gpus=2, num_microbatches=2),
+    "tp4": dict(tp=4, gpus=4, num_microbatches=2),
+    "tp2_dp2": dict(tp=2, gpus=4, num_microbatches=2),
+    "tp4_dp2": dict(tp=4, gpus=8, num_microbatches=2),
+}
 TINY_NORM = 1e-30
 """Floor of a reference gradient's norm in the relative error (every GPTModel parameter gets a gradient)."""
 BF16_PER_PARAMETER_RTOL = 0.1
@@ -91,7 +99,10 @@ def reference_dir(tmp_path_factory) -> Path:
 @needs_two_gpus
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gpt_layout_equals_one_gpu(layout: str, reference_dir: Path) -> None:
-    print(_torchrun("case_layout", 2, out_dir=str(reference_dir), layout=layout))
+    gpus = LAYOUTS[layout]["gpus"]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"{layout} needs {gpus} CUDA GPUs")
+    print(_torchrun("case_layout", gpus, out_dir=str(reference_dir), layout=layout))
 
 
 # ------------------------------------------------------------------------------------------------ workers

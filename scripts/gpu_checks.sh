@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything that needs GPUs, in one go: the tensor-parallel benchmarks at every TP size the machine
+# allows, the GPTModel gradient-equality tests, and the main job on GPUs.
+#
+#   bash scripts/gpu_checks.sh benches OUT_DIR     # bench_logprob / bench_fused at TP = 1, 2, 4, 8 (as GPUs allow)
+#   bash scripts/gpu_checks.sh megatron OUT_DIR    # tests/gpu (GPTModel layouts vs. one GPU) + the main job
+#
+# Needs megatron-core, omegaconf (and liger-kernel for the single-GPU baselines) importable.
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+what=${1:?benches or megatron}
+out=${2:?output directory}
+mkdir -p "$out"
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $gpus"
+cd "$(dirname "$0")/.."
+case "$what" in
+  benches)
+    for tp in 1 2 4 8; do
+      [ "$tp" -le "$gpus" ] || continue
+      torchrun --standalone --nproc_per_node "$tp" scripts/bench_logprob.py --out "$out" 2>&1 | grep -v -i warn | tail -8
+      [ "$tp" -ge 2 ] && torchrun --standalone --nproc_per_node "$tp" scripts/bench_fused.py --tp "$tp" --out "$out" 2>&1 | grep -v -i warn | tail -8
+    done
+    ;;
+  megatron)
+    python3 -m pytest tests/gpu/test_megatron_gpt.py -v -s -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -E "PASS|FAIL|SKIP|relative L2|passed|failed|Error" | tail -60
+    torchrun --standalone --nproc_per_node 2 scripts/grpo_step.py --config configs/grpo_step.yaml 2>&1 | tee "$out/grpo_step.log" | grep -v -i warn | tail -25
+    ;;
+esac
