@@ -13,6 +13,9 @@ import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
 
+# torch >= 2.13 names the one-tensor all-gather all_gather_single (all_gather_into_tensor warns there).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def group_size(group: ProcessGroup | None) -> int:
     """World size of ``group``; 1 for ``None`` or when torch.distributed is not initialized."""
@@ -31,14 +34,14 @@ def group_rank(group: ProcessGroup | None) -> int:
 def all_gather_stacked(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Gather ``x`` from every rank of ``group`` into a new ``[world, *x.shape]`` tensor.
 
-    One ``all_gather_into_tensor`` call; rank r's tensor lands at index r.
+    One all-gather of a single tensor; rank r's tensor lands at index r.
     """
     world = group_size(group)
     if world == 1:
         return x.unsqueeze(0)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single(out, x, group=group)
     return out.view(world, *x.shape)
 
 
