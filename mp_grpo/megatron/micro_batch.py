@@ -45,10 +45,15 @@ class TokenLayout:
     """Positions along the row (padded: of ``padded_len``; packed: of the packed row) this CP rank holds."""
 
     def input_field(self, x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
-        """A token-aligned ``[B, S, ...]`` field as the model sees it on this rank (laid out and CP-cut, no shift)."""
+        """A token-aligned ``[B, S, ...]`` field as the model sees it on this rank (laid out and CP-cut, no shift).
+
+        ``S`` may be any width that holds every sequence: padded rows are cut or padded to ``row_len`` (the
+        positions past the longest sequence are padding either way).
+        """
         if self.packed is not None:
             row = self.packed.pack(x, fill).unsqueeze(0)
         else:
+            x = x[:, : self.row_len]
             pad = self.row_len - x.shape[1]
             row = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1) if pad else x
         return select_positions(row, self.positions.to(x.device), seq_dim=1)

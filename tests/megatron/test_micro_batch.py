@@ -58,10 +58,13 @@ def test_fixed_length_and_sequence_parallel_padding() -> None:
         prepare_micro_batch(r, sequence_format=SequenceFormat.PACKED, seq_len=32)
 
 
-def test_token_field_follows_the_layout() -> None:
+@pytest.mark.parametrize("sequence_format", [SequenceFormat.PADDED, SequenceFormat.PACKED])
+def test_token_field_follows_the_layout(sequence_format: SequenceFormat) -> None:
+    """A field as wide as the rollouts (wider than the micro-batch's longest sequence) lands like the others."""
     r = H.make_rollouts(4, seed=3)
-    mb = prepare_micro_batch(r, sequence_format=SequenceFormat.PACKED)
-    noise = torch.arange(r.tokens.numel(), dtype=torch.float32).view_as(r.tokens)
+    mb = prepare_micro_batch(r, sequence_format=sequence_format)
+    wide = torch.cat([r.tokens, r.tokens[:, :5]], dim=1)  # wider than any row the layout holds
+    noise = torch.arange(wide.numel(), dtype=torch.float32).view_as(wide)
     local = mb.layout.target_field(noise, 0.0)
     shifted_old = mb.layout.target_field(r.old_logprobs, 0.0)
     assert local.shape == mb.targets.shape
