@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 scripts/grpo_step.py --config configs/grpo_step.yaml            # GPUs, NCCL
     torchrun --standalone --nproc_per_node 2 scripts/grpo_step.py --config configs/grpo_step_cpu.yaml  # CPU, gloo
     ... [key=value ...]   # dotlist overrides, e.g. parallel.tensor_model_parallel_size=1 loss_preset=gspo
+    ... model.output_path=fused   # log-probs from the final hidden states, never holding the logits
 
 Schedule
 1. Distributed setup: NCCL on GPUs, gloo on CPU (Triton kernels under the interpreter);
@@ -19,7 +20,8 @@ Schedule
    the old log-probs and entropies; rollout log-probs = old + mismatch noise; reference log-probs from
    the initial weights when the loss has a KL term.
 4. Each step: the GlobalBatch, ``forward_backward_func`` with :class:`mp_grpo.megatron.MegatronGRPO`'s
-   ``forward_step_func``, metrics reduced over DP×CP, the optimizer step (skipped when the mismatch
+   ``forward_step_func`` (on ``model.output_path``: the model's logits, or its final hidden states and
+   output weight through the fused output layer; the no-grad passes of 3. use the same path), metrics reduced over DP×CP, the optimizer step (skipped when the mismatch
    monitor says so); a progress bar and one table row per step on rank 0.
 5. A JSON log (config, layout, per-step metrics) written by rank 0.
 """
@@ -175,11 +177,7 @@ class Trainer:
 
     @torch.no_grad()
     def logprobs(self, model: torch.nn.Module, grpo: MegatronGRPO, mb) -> tuple[torch.Tensor, torch.Tensor | None]:
-        kwargs = dict(self.model_kwargs)
-        if mb.packed_seq_params is not None:
-            kwargs["packed_seq_params"] = mb.packed_seq_params
-        logits = model(mb.input_ids, mb.position_ids, None, **kwargs)
-        return grpo.token_logprobs(logits, mb, vocab_size=self.cfg.model.vocab_size)
+        return grpo.model_logprobs(model, mb, model_kwargs=self.model_kwargs)
 
 
 def _cpu_forward_backward(fbf, groups, *, forward_step_func, data_iterator, model, num_microbatches, **_unused):
@@ -267,9 +265,9 @@ def main() -> None:
     trainer = Trainer(cfg, groups, on_gpu)
     grpo = MegatronGRPO(cfg.loss, temperature=cfg.rollout.temperature, num_microbatches=cfg.train.num_microbatches,
                         calculate_per_token_loss=cfg.parallel.calculate_per_token_loss, groups=groups,
-                        vocab_size=cfg.model.vocab_size)
+                        vocab_size=cfg.model.vocab_size, output_path=cfg.model.output_path)
     layout = dict(world=dist.get_world_size(), tp=groups.tp_size, cp=groups.cp_size, dp=dp, backend=backend,
-                  sequence_format=cfg.parallel.sequence_format.value,
+                  sequence_format=cfg.parallel.sequence_format.value, output_path=cfg.model.output_path.value,
                   global_batch=dp * cfg.train.num_microbatches * cfg.train.micro_batch_size)
     if rank0:
         print(trainer.description, flush=True)

@@ -40,6 +40,26 @@ class ParamsDtype(str, Enum):
     """bfloat16 through Megatron's ``Float16Module`` (fp32 gradients in the DDP buffers)."""
 
 
+class OutputPath(str, Enum):
+    """How the loss reads the policy's output layer (``model.output_path``; :class:`mp_grpo.megatron.MegatronGRPO`).
+
+    Both give the same log-probs and the same parameter gradients; they trade time for memory. Measured
+    on one H200 at N = 16384 tokens, H = 4096, V = 151936, bf16 (``docs/benchmarks/fused.md``): forward +
+    backward of the output layer and the log-probs takes 1.04x the bare output-layer matmuls on the
+    logits path and 1.40x on the fused path (it recomputes the logits in backward), while the logits
+    path holds the ``[tokens, V_local]`` logits (4.6 GiB there, and as much again for their gradient)
+    and the fused path at most 0.72 GiB beyond its inputs.
+    """
+
+    LOGITS = "logits"
+    """GPTModel computes its vocab-parallel logits; :func:`mp_grpo.vocab_parallel_logprobs` reads them.
+    The default: the faster path, for as long as the logits fit in memory."""
+    FUSED = "fused"
+    """GPTModel's output layer is skipped; :func:`mp_grpo.fused_linear_logprobs` takes its (TP-gathered)
+    input and weight and computes the log-probs chunk by chunk, never holding the logits. For long
+    sequences or large vocabularies, where the logits path runs out of memory."""
+
+
 def _positive(key: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{key}: got {value!r}; allowed: an integer ≥ 1")
@@ -69,6 +89,9 @@ class ModelConfig:
     """fp32 | bf16 parameters on GPU; the CPU stand-in is always fp32."""
     init_seed: int = 1234
     """Seed of the initial weights (the same on every rank: every TP layout starts from the same model)."""
+    output_path: OutputPath = OutputPath.LOGITS
+    """logits | fused: how the loss reads the output layer (:class:`OutputPath`; same gradients, fused
+    trades ~35 % more output-layer time for not holding the ``[tokens, V_local]`` logits)."""
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_sequence_length"):

@@ -1,6 +1,8 @@
 """Thin adapter between mp_grpo's loss and Megatron-core's training loop (``forward_backward_func``).
 
-- :mod:`.loss_func`: :class:`MegatronGRPO` — the step's GlobalBatch, ``forward_step_func`` and ``loss_func``.
+- :mod:`.loss_func`: :class:`MegatronGRPO` — the step's GlobalBatch, ``forward_step_func`` and ``loss_func``,
+  on the logits or the fused output path (:class:`~mp_grpo.config.job.OutputPath`).
+- :mod:`.fused_output`: GPTModel's final hidden states and output weight instead of its logits (fused path).
 - :mod:`.scaling`: :class:`MegatronScaling` — what to return so Megatron's own scaling gives the exact gradient.
 - :mod:`.rollouts`, :mod:`.micro_batch`: token-aligned rollout fields → this rank's shifted, packed, CP-split micro-batch.
 - :mod:`.context_parallel`, :mod:`.packed`: Megatron's 2·CP chunk layout and THD packing.
@@ -10,6 +12,7 @@
 - :mod:`.synthetic`: the main job's synthetic rollout engine.
 """
 
+from mp_grpo.config.job import OutputPath
 from mp_grpo.megatron.groups import ParallelGroups
 from mp_grpo.megatron.loss_func import MegatronGRPO
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch, prepare_micro_batch
@@ -21,6 +24,7 @@ __all__ = [
     "MegatronGRPO",
     "MegatronScaling",
     "MicroBatch",
+    "OutputPath",
     "ParallelGroups",
     "Rollouts",
     "prepare_micro_batch",

@@ -6,6 +6,12 @@ DistributedDataParallel`` and offers the methods ``finalize_model_grads`` and th
 ``config``). Gradients stay in ``param.grad`` (``finalize_model_grads`` reads ``grad`` when a
 parameter has no ``main_grad``) and are reduced once, synchronously, in ``finish_grad_sync``.
 
+With ``main_grad=True`` they are kept as Megatron's DDP keeps them instead: every parameter gets an
+fp32 ``main_grad`` (zeroed by ``zero_grad_buffer``) and the flag ``grad_added_to_main_grad``; after
+each backward a hook adds ``param.grad`` into ``main_grad`` and drops it — unless a layer with
+gradient-accumulation fusion already wrote its gradient into ``main_grad`` and set the flag (the hook
+of ``DistributedDataParallel._make_backward_post_hook``). Reduction and scaling then act on ``main_grad``.
+
 The reduction is Megatron's, step for step (``DistributedDataParallel.__init__`` and
 ``_ParamAndGradBucketGroup.start_grad_sync`` in megatron-core 0.16):
 
@@ -36,6 +42,7 @@ class CpuDistributedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         *,
         dp_cp_group: ProcessGroup | None,
+        main_grad: bool = False,
     ) -> None:
         super().__init__()
         if config.calculate_per_token_loss and ddp_config.average_in_collective:
@@ -50,6 +57,12 @@ class CpuDistributedDataParallel(torch.nn.Module):
             self.gradient_scaling_factor = 1.0
         else:
             self.gradient_scaling_factor = 1.0 / world
+        self.main_grad = main_grad
+        if main_grad:
+            for param in self._params():
+                param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
+                param.grad_added_to_main_grad = False
+                param.register_post_accumulate_grad_hook(_move_grad_to_main_grad)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -59,8 +72,13 @@ class CpuDistributedDataParallel(torch.nn.Module):
         """Gradients are reduced only in :meth:`finish_grad_sync`; nothing to turn off."""
         yield
 
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
     def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.module.parameters() if p.requires_grad and p.grad is not None]
+        if self.main_grad:
+            return [p.main_grad for p in self._params()]
+        return [p.grad for p in self._params() if p.grad is not None]
 
     @torch.no_grad()
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
@@ -82,3 +100,13 @@ class CpuDistributedDataParallel(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         for param in self.module.parameters():
             param.grad = None
+            if self.main_grad and param.requires_grad:
+                param.main_grad.zero_()
+                param.grad_added_to_main_grad = False
+
+
+def _move_grad_to_main_grad(param: torch.nn.Parameter) -> None:
+    """Megatron DDP's backward post-hook: ``grad`` into ``main_grad`` unless a fused layer put it there already."""
+    if param.grad is not None and not param.grad_added_to_main_grad:
+        param.main_grad.add_(param.grad)
+    param.grad = None

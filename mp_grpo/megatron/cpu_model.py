@@ -17,7 +17,10 @@ Schedule of :meth:`CpuGPTStandIn.forward`
 2. To Megatron's ``[S, B, H]``.
 3. One residual block: ``x + tanh(W · LayerNorm(x) + b)``.
 4. Output layer (``ColumnParallelLinear``, no bias, ``gather_output=False``): ``[S, B, V_local]``,
-   returned as ``[B, S, V_local]`` like GPTModel.
+   returned as ``[B, S, V_local]`` like GPTModel. It is called as GPTModel's ``_postprocess`` calls
+   it — ``output_layer(x, weight=...)``, with the word-embedding weight under
+   ``share_embeddings_and_output_weights`` — so the fused output path
+   (:mod:`mp_grpo.megatron.fused_output`) runs on it unchanged.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class CpuGPTStandIn(MegatronModule):
         vocab_size: int,
         max_sequence_length: int,
         tp_group: ProcessGroup | None = None,
+        share_embeddings_and_output_weights: bool = False,
     ) -> None:
         super().__init__(config=config)
         if config.sequence_parallel:
@@ -68,6 +72,7 @@ class CpuGPTStandIn(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder
         self.vocab_size = vocab_size
         self.tp_group = tp_group
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         init = torch.nn.init.normal_
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size, config.hidden_size, init_method=init, config=config, tp_group=tp_group
@@ -77,7 +82,7 @@ class CpuGPTStandIn(MegatronModule):
         self.mix = torch.nn.Linear(config.hidden_size, config.hidden_size)
         self.output_layer = ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=init, bias=False, gather_output=False,
-            tp_group=tp_group,
+            skip_weight_param_allocation=share_embeddings_and_output_weights, tp_group=tp_group,
         )
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -96,13 +101,14 @@ class CpuGPTStandIn(MegatronModule):
         x = x.transpose(0, 1).contiguous()
         # --- 3. residual block ---
         x = x + torch.tanh(self.mix(self.norm(x)))
-        # --- 4. vocab-parallel output layer ---
-        logits, _ = self.output_layer(x)
+        # --- 4. vocab-parallel output layer (tied: GPTModel's shared_embedding_or_output_weight) ---
+        weight = self.word_embeddings.weight if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(x, weight=weight)
         return logits.transpose(0, 1).contiguous()
 
     @torch.no_grad()
     def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy unsharded weights in (vocab-sharded ones cut to this TP rank's rows)."""
+        """Copy unsharded weights in (vocab-sharded ones cut to this TP rank's rows; tied: no output-layer weight)."""
         tp, rank = group_size(self.word_embeddings.tp_group), group_rank(self.word_embeddings.tp_group)
         for name, param in self.named_parameters():
             value = full[name]

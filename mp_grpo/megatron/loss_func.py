@@ -2,13 +2,16 @@
 
 Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the last pipeline stage)
 
-1. Check the model output against the micro-batch: ``[*targets.shape, V_local]`` with
-   ``V_local · TP`` = the model's (padded) vocabulary — a TP group that does not match the model's
-   vocabulary shards fails here, before any collective.
-2. Log-probs (and entropy) of the targets with :func:`mp_grpo.vocab_parallel_logprobs` on the TP
-   group, at the rollout's sampling temperature. This is the one place that reads the model output:
-   the fused output layer (issue 5) plugs in here, taking the final hidden states and the output
-   weight instead of the logits.
+1. Check the model output against the micro-batch: ``[*targets.shape, V_local]`` logits
+   (``OutputPath.LOGITS``), or ``[*targets.shape, H]`` final hidden states and the output layer's
+   ``[V_local, H]`` weight (``OutputPath.FUSED``, from :func:`~mp_grpo.megatron.fused_output.call_for_hidden_states`),
+   with ``V_local · TP`` = the model's (padded) vocabulary — a TP group that does not match the
+   model's vocabulary shards fails here, before any collective.
+2. Log-probs (and entropy) of the targets on the TP group, at the rollout's sampling temperature:
+   :func:`mp_grpo.vocab_parallel_logprobs` of the logits, or :func:`mp_grpo.fused_linear_logprobs` of
+   the hidden states and the weight (the output layer's GEMM fused with the log-probs, chunk by chunk,
+   never holding the logits; into ``weight.main_grad`` with gradient-accumulation fusion). This is the
+   one place that reads the model output; both paths give the same log-probs and gradients.
 3. :class:`~mp_grpo.GRPOLoss` with the step's :class:`~mp_grpo.GlobalBatch` and the micro-batch's
    :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
 4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
@@ -25,13 +28,15 @@ from functools import partial
 
 import torch
 
+from mp_grpo.config.job import OutputPath
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.grpo_loss import GRPOLoss
+from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
 from mp_grpo.megatron.scaling import MegatronScaling
-from mp_grpo.ops import vocab_parallel_logprobs
+from mp_grpo.ops import fused_linear_logprobs, vocab_parallel_logprobs
 
 
 class MegatronGRPO:
@@ -46,6 +51,10 @@ class MegatronGRPO:
                                        data_iterator=iter(micro_batches), model=model,
                                        num_microbatches=M, seq_length=..., micro_batch_size=...)
         metrics = mp_grpo.reduce_metrics(losses, grpo.groups.dp_cp)
+
+    ``output_path=OutputPath.FUSED`` makes the same step read GPTModel's final hidden states and output
+    weight instead of its logits (see :class:`~mp_grpo.config.job.OutputPath` for the trade-off); the
+    model, the schedule and the call above do not change.
     """
 
     def __init__(
@@ -58,6 +67,7 @@ class MegatronGRPO:
         groups: ParallelGroups | None = None,
         vocab_size: int | None = None,
         with_entropy: bool = True,
+        output_path: OutputPath = OutputPath.LOGITS,
     ) -> None:
         """
         Args:
@@ -70,10 +80,16 @@ class MegatronGRPO:
             vocab_size: the model's (padded) vocabulary size; None reads ``vocab_size`` from the model.
             with_entropy: compute the policy entropy for the metrics even when the loss does not need it
                 (one extra sum in the log-prob kernel's pass).
+            output_path: ``OutputPath.LOGITS`` (default, faster) reads the model's vocab-parallel logits;
+                ``OutputPath.FUSED`` skips the model's output layer and computes the log-probs from its
+                input and weight without holding the ``[tokens, V_local]`` logits (see :class:`OutputPath`).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
+        if not isinstance(output_path, OutputPath):
+            raise TypeError(f"output_path must be an OutputPath (LOGITS or FUSED), got {output_path!r}")
         self.config = config
+        self.output_path = output_path
         self.loss = GRPOLoss(config)
         self.temperature = float(temperature)
         self.groups = resolve_groups(groups)
@@ -133,9 +149,9 @@ class MegatronGRPO:
     ) -> Callable[[Iterator[MicroBatch], torch.nn.Module], tuple[torch.Tensor, Callable]]:
         """A ``forward_step_func`` for ``forward_backward_func``; its data iterator yields :class:`MicroBatch`.
 
-        The model is called like GPTModel: ``model(input_ids, position_ids, None, packed_seq_params=...,
-        **model_kwargs)`` (``model_kwargs`` e.g. ``{"fp32_output": False}`` to keep a Float16Module's logits
-        in bf16). ``batch`` must be the GlobalBatch built for ``step``.
+        The model is called like GPTModel (:meth:`call_model`): ``model(input_ids, position_ids, None,
+        packed_seq_params=..., **model_kwargs)`` (``model_kwargs`` e.g. ``{"fp32_output": False}`` to keep a
+        Float16Module's logits or hidden states in bf16). ``batch`` must be the GlobalBatch built for ``step``.
         """
         if not isinstance(batch, GlobalBatch):
             raise TypeError(f"batch must be a GlobalBatch, got {type(batch).__name__}")
@@ -147,48 +163,118 @@ class MegatronGRPO:
             mb = next(data_iterator)
             if not isinstance(mb, MicroBatch):
                 raise TypeError(f"the data iterator must yield MicroBatch objects, got {type(mb).__name__}")
-            kwargs = dict(extra)
-            if mb.packed_seq_params is not None:
-                kwargs["packed_seq_params"] = mb.packed_seq_params
-            output = model(mb.input_ids, mb.position_ids, None, **kwargs)
-            return output, partial(self.loss_func, mb, batch, vocab_size=self._model_vocab_size(model))
+            output, output_weight = self.call_model(model, mb, model_kwargs=extra)
+            return output, partial(
+                self.loss_func, mb, batch, vocab_size=self._model_vocab_size(model), output_weight=output_weight
+            )
 
         return forward_step
 
+    def call_model(
+        self, model: torch.nn.Module, mb: MicroBatch, *, model_kwargs: Mapping[str, object] | None = None
+    ) -> tuple[torch.Tensor, OutputWeight | None]:
+        """The model's output for ``mb`` on this object's output path, and the output weight it needs.
+
+        ``OutputPath.LOGITS``: ``(logits [*targets, V_local], None)``. ``OutputPath.FUSED``: ``(hidden
+        [*targets, H], OutputWeight)`` with the model's output layer skipped
+        (:func:`~mp_grpo.megatron.fused_output.call_for_hidden_states`); on a pipeline stage without an
+        output layer ``(activations, None)``. Either way, pass both to :meth:`token_logprobs`.
+        """
+        kwargs = dict(model_kwargs or {})
+        if mb.packed_seq_params is not None:
+            kwargs["packed_seq_params"] = mb.packed_seq_params
+        if self.output_path == OutputPath.FUSED:
+            return call_for_hidden_states(model, mb.input_ids, mb.position_ids, None, **kwargs)
+        return model(mb.input_ids, mb.position_ids, None, **kwargs), None
+
+    def model_logprobs(
+        self, model: torch.nn.Module, mb: MicroBatch, *, model_kwargs: Mapping[str, object] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`call_model` then :meth:`token_logprobs`: ``(logprobs, entropy or None)`` of ``mb.targets``.
+
+        For passes outside the training step on the same output path, e.g. the old log-probs under
+        ``torch.no_grad()`` at the start of a step, or a reference model's log-probs.
+        """
+        output, output_weight = self.call_model(model, mb, model_kwargs=model_kwargs)
+        return self.token_logprobs(output, mb, vocab_size=self._model_vocab_size(model), output_weight=output_weight)
+
     # ------------------------------------------------------------------------------------------ loss
     def token_logprobs(
-        self, output_tensor: torch.Tensor, mb: MicroBatch, *, vocab_size: int | None = None
+        self,
+        output_tensor: torch.Tensor,
+        mb: MicroBatch,
+        *,
+        vocab_size: int | None = None,
+        output_weight: OutputWeight | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Steps 1–2: fp32 log-probs of ``mb.targets`` (and entropy) from the model's vocab-parallel logits."""
-        # --- 1. the output must be this rank's vocabulary shard of the micro-batch's positions ---
-        logits = output_tensor
-        if not isinstance(logits, torch.Tensor) or logits.dim() != mb.targets.dim() + 1 or logits.shape[:-1] != mb.targets.shape:
-            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            raise ValueError(
-                f"model output must be vocab-parallel logits [{', '.join(map(str, mb.targets.shape))}, V_local] "
-                f"(GPTModel with parallel_output=True, labels=None), got {got}"
-            )
+        """Steps 1–2: fp32 log-probs of ``mb.targets`` (and entropy) from the model output of :meth:`call_model`.
+
+        ``OutputPath.LOGITS``: ``output_tensor`` is the vocab-parallel logits and ``output_weight`` None.
+        ``OutputPath.FUSED``: ``output_tensor`` is the output layer's TP-mapped input and ``output_weight``
+        its weight.
+        """
+        # --- 1. the output must cover the micro-batch's positions and this rank's vocabulary shard ---
+        if self.output_path == OutputPath.FUSED:
+            hidden = self._checked_hidden_states(output_tensor, mb, output_weight)
+            v_local, what = output_weight.weight.shape[0], "output layer's weight holds"
+        else:
+            if output_weight is not None:
+                raise ValueError("output_weight is only used with output_path=OutputPath.FUSED; the logits path reads the logits")
+            _check_output_shape(output_tensor, mb, "vocab-parallel logits", "V_local",
+                                "GPTModel with parallel_output=True, labels=None")
+            v_local, what = output_tensor.shape[-1], "logits hold"
         vocab_size = self.vocab_size if vocab_size is None else vocab_size
         tp = self.groups.tp_size
-        if vocab_size is not None and logits.shape[-1] * tp != vocab_size:
+        if vocab_size is not None and v_local * tp != vocab_size:
             raise ValueError(
-                f"tp_group: the logits hold {logits.shape[-1]} vocabulary ids on each of {tp} tensor-parallel ranks "
-                f"({logits.shape[-1] * tp} in all) but the model's vocabulary has {vocab_size}: the TP group does "
+                f"tp_group: the {what} {v_local} vocabulary ids on each of {tp} tensor-parallel ranks "
+                f"({v_local * tp} in all) but the model's vocabulary has {vocab_size}: the TP group does "
                 "not match the model's vocabulary shards"
             )
         # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
-        out = vocab_parallel_logprobs(
-            logits, mb.targets, tp_group=self.groups.tp, temperature=self.temperature,
-            with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
-        )
+        common = dict(tp_group=self.groups.tp, temperature=self.temperature, with_entropy=self.with_entropy,
+                      ignore_index=IGNORE_INDEX)
+        if self.output_path == OutputPath.FUSED:
+            weight = output_weight.weight
+            # Megatron's linear layer, too, accumulates only when a weight gradient is computed.
+            accumulate = output_weight.accumulate_into_main_grad and torch.is_grad_enabled() and weight.requires_grad
+            out = fused_linear_logprobs(hidden, weight, mb.targets, accumulate_into_main_grad=accumulate, **common)
+        else:
+            out = vocab_parallel_logprobs(output_tensor, mb.targets, **common)
         return out if self.with_entropy else (out, None)
 
+    def _checked_hidden_states(
+        self, output_tensor: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None
+    ) -> torch.Tensor:
+        """Step 1 of the fused path: ``output_tensor`` as ``[*targets, H]`` hidden states in the weight's dtype."""
+        if not isinstance(output_weight, OutputWeight):
+            raise ValueError(
+                "output_weight: output_path=OutputPath.FUSED needs the output layer's weight that call_model returns "
+                f"with the hidden states, got {type(output_weight).__name__} (a model without an output_layer, "
+                "e.g. not the last pipeline stage?)"
+            )
+        _check_output_shape(output_tensor, mb, "the final hidden states", "H",
+                            "GPTModel called through MegatronGRPO.call_model with output_path=fused")
+        weight = output_weight.weight
+        if output_tensor.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
+            # Float16Module upcasts the last stage's output unless called with fp32_output=False; the
+            # hidden states were computed in the weight's dtype, so casting back is exact (pass
+            # model_kwargs={"fp32_output": False} to save the two copies).
+            return output_tensor.to(weight.dtype)
+        return output_tensor
+
     def loss_func(
-        self, mb: MicroBatch, batch: GlobalBatch, output_tensor: torch.Tensor, *, vocab_size: int | None = None
+        self,
+        mb: MicroBatch,
+        batch: GlobalBatch,
+        output_tensor: torch.Tensor,
+        *,
+        vocab_size: int | None = None,
+        output_weight: OutputWeight | None = None,
     ) -> tuple:
         """Megatron's loss function for one micro-batch; see the module docstring."""
         # --- 1.–2. log-probs (and entropy) ---
-        logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size)
+        logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size, output_weight=output_weight)
         # --- 3. this micro-batch's share of the step objective ---
         share, metrics = self.loss(
             logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
@@ -213,3 +299,9 @@ class MegatronGRPO:
         except RuntimeError:
             return None
 
+
+def _check_output_shape(output: torch.Tensor, mb: MicroBatch, what: str, last: str, source: str) -> None:
+    """``output`` must be ``[*mb.targets.shape, last]``."""
+    if not isinstance(output, torch.Tensor) or output.dim() != mb.targets.dim() + 1 or output.shape[:-1] != mb.targets.shape:
+        got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ValueError(f"model output must be {what} [{', '.join(map(str, mb.targets.shape))}, {last}] ({source}), got {got}")

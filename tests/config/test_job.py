@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mp_grpo.config import ConfigError, Objective, RatioLevel
-from mp_grpo.config.job import JobConfig, ParamsDtype, SequenceFormat, load_job_config
+from mp_grpo.config.job import JobConfig, OutputPath, ParamsDtype, SequenceFormat, load_job_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -50,6 +50,7 @@ def test_preset_is_the_base_of_the_inline_loss() -> None:
         (["model.max_sequence_length=16"], "model.max_sequence_length"),
         (["train.num_microbatches=0"], "train.num_microbatches"),
         (["loss.policy.objective=ppo"], "loss.policy.objective"),
+        (["model.output_path=fast"], "model.output_path"),
     ],
 )
 def test_errors_name_the_key(overrides, match) -> None:
@@ -60,3 +61,8 @@ def test_errors_name_the_key(overrides, match) -> None:
 def test_unknown_preset_lists_the_presets() -> None:
     with pytest.raises(ConfigError, match="mismatch_safe"):
         load_job_config({"loss_preset": "no_such_preset"})
+
+
+def test_output_path_defaults_to_logits_and_switches_to_fused() -> None:
+    assert load_job_config({}).model.output_path == OutputPath.LOGITS
+    assert load_job_config({}, ["model.output_path=fused"]).model.output_path == OutputPath.FUSED

@@ -16,6 +16,10 @@ Each case is a fresh ``torchrun`` (NCCL) launched from pytest, like the CPU test
    2 micro-batches of 2 per rank): the same weights (sharded along each parameter's ``partition_dim``), the
    same sequences; after one ``forward_backward_func`` the gradients, gathered over TP, must equal the
    reference's.
+3. The fused output path (``model.output_path=fused``: ``MegatronGRPO(output_path=OutputPath.FUSED)`` reads
+   GPTModel's final hidden states and output weight instead of its logits) on every layout, and sequence
+   parallelism (``tp2`` with ``sequence_parallel=True``, logits and fused; needs transformer-engine's layer
+   spec, skipped without it), against the same logits-path reference.
 
 Gradients are compared by their relative L2 error ‖g − g_ref‖ / ‖g_ref‖: over all parameters together it must
 stay within ``tests/tolerances``' rtol of the model's dtype (fp32: 2e-5, bf16: 1.6e-2), and so must every single
@@ -25,6 +29,7 @@ factor in the loss scaling (M, DP, the token count) fails by far. The errors of 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -105,6 +110,27 @@ def test_gpt_layout_equals_one_gpu(layout: str, reference_dir: Path) -> None:
     print(_torchrun("case_layout", gpus, out_dir=str(reference_dir), layout=layout))
 
 
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gpt_fused_output_equals_one_gpu_logits(layout: str, reference_dir: Path) -> None:
+    gpus = LAYOUTS[layout]["gpus"]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"{layout} needs {gpus} CUDA GPUs")
+    print(_torchrun("case_layout", gpus, out_dir=str(reference_dir), layout=layout, output_path="fused"))
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("output_path", ["logits", "fused"])
+def test_gpt_sequence_parallel_equals_one_gpu(output_path: str, reference_dir: Path) -> None:
+    if importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("sequence parallelism needs transformer-engine's layer spec (the local spec's torch LayerNorm "
+                    "refuses it); tests/gpu/test_megatron_fused_output.py covers the output layer under SP without it")
+    print(_torchrun("case_layout", 2, out_dir=str(reference_dir), layout="tp2", output_path=output_path,
+                    sequence_parallel=True))
+
+
 # ------------------------------------------------------------------------------------------------ workers
 def _init() -> None:
     import torch.distributed as dist
@@ -115,12 +141,13 @@ def _init() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-def _configs(tp: int, dtype: str, per_token: bool, avg: bool):
+def _configs(tp: int, dtype: str, per_token: bool, avg: bool, sequence_parallel: bool = False):
     from mp_grpo.config.job import ModelConfig, ParallelConfig, ParamsDtype
 
     model = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,
                         max_sequence_length=64, params_dtype=ParamsDtype(dtype), init_seed=1234)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, calculate_per_token_loss=per_token, average_in_collective=avg)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, calculate_per_token_loss=per_token, average_in_collective=avg,
+                              sequence_parallel=sequence_parallel)
     return model, parallel
 
 
@@ -148,16 +175,18 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _one_step(tp: int, dtype: str, per_token: bool, avg: bool, config_name: str, rows: list[int],
-              num_microbatches: int, weights: dict[str, torch.Tensor] | None):
+              num_microbatches: int, weights: dict[str, torch.Tensor] | None, output_path: str = "logits",
+              sequence_parallel: bool = False):
     """One forward_backward_func over this rank's ``rows``; returns (the model, reduced metrics)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mp_grpo.config import load_config
+    from mp_grpo.config.job import OutputPath
     from mp_grpo.loss.metrics import reduce_metrics
     from mp_grpo.megatron import MegatronGRPO, prepare_micro_batch
     from mp_grpo.megatron.gpt import build_gpt_for_training
 
-    model_cfg, parallel_cfg = _configs(tp, dtype, per_token, avg)
+    model_cfg, parallel_cfg = _configs(tp, dtype, per_token, avg, sequence_parallel)
     built = build_gpt_for_training(model_cfg, parallel_cfg)
     gpt = _unwrap(built.model)
     if weights is not None:
@@ -167,9 +196,10 @@ def _one_step(tp: int, dtype: str, per_token: bool, avg: bool, config_name: str,
     micro = []
     for i in range(num_microbatches):
         part = rollouts.select(torch.tensor(rows[i * size:(i + 1) * size]))
-        micro.append(prepare_micro_batch(part, seq_len=64).to("cuda"))
+        micro.append(prepare_micro_batch(part, seq_len=64, sequence_parallel_size=tp if sequence_parallel else 1).to("cuda"))
     grpo = MegatronGRPO(load_config(None, LOSS_CONFIGS[config_name]), temperature=0.8,
-                        num_microbatches=num_microbatches, calculate_per_token_loss=per_token)
+                        num_microbatches=num_microbatches, calculate_per_token_loss=per_token,
+                        output_path=OutputPath(output_path))
     batch = grpo.global_batch(micro, step=0)
     built.model.zero_grad_buffer()
     losses = get_forward_backward_func()(
@@ -230,7 +260,7 @@ def case_reference(out_dir: str) -> None:
     ps.destroy_model_parallel()
 
 
-def case_layout(out_dir: str, layout: str) -> None:
+def case_layout(out_dir: str, layout: str, output_path: str = "logits", sequence_parallel: bool = False) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -249,9 +279,9 @@ def case_layout(out_dir: str, layout: str) -> None:
         dt = torch.float32 if dtype == "fp32" else torch.bfloat16
         for per_token, avg, name in VARIANTS:
             ref = torch.load(out / f"ref_{dtype}_{per_token}_{avg}_{name}.pt")
-            gpt, metrics = _one_step(tp, dtype, per_token, avg, name, rows, m, weights)
+            gpt, metrics = _one_step(tp, dtype, per_token, avg, name, rows, m, weights, output_path, sequence_parallel)
             grads = _full_grads(gpt)
-            where = f"{layout} {dtype} per_token={per_token} avg={avg} {name}"
+            where = f"{layout}{' sp' if sequence_parallel else ''} {output_path} {dtype} per_token={per_token} avg={avg} {name}"
             rtol = tolerance(dt)["rtol"]
             per_param_bound = rtol if dtype == "fp32" else BF16_PER_PARAMETER_RTOL
             errors = {pname: _relative_l2(grads[pname], g_ref) for pname, g_ref in ref["grads"].items()}

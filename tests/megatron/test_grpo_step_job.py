@@ -26,12 +26,14 @@ def _run_job(tmp_path: Path, *overrides: str) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("overrides", [(), ("parallel.tensor_model_parallel_size=1", "parallel.context_parallel_size=2",
-                                             "parallel.calculate_per_token_loss=true", "loss.kl.coef=0.01")],
-                         ids=["tp2_packed", "cp2_per_token_kl"])
+                                             "parallel.calculate_per_token_loss=true", "loss.kl.coef=0.01"),
+                                       ("model.output_path=fused", "loss.kl.coef=0.01")],
+                         ids=["tp2_packed", "cp2_per_token_kl", "tp2_packed_fused_kl"])
 def test_cpu_job_runs_and_logs(tmp_path: Path, overrides) -> None:
     stdout, log = _run_job(tmp_path, *overrides)
     assert "CPU: megatron-core 0.16's GPTModel and forward_backward_func need CUDA" in stdout
     assert log["layout"]["backend"] == "gloo" and log["layout"]["world"] == 2
+    assert log["layout"]["output_path"] == ("fused" if "model.output_path=fused" in overrides else "logits")
     assert [row["step"] for row in log["steps"]] == [0, 1]
     for row in log["steps"]:
         assert math.isfinite(row["metrics"]["loss"]) and row["metrics"]["valid_tokens"] > 0

@@ -1,0 +1,146 @@
+"""The fused output path's hidden states (mp_grpo/megatron/fused_output.py) with sequence parallelism, on two GPUs.
+
+megatron-core's sequence-parallel mappings need CUDA, so the CPU tests (``tests/megatron/test_fused_output.py``)
+run with sequence parallelism off; GPTModel with it on needs transformer-engine's layer spec
+(``tests/gpu/test_megatron_gpt.py`` skips that case without it). This test needs neither: a model that ends
+like GPTModel — megatron-core's ``ColumnParallelLinear`` output layer on ``[S(/TP), B, H]`` hidden states,
+logits returned as ``[B, S, V_local]`` — run at TP = 2 (NCCL) with ``sequence_parallel`` on and off, fp32 and
+bf16:
+
+* logits path: ``vocab_parallel_logprobs(model(x), targets)`` — the layer's own input mapping;
+* fused path: ``call_for_hidden_states(model, x)`` then ``fused_linear_logprobs(hidden, weight, targets)``.
+
+Log-probs, entropy and the gradients of the layer's input ``x`` (this rank's sequence shard under SP) and of
+the weight shard, for random upstream gradients, must agree: fp32 within ``tests/tolerances``, bf16 by
+relative L2 error within its rtol.
+
+    NCCL_NVLS_ENABLE=0 python -m pytest tests/gpu/test_megatron_fused_output.py -v
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # the worker processes run this file as a script
+
+SEQ, BATCH, HIDDEN, VOCAB = 48, 3, 64, 1000
+TEMPERATURE = 0.8
+TINY_NORM = 1e-30
+"""Floor of a reference gradient's norm in a relative error."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["sp_off", "sp_on"])
+def test_fused_hidden_states_equal_logits_path(sequence_parallel: bool) -> None:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # real GPU kernels
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           json.dumps({"sequence_parallel": sequence_parallel})]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-8000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    print(proc.stdout)
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def _model(config, tp_group):
+    """GPTModel's ending: the vocab-parallel output layer on [S, B, H], logits returned as [B, S, V_local]."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.module import MegatronModule
+
+    class OutputLayerOnly(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config=config)
+            self.output_layer = ColumnParallelLinear(
+                HIDDEN, VOCAB, config=config, init_method=torch.nn.init.normal_, bias=False, gather_output=False,
+                tp_group=tp_group,
+            )
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            logits, _ = self.output_layer(hidden_states, weight=None)
+            return logits.transpose(0, 1).contiguous()
+
+    return OutputLayerOnly().cuda()
+
+
+def _relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp(min=TINY_NORM))
+
+
+def case(sequence_parallel: bool) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mp_grpo import fused_linear_logprobs, vocab_parallel_logprobs
+    from mp_grpo.megatron.fused_output import call_for_hidden_states
+    from tests.tolerances import assert_close, tolerance
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp_group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, tensor_model_parallel_size=2,
+                                   sequence_parallel=sequence_parallel, use_cpu_initialization=True, params_dtype=dtype,
+                                   bf16=dtype == torch.bfloat16)
+        gen = torch.Generator().manual_seed(5)  # the same full inputs on every rank
+        full_weight = torch.randn(VOCAB, HIDDEN, generator=gen) * HIDDEN**-0.5 * 2.0
+        hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+        targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        targets[torch.rand(BATCH, SEQ, generator=gen) < 0.2] = -100
+        g_lp, g_ent = torch.randn(BATCH, SEQ, generator=gen), torch.randn(BATCH, SEQ, generator=gen)
+        local = hidden.chunk(2, dim=0)[rank] if sequence_parallel else hidden
+        targets, g_lp, g_ent = targets.cuda(), g_lp.cuda(), g_ent.cuda()
+
+        results = {}
+        for path in ("logits", "fused"):
+            model = _model(config, tp_group)
+            with torch.no_grad():
+                model.output_layer.weight.copy_(full_weight.chunk(2, dim=0)[rank].to(dtype))
+            x = local.to(device="cuda", dtype=dtype).requires_grad_()
+            common = dict(tp_group=tp_group, temperature=TEMPERATURE, with_entropy=True)
+            if path == "logits":
+                lp, ent = vocab_parallel_logprobs(model(x), targets, **common)
+            else:
+                h, output_weight = call_for_hidden_states(model, x)
+                assert output_weight.weight is model.output_layer.weight
+                assert h.shape == (BATCH, SEQ, HIDDEN), f"hidden states {tuple(h.shape)}: not the full sequence"
+                lp, ent = fused_linear_logprobs(h, output_weight.weight, targets, **common)
+            ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+            results[path] = dict(logprobs=lp, entropy=ent, grad_input=x.grad, grad_weight=model.output_layer.weight.grad)
+
+        where = f"sequence_parallel={sequence_parallel} {dtype}"
+        for name, expected in results["logits"].items():
+            actual = results["fused"][name]
+            if dtype == torch.float32 or name in ("logprobs", "entropy"):
+                try:
+                    assert_close(actual, expected, dtype, msg=f"{name} [{where}]")
+                except AssertionError as e:
+                    failures.append(str(e))
+            else:
+                err = _relative_l2(actual, expected)
+                if not err <= tolerance(dtype)["rtol"]:
+                    failures.append(f"{name}: relative L2 error {err:.2e} [{where}]")
+            if rank == 0:
+                print(f"{where} {name}: relative L2 error {_relative_l2(actual, expected):.2e}")
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    assert not failures, "\n".join(failures)
+
+
+if __name__ == "__main__":
+    case(**json.loads(sys.argv[1]))
