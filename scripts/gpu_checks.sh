@@ -3,7 +3,8 @@
 # allows, the GPTModel gradient-equality tests, and the main job on GPUs.
 #
 #   bash scripts/gpu_checks.sh benches OUT_DIR     # bench_logprob / bench_fused at TP = 1, 2, 4, 8 (as GPUs allow)
-#   bash scripts/gpu_checks.sh megatron OUT_DIR    # tests/gpu (GPTModel layouts vs. one GPU) + the main job
+#   bash scripts/gpu_checks.sh megatron OUT_DIR    # GPTModel layouts vs. one GPU (logits and fused paths) + the main job
+#   bash scripts/gpu_checks.sh loss OUT_DIR        # bench_loss (one GPU) + the compiled / fused loss vs. eager on CUDA
 #
 # Needs megatron-core, omegaconf (and liger-kernel for the single-GPU baselines) importable.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -24,7 +25,15 @@ case "$what" in
     done
     ;;
   megatron)
-    python3 -m pytest tests/gpu/test_megatron_gpt.py -v -s -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | grep -E "PASS|FAIL|SKIP|relative L2|passed|failed|Error" | tail -60
-    torchrun --standalone --nproc_per_node 2 scripts/grpo_step.py --config configs/grpo_step.yaml 2>&1 | tee "$out/grpo_step.log" | grep -v -i warn | tail -25
+    python3 -m pytest tests/gpu/test_megatron_gpt.py tests/gpu/test_megatron_fused_output.py -v -s -p no:cacheprovider 2>&1 \
+      | tee "$out/gpu_tests.log" | grep -E "PASS|FAIL|SKIP|passed|failed|Error" | tail -40
+    for path in logits fused; do
+      torchrun --standalone --nproc_per_node 2 scripts/grpo_step.py --config configs/grpo_step.yaml \
+        model.output_path=$path 2>&1 | tee "$out/grpo_step_$path.log" | grep -v -i warn | tail -12
+    done
+    ;;
+  loss)
+    python3 scripts/bench_loss.py --out "$out" 2>&1 | grep -v -i warn | tail -30
+    python3 -m pytest tests/gpu/test_loss_compile.py -q -p no:cacheprovider 2>&1 | tail -5
     ;;
 esac
