@@ -87,16 +87,21 @@ from typing import Literal, overload
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, all_gather_stacked, group_rank, group_size
+from mp_grpo.collectives import ProcessGroup, group_rank
 from mp_grpo.ops.checks import (
     check_chunk_size,
     check_hidden_weight_and_target,
     check_main_grad,
     check_runs_here,
     check_temperature,
-    raise_on_kernel_errors,
 )
-from mp_grpo.ops.logprob_launch import logprob_backward, merge_statistics, new_stats_buffer, shard_statistics
+from mp_grpo.ops.logprob_launch import (
+    flat_upstream_grads,
+    gather_and_merge,
+    logprob_backward,
+    new_stats_buffer,
+    shard_statistics,
+)
 
 LOGITS_CHUNK_BYTES = 512 * 2**20
 """The one logits-chunk buffer each pass holds. 0.5 GiB: at N = 16384, V_local = 151936, bf16 the
@@ -317,7 +322,6 @@ class FusedLinearLogProbs(torch.autograd.Function):
         w = weight.contiguous()
         t = target.reshape(-1).to(torch.int64).contiguous()
         n = h.shape[0]
-        tp = group_size(tp_group)
         vocab_start = group_rank(tp_group) * v_local
 
         # --- 1. per token chunk: logits (one GEMM) -> this chunk's rows of ONE stats buffer ---
@@ -326,15 +330,12 @@ class FusedLinearLogProbs(torch.autograd.Function):
             h, w, t, stats, plan, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy
         )
 
-        # --- 2. the one collective: all-gather of the [N + 1, 4] statistics ---
-        gathered = all_gather_stacked(stats, tp_group)
-
-        # --- 3. merge into log-prob, entropy, logZ = M + log S; raise on bad input ---
-        merged = merge_statistics(gathered, t, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
-        if check_inputs:
-            raise_on_kernel_errors(
-                merged.errors, v_global=tp * v_local, ignore_index=ignore_index, shard_sizes=gathered[:, n, 0]
-            )
+        # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
+        #          log-prob, entropy, logZ = M + log S; raise on bad input ---
+        merged = gather_and_merge(
+            stats, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy,
+            check_inputs=check_inputs,
+        )
 
         ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.entropy)
         # Like Megatron's linear layer: main_grad is kept on ctx, not saved (no version-counter checks,
@@ -358,11 +359,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return (None, None, *not_differentiable)
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(row_max)
-        grad_logprobs = grad_logprobs.reshape(-1).float().contiguous()
-        if grad_entropy is not None:
-            grad_entropy = grad_entropy.reshape(-1).float().contiguous()
+        grad_logprobs, grad_entropy = flat_upstream_grads(grad_logprobs, grad_entropy, row_max.shape[0], row_max.device)
         n = h.shape[0]
         main_grad = ctx.main_grad
 

@@ -1,7 +1,8 @@
-"""Host launchers for the log-prob kernels: shapes in, tensors out, no collectives.
+"""Host launchers for the log-prob kernels, and the steps both log-prob ops share.
 
 Shared by :mod:`mp_grpo.ops.vocab_parallel_logprobs` (logits given) and
-:mod:`mp_grpo.ops.fused_linear_logprobs` (logits computed chunk by chunk).
+:mod:`mp_grpo.ops.fused_linear_logprobs` (logits computed chunk by chunk). The launchers make no
+collective; :func:`gather_and_merge` makes the ops' one all-gather.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from typing import NamedTuple
 import torch
 import triton
 
+from mp_grpo.collectives import ProcessGroup, all_gather_stacked
 from mp_grpo.kernels import (
     logprob_backward_kernel,
     logprob_launch_config,
     logprob_merge_kernel,
     logprob_stats_kernel,
 )
+from mp_grpo.ops.checks import raise_on_kernel_errors
 
 STATS_WIDTH = 4
 """Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit)."""
@@ -96,6 +99,42 @@ def merge_statistics(
         BLOCK_N=block_n,
     )
     return Merged(logprobs, entropy, row_max, log_sum, errors)
+
+
+def gather_and_merge(
+    stats: torch.Tensor,  # [N + 1, 4] fp32, filled by shard_statistics
+    target: torch.Tensor,  # [N] int64
+    *,
+    tp_group: ProcessGroup | None,
+    v_local: int,
+    ignore_index: int,
+    with_entropy: bool,
+    check_inputs: bool,
+) -> Merged:
+    """Forward steps 2–3 of both log-prob ops: the one all-gather of the statistics over ``tp_group``,
+    the merge, and (with ``check_inputs``) the host read that raises on bad targets or unequal shards."""
+    n = stats.shape[0] - 1
+    gathered = all_gather_stacked(stats, tp_group)
+    merged = merge_statistics(gathered, target, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
+    if check_inputs:
+        raise_on_kernel_errors(
+            merged.errors, v_global=gathered.shape[0] * v_local, ignore_index=ignore_index,
+            shard_sizes=gathered[:, n, 0],
+        )
+    return merged
+
+
+def flat_upstream_grads(
+    grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The upstream gradients as the backward kernel reads them: ``[N]`` fp32, contiguous (a missing
+    log-prob gradient is zeros; a missing entropy gradient stays None, so its term is skipped)."""
+    if grad_logprobs is None:
+        grad_logprobs = torch.zeros(rows, dtype=torch.float32, device=device)
+    grad_logprobs = grad_logprobs.reshape(-1).float().contiguous()
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.reshape(-1).float().contiguous()
+    return grad_logprobs, grad_entropy
 
 
 def logprob_backward(

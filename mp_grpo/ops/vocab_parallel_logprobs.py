@@ -26,14 +26,19 @@ from typing import Literal, overload
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, all_gather_stacked, group_rank, group_size
+from mp_grpo.collectives import ProcessGroup, group_rank
 from mp_grpo.ops.checks import (
     check_logits_and_target,
     check_runs_here,
     check_temperature,
-    raise_on_kernel_errors,
 )
-from mp_grpo.ops.logprob_launch import logprob_backward, merge_statistics, new_stats_buffer, shard_statistics
+from mp_grpo.ops.logprob_launch import (
+    flat_upstream_grads,
+    gather_and_merge,
+    logprob_backward,
+    new_stats_buffer,
+    shard_statistics,
+)
 
 
 class VocabParallelLogProbs(torch.autograd.Function):
@@ -58,22 +63,18 @@ class VocabParallelLogProbs(torch.autograd.Function):
             x = x.contiguous()
         t = target.reshape(-1).to(torch.int64).contiguous()  # the kernels read targets densely
         n = x.shape[0]
-        tp = group_size(tp_group)
         vocab_start = group_rank(tp_group) * v_local
 
         # --- 1. statistics of this rank's shard (one read of the logits) ---
         stats = new_stats_buffer(n, x.device)
         shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy)
 
-        # --- 2. the one collective: all-gather of the [N + 1, 4] statistics ---
-        gathered = all_gather_stacked(stats, tp_group)
-
-        # --- 3. merge into log-prob, entropy, logZ = M + log S; raise on bad input ---
-        merged = merge_statistics(gathered, t, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
-        if check_inputs:
-            raise_on_kernel_errors(
-                merged.errors, v_global=tp * v_local, ignore_index=ignore_index, shard_sizes=gathered[:, n, 0]
-            )
+        # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
+        #          log-prob, entropy, logZ = M + log S; raise on bad input ---
+        merged = gather_and_merge(
+            stats, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy,
+            check_inputs=check_inputs,
+        )
 
         ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy)
         ctx.logits_shape = logits.shape
@@ -91,11 +92,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
         x, t, row_max, log_sum, entropy = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 8
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(row_max)
-        grad_logprobs = grad_logprobs.reshape(-1).float().contiguous()
-        if grad_entropy is not None:
-            grad_entropy = grad_entropy.reshape(-1).float().contiguous()
+        grad_logprobs, grad_entropy = flat_upstream_grads(grad_logprobs, grad_entropy, row_max.shape[0], row_max.device)
 
         # --- 1. one pass: recompute p from the logits and logZ, write the gradient ---
         grad_x = x if ctx.inplace_backward else torch.empty_like(x)
