@@ -1,6 +1,7 @@
 """The GRPO-family loss layer, in plain torch (one concern per module).
 
-- :mod:`.grpo_loss`: :class:`GRPOLoss`, the per-micro-batch loss (orchestrates the modules below).
+- :mod:`.grpo_loss`: :class:`GRPOLoss`, the per-micro-batch loss (orchestrates the modules below), and
+  :class:`LossBackend` (plain torch, or the fused kernels of :mod:`mp_grpo.ops.grpo_loss`).
 - :mod:`.global_batch`: :class:`GlobalBatch`, the step's global counts and step-level decisions.
 - :mod:`.sequence`: :class:`SequenceLayout` — padded, packed (THD) and context-parallel sequences.
 - :mod:`.objectives`, :mod:`.rollout_correction`, :mod:`.opsm`, :mod:`.entropy`, :mod:`.kl`,
@@ -9,13 +10,14 @@
 """
 
 from mp_grpo.loss.global_batch import GlobalBatch, StaleGlobalBatchError
-from mp_grpo.loss.grpo_loss import GRPOLoss
+from mp_grpo.loss.grpo_loss import GRPOLoss, LossBackend
 from mp_grpo.loss.metrics import reduce_metrics
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout, SumOverGroup, sum_over_group
 
 __all__ = [
     "GRPOLoss",
     "GlobalBatch",
+    "LossBackend",
     "PackedSequences",
     "PaddedSequences",
     "SequenceLayout",

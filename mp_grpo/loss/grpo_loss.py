@@ -18,6 +18,11 @@ No host synchronization happens in steps 3–6; with ``batch=None`` step 2 makes
 host read when the top-entropy quantile is needed). ``compile=True`` compiles the token and combine
 stages with ``torch.compile`` (the per-sequence sums and collectives stay eager).
 
+Backends (:class:`LossBackend`): steps 3–6 as written here in plain torch (``TORCH``, the readable
+specification), or as the fused Triton kernels of :mod:`mp_grpo.ops.grpo_loss` (``TRITON``: the same
+results in 3–5 launches per call, forward and backward); ``AUTO`` (the default) takes ``TRITON`` for
+CUDA tensors in padded or packed layouts and ``TORCH`` otherwise. Steps 1–2 are shared.
+
 Convention: summed over all micro-batches of all ranks of the data-parallel group (DP×CP), the returned
 shares give the step objective and their gradients its gradient. Zero valid tokens in the whole step give
 exactly 0 with a zero gradient.
@@ -25,6 +30,7 @@ exactly 0 with a zero gradient.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
 import torch
@@ -40,23 +46,46 @@ from mp_grpo.loss.mismatch import chi2_sequence, chi2_token, k1, k3
 from mp_grpo.loss.objectives import needs_sequence_mean, policy_term, sequence_input
 from mp_grpo.loss.opsm import opsm_divergence, opsm_keep
 from mp_grpo.loss.rollout_correction import kept, level_log_ratio, normalized_weight, token_log_ratio, truncated_weight
-from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
+from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
+from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
+
+
+class LossBackend(str, Enum):
+    """How :class:`GRPOLoss` computes steps 3–6 (``GRPOLoss(config, backend=...)``)."""
+
+    AUTO = "auto"
+    """TRITON for CUDA tensors in a padded or packed layout, TORCH otherwise (CPU tensors, other layouts)."""
+    TORCH = "torch"
+    """The plain torch stages of this module (with ``compile=True``: through ``torch.compile``)."""
+    TRITON = "triton"
+    """The fused kernels of :mod:`mp_grpo.ops.grpo_loss`: 3–5 launches per call; CUDA tensors (CPU tensors
+    only under ``TRITON_INTERPRET=1``), :class:`PaddedSequences` or :class:`PackedSequences`."""
 
 
 class GRPOLoss:
     """``loss, metrics = GRPOLoss(config)(logprobs, old_logprobs, advantages, loss_mask, ...)`` per micro-batch."""
 
-    def __init__(self, config: LossConfig, *, compile: bool = False) -> None:
+    def __init__(self, config: LossConfig, *, backend: LossBackend = LossBackend.AUTO, compile: bool = False) -> None:
         """``config``: a validated :class:`LossConfig` (see :func:`mp_grpo.load_config`).
 
-        ``compile``: run the element-wise stages through ``torch.compile`` (fewer kernels; the first calls
-        compile, a second shape recompiles once with dynamic shapes). Dynamo caches the stages of every
-        GRPOLoss together, up to ``torch._dynamo.config.recompile_limit`` entries: meant for one config per
-        process (beyond the limit, calls run eagerly).
+        ``backend``: see :class:`LossBackend`; ``AUTO`` picks per call from the tensors' device and layout.
+
+        ``compile``: run the torch path's element-wise stages through ``torch.compile`` (fewer kernels; the
+        first calls compile, a second shape recompiles once with dynamic shapes). Dynamo caches the stages of
+        every GRPOLoss together, up to ``torch._dynamo.config.recompile_limit`` entries: meant for one config
+        per process (beyond the limit, calls run eagerly). Only with backend ``TORCH`` (``AUTO`` then means
+        ``TORCH``).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig (see mp_grpo.load_config), got {type(config).__name__}")
+        if not isinstance(backend, LossBackend):
+            allowed = ", ".join(b.name for b in LossBackend)
+            raise TypeError(f"backend must be a LossBackend ({allowed}), got {backend!r}")
+        if compile and backend == LossBackend.TRITON:
+            raise ValueError("compile=True compiles the torch path; it cannot be used with backend=LossBackend.TRITON")
         self.config = config
+        self.backend = LossBackend.TORCH if compile else backend
+        self._fused = FusedGRPOLoss(config) if self.backend != LossBackend.TORCH else None
         # Two closures with their own code objects, so that torch.compile caches (and guards) them apart.
         def token_stage(*args):
             return _token_stage(config, *args)
@@ -101,7 +130,7 @@ class GRPOLoss:
             raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
         _check_inputs(cfg, layout, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy)
         token_shape = logprobs.shape
-        valid = layout.valid_tokens(loss_mask)
+        fused = self._use_fused(logprobs, layout)
         # --- 2. the step's account ---
         if batch is None:
             old_for_batch = logprobs.detach() if old_logprobs is None else old_logprobs
@@ -115,6 +144,12 @@ class GRPOLoss:
         else:
             batch.check_micro_batch(token_shape)
             batch.check_config(cfg)
+        if fused:  # steps 3–6 in the fused kernels
+            return self._fused(  # type: ignore[misc]
+                logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy,
+                _step_tensors(cfg, batch, logprobs.device), _sequence_info(layout, token_shape, logprobs.device),
+            )
+        valid = layout.valid_tokens(loss_mask)
         if advantages.shape != token_shape:
             advantages = layout.broadcast(advantages, token_shape)
         # --- 3. token stage ---
@@ -129,6 +164,42 @@ class GRPOLoss:
             entropy_threshold=batch.entropy_threshold, skip=batch.skip,
         )
         return self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+
+    def _use_fused(self, logprobs: torch.Tensor, layout: SequenceLayout) -> bool:
+        """Whether this call runs the fused kernels (see :class:`LossBackend`); raises when TRITON cannot (the
+        fused path itself rejects CPU tensors outside the Triton interpreter)."""
+        if self.backend == LossBackend.TORCH:
+            return False
+        supported_layout = isinstance(layout, (PaddedSequences, PackedSequences))
+        if self.backend == LossBackend.AUTO:
+            return logprobs.is_cuda and supported_layout
+        if not supported_layout:
+            raise ValueError(f"layout: backend TRITON supports PaddedSequences and PackedSequences, got {layout!r}")
+        return True
+
+
+def _step_tensors(cfg: LossConfig, batch: GlobalBatch, device: torch.device) -> StepTensors:
+    """The GlobalBatch's device tensors the fused kernels read (checked to be on the tokens' device)."""
+    step = StepTensors(
+        valid_tokens=batch.valid_tokens, sequences=batch.sequences(cfg.aggregation.count_empty_sequences),
+        micro_batches=batch.num_micro_batches, weight_mean=batch.weight_mean,
+        entropy_threshold=batch.entropy_threshold, skip=batch.skip,
+    )
+    for name, value in zip(StepTensors._fields, step):
+        if value is not None and value.device != device:
+            raise ValueError(f"batch.{name} is on {value.device} but logprobs is on {device}: build the GlobalBatch "
+                             "from masks on the tokens' device")
+    return step
+
+
+def _sequence_info(layout: SequenceLayout, token_shape: torch.Size, device: torch.device) -> SequenceInfo:
+    """The layout in the fused kernels' terms (padded rows or packed segments)."""
+    packed = isinstance(layout, PackedSequences)
+    return SequenceInfo(
+        cu_seqlens=layout.cu_seqlens_on(device) if packed else None,  # type: ignore[attr-defined]
+        num_sequences=layout.num_sequences(token_shape), row_length=1 if packed else int(token_shape[1]),
+        cp_group=layout.cp_group, owns_sequences=layout.owns_sequences,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -147,6 +147,7 @@ class PackedSequences(SequenceLayout):
                 raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {cu_seqlens.tolist()}")
         self.cu_seqlens = cu_seqlens
         self._ids: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._cu_on: dict[torch.device, torch.Tensor] = {}
 
     def check_tokens(self, shape: torch.Size, name: str) -> None:
         if not (len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)):
@@ -154,6 +155,14 @@ class PackedSequences(SequenceLayout):
 
     def num_sequences(self, token_shape: torch.Size) -> int:
         return int(self.cu_seqlens.numel()) - 1
+
+    def cu_seqlens_on(self, device: torch.device) -> torch.Tensor:
+        """``cu_seqlens`` on ``device`` (copied once per device, then cached)."""
+        if self.cu_seqlens.device == device:
+            return self.cu_seqlens
+        if device not in self._cu_on:
+            self._cu_on[device] = self.cu_seqlens.to(device)
+        return self._cu_on[device]
 
     def _sequence_ids(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         """``[T]`` int64: the sequence of every position, S for positions after the last segment."""

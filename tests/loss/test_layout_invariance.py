@@ -6,7 +6,9 @@ rows and with packed (THD) segments, each sequence cut into Megatron's 2·CP chu
 TP=2 × DP=2 with log-probs from ``vocab_parallel_logprobs`` on vocabulary shards. Every aggregation mode,
 uneven lengths (each micro-batch padded to its own length, inf/NaN in the padding), an empty sequence, an
 empty micro-batch and a rank with zero valid tokens, and the step-level features (top-entropy quantile,
-IS-weight normalization, mismatch skip on both sides of its threshold).
+IS-weight normalization, mismatch skip on both sides of its threshold). The fused Triton path (under the
+interpreter) runs the data- and context-parallel splits on a subset of the configs, against the torch path's
+single call.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from tests.distributed import torchrun, worker_main
 LENGTHS = [5, 3, 6, 1, 0, 0, 4, 2]
 T = 8
 RTOL, ATOL = 1e-6, 1e-12
+# The configs the fused backend runs here (the interpreter is slow): every sequence-level quantity under
+# context parallelism — the gspo / gmpo gradient through the sequence mean, sequence / geometric IS ratios,
+# OPSM, seq-mean aggregation — and every step-level one.
+TRITON_CONFIGS = {
+    "gspo_seq_is_geo_reject/seq_mean_token_mean", "gmpo/seq_mean_token_sum", "reinforce_opsm_skip/token_mean",
+    "ppo_seq_reject_kl_st/seq_mean_token_sum_norm", "sapo_entropy_kl/seq_mean_token_mean",
+    "cispo_tis_normalized/token_mean", "skip_just_above/seq_mean_token_sum",
+}
 
 
-def _configs():
+def _configs(backend: str):
     from mp_grpo.config import load_config
     from mp_grpo.loss.mismatch import k3
     from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS, make_batch
@@ -39,12 +49,14 @@ def _configs():
     features["skip_just_above"] = [f"mismatch.skip_threshold={global_k3 * 1.02}", "kl.coef=0.1"]
     for feature, feature_overrides in features.items():
         for aggregation, agg_overrides in AGGREGATIONS.items():
-            yield f"{feature}/{aggregation}", load_config(None, feature_overrides + agg_overrides)
+            name = f"{feature}/{aggregation}"
+            if backend == "torch" or name in TRITON_CONFIGS:
+                yield name, load_config(None, feature_overrides + agg_overrides)
 
 
-def _call(cfg, data, rows, cols, *, batch=None, layout=None, lp=None, ent=None, index=None):
+def _call(cfg, data, rows, cols, *, backend="torch", batch=None, layout=None, lp=None, ent=None, index=None):
     """One GRPOLoss call on data[rows, cols] (or on gathered positions ``index``); returns loss, leaves, metrics."""
-    from mp_grpo.loss import GRPOLoss
+    from mp_grpo.loss import GRPOLoss, LossBackend
 
     def take(x):
         return x[rows][:, cols] if index is None else x.reshape(-1)[index]
@@ -52,7 +64,7 @@ def _call(cfg, data, rows, cols, *, batch=None, layout=None, lp=None, ent=None, 
     lp = take(data["logprobs"]).clone().requires_grad_() if lp is None else lp
     ent = take(data["entropy"]).clone().requires_grad_() if ent is None else ent
     adv = data["advantages"][rows] if index is None else data["advantages"]
-    loss, metrics = GRPOLoss(cfg)(
+    loss, metrics = GRPOLoss(cfg, backend=LossBackend(backend))(
         lp, take(data["old_logprobs"]), adv, take(data["loss_mask"]), rollout_logprobs=take(data["rollout_logprobs"]),
         ref_logprobs=take(data["ref_logprobs"]), entropy=ent, batch=batch, layout=layout,
     )
@@ -81,7 +93,7 @@ def _check_metrics(name, got, want):
 
 
 # ----------------------------------------------------------------------------- worker cases
-def case_data_parallel() -> None:
+def case_data_parallel(backend: str) -> None:
     """(1 rank, 4 micro-batches), (2 ranks, 2), (4 ranks, 1) against one call on the whole batch."""
     from mp_grpo.loss import GlobalBatch, reduce_metrics
     from tests.loss.helpers import make_batch
@@ -90,7 +102,7 @@ def case_data_parallel() -> None:
     assert world == 4
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     data = make_batch(0, LENGTHS, T)
-    for name, cfg in _configs():
+    for name, cfg in _configs(backend):
         loss_1, g_lp_1, g_ent_1, metrics_1 = _single(cfg, data)
         for dp, group in ((1, None), (2, pairs[rank // 2]), (4, dist.group.WORLD)):
             dp_rank = 0 if group is None else dist.get_rank(group)
@@ -112,7 +124,7 @@ def case_data_parallel() -> None:
             total = torch.zeros((), dtype=torch.float64)
             metrics = []
             for rows, cols in chunks:
-                loss, lp, ent, m = _call(cfg, data, rows, cols, batch=gb)
+                loss, lp, ent, m = _call(cfg, data, rows, cols, backend=backend, batch=gb)
                 loss.backward()
                 total = total + loss.detach()
                 metrics.append(m)
@@ -133,7 +145,7 @@ def _cp_positions(length: int, cp: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-def case_context_parallel() -> None:
+def case_context_parallel(backend: str) -> None:
     """CP = 2 × DP = 2 (ranks {0,1} and {2,3} share sequences), padded rows and packed segments; and CP = 2
     alone with ``batch=None`` (the call with its CP peer is the whole step)."""
     from mp_grpo.loss import GlobalBatch, PackedSequences, PaddedSequences, reduce_metrics
@@ -145,7 +157,7 @@ def case_context_parallel() -> None:
     cp_group = cp_groups[dp_rank]
     data = make_batch(0, LENGTHS, T)
     rows_of_rank = [slice(dp_rank * 4, dp_rank * 4 + 2), slice(dp_rank * 4 + 2, dp_rank * 4 + 4)]  # 2 micro-batches
-    for name, cfg in _configs():
+    for name, cfg in _configs(backend):
         loss_1, g_lp_1, g_ent_1, metrics_1 = _single(cfg, data)
         # --- padded rows: every row cut into 2·CP chunks along T ---
         layout = PaddedSequences(cp_group)
@@ -159,7 +171,7 @@ def case_context_parallel() -> None:
         )
         metrics = []
         for rows in rows_of_rank:
-            loss, lp, ent, m = _call(cfg, data, rows, cols, batch=gb, layout=layout)
+            loss, lp, ent, m = _call(cfg, data, rows, cols, backend=backend, batch=gb, layout=layout)
             loss.backward()
             metrics.append(m)
             where = f"{name} CP padded rank={rank} rows={rows}"
@@ -168,7 +180,7 @@ def case_context_parallel() -> None:
         _check_metrics(f"{name} CP padded", reduce_metrics(metrics, dist.group.WORLD), metrics_1)
 
         # --- batch=None under CP: one call on all rows, its CP pair is the whole step ---
-        loss, lp, ent, _ = _call(cfg, data, slice(None), cols, layout=layout)
+        loss, lp, ent, _ = _call(cfg, data, slice(None), cols, backend=backend, layout=layout)
         loss.backward()
         where = f"{name} CP single call rank={rank}"
         torch.testing.assert_close(_grad(lp), g_lp_1[:, cols], rtol=RTOL, atol=ATOL, msg=where)
@@ -193,7 +205,7 @@ def case_context_parallel() -> None:
         metrics = []
         for rows, index, lay in packed_calls:
             sub = dict(data, advantages=data["advantages"][rows])
-            loss, lp, ent, m = _call(cfg, sub, None, None, batch=gb, layout=lay, index=index)
+            loss, lp, ent, m = _call(cfg, sub, None, None, backend=backend, batch=gb, layout=lay, index=index)
             loss.backward()
             metrics.append(m)
             where = f"{name} CP packed rank={rank} rows={rows}"
@@ -258,9 +270,15 @@ def case_tensor_parallel() -> None:
 
 
 # ----------------------------------------------------------------------------- pytest entry points
-@pytest.mark.parametrize("case", ["case_data_parallel", "case_context_parallel", "case_tensor_parallel"])
-def test_layout_invariance(case: str) -> None:
-    torchrun(__file__, case, nproc=4)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", ["case_data_parallel", "case_context_parallel"])
+def test_layout_invariance(case: str, backend: str) -> None:
+    torchrun(__file__, case, nproc=4, backend=backend)
+
+
+def test_tensor_parallel_invariance() -> None:
+    # One backend: the fused loss never sees tensor parallelism (TP ranks hold copies of the same tokens).
+    torchrun(__file__, "case_tensor_parallel", nproc=4)
 
 
 if __name__ == "__main__":

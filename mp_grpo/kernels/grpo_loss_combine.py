@@ -1,0 +1,379 @@
+"""Fused GRPO loss, pass 2 of 2 (forward): every token's term, its gradient and the metrics' partials (Triton).
+
+The formulas are those of the torch path (``mp_grpo/loss/grpo_loss.py`` steps 5–6, ``docs/loss.md``); each
+token's contribution to the share is c_t / D_t, and its gradient is written here already — every
+sequence-level quantity it depends on is detached except the gspo / gmpo sequence mean m:
+
+    grad_lp[t]   = ∂(c_t / D_t) / ∂ log π_θ[t] along the token's own path (ratio, log-prob, KL)
+    grad_ent[t]  = −bonus / D_t
+    seq_grad[s] += Σ_{t ∈ s} ∂(c_t / D_t) / ∂m_s          (gspo / gmpo; float64 atomics, see segment_add)
+    seq_factor[t] = ∂m_s / ∂ log π_θ[t] = [ℓ_t unclamped (and, gmpo, unclipped)] / n_s
+
+The backward kernel multiplies by the upstream gradient and adds seq_grad[s] · seq_factor[t].
+
+Schedule (one program per BLOCK positions):
+    1. positions, sequences, validity; inputs sanitized (masked positions read as 0, never loaded);
+       the clamped log-ratio ℓ and the rollout log-ratio d.
+    2. per-sequence values from the pass-1 sums: length n, gspo / gmpo mean, Σd, OPSM mean.
+    3. the objective: term, ratio, clip flags; ∂term/∂log π along the token's path, ∂term/∂m.
+    4. rollout correction (weight raw → truncated → applied) and the keep masks (rejection, OPSM,
+       top-entropy); the policy term.
+    5. KL (+ its gradient) and entropy bonus; skip; the divisor D_t; the share and the gradients.
+    6. partial sums and extremes of this block for the metrics; with rollout log-probs, the per-sequence
+       χ² of sequences [pid·BLOCK, (pid+1)·BLOCK) (counted on CP rank 0 only).
+"""
+
+import triton
+import triton.language as tl
+
+from mp_grpo.kernels.grpo_loss_common import (
+    AGG_SEQ_MEAN_TOKEN_MEAN,
+    AGG_SEQ_MEAN_TOKEN_SUM_NORM,
+    AGG_TOKEN_MEAN,
+    COUNT_FLOOR,
+    EXT_RATIO_MAX,
+    EXT_RATIO_MIN,
+    EXT_WEIGHT_APPLIED_MAX,
+    EXT_WEIGHT_APPLIED_MIN,
+    EXT_WEIGHT_RAW_MAX,
+    EXT_WEIGHT_RAW_MIN,
+    EXT_WEIGHT_TRUNCATED_MAX,
+    EXT_WEIGHT_TRUNCATED_MIN,
+    KL_K1,
+    KL_K2,
+    KL_RATIO_BIAS_CORRECTION,
+    KL_RATIO_SCORE_FUNCTION,
+    LEVEL_NONE,
+    LEVEL_SEQUENCE,
+    LEVEL_TOKEN,
+    OBJ_CISPO,
+    OBJ_GMPO,
+    OBJ_GSPO,
+    OBJ_PPO_CLIP,
+    OBJ_SAPO,
+    P_CLIP_HIGH,
+    P_CLIP_LOW,
+    P_DELTA,
+    P_DUAL_CLIP_C,
+    P_ENTROPY_BONUS,
+    P_KL_COEF,
+    P_KL_INPUT_CLAMP,
+    P_KL_OUTPUT_CLAMP,
+    P_LOG_RATIO_CLAMP,
+    P_NORM_CONSTANT,
+    P_OPSM_DELTA,
+    P_REJECT_MAX,
+    P_REJECT_MIN,
+    P_TAU_NEG,
+    P_TAU_POS,
+    P_WEIGHT_MAX,
+    P_WEIGHT_MIN,
+    PARTIAL_COLS,
+    SUM_CHI2_SEQ,
+    SUM_CHI2_SEQ_COUNT,
+    SUM_CHI2_TOKEN,
+    SUM_CLIP_DUAL,
+    SUM_CLIP_HIGH,
+    SUM_CLIP_LOW,
+    SUM_ENTROPY,
+    SUM_KL,
+    SUM_MISMATCH_K1,
+    SUM_MISMATCH_K3,
+    SUM_POLICY,
+    SUM_RATIO,
+    SUM_REJECTED_ENTROPY,
+    SUM_REJECTED_OPSM,
+    SUM_REJECTED_ROLLOUT,
+    SUM_SHARE,
+    SUM_VALID,
+    SUM_WEIGHT_APPLIED,
+    SUM_WEIGHT_RAW,
+    SUM_WEIGHT_TRUNCATED,
+    WEIGHT_MEAN_FLOOR,
+    block_ends,
+    clamp_sym,
+    expm1,
+    gmpo_clip,
+    load_clean,
+    masked_max,
+    masked_min,
+    masked_sum,
+    param,
+    policy_inputs,
+    segment_add,
+    sequence_index,
+    token_block,
+)
+
+
+@triton.jit
+def _level_log_ratio(d, sum_d, count_floor, clamp, LEVEL: tl.constexpr):
+    """Rollout-correction log-ratio at LEVEL: d, clamp(Σd), or Σd / n (mp_grpo.loss.rollout_correction)."""
+    if LEVEL == LEVEL_TOKEN:
+        out = d
+    elif LEVEL == LEVEL_SEQUENCE:
+        out, _ = clamp_sym(sum_d, clamp)
+    else:
+        out = sum_d / count_floor
+    return out
+
+
+@triton.jit
+def grpo_loss_combine_kernel(
+    # token inputs, flat [N]
+    lp_ptr, old_ptr, rollout_ptr, ref_ptr, ent_ptr, adv_ptr, mask_ptr,
+    # sequences: cu_seqlens [S + 1] (packed only), pass-1 sums [S, NUM_COLS] (float64), seq_grad [S] (float64, zeroed)
+    cu_ptr, seq_sums_ptr, seq_grad_ptr,
+    # step values (0-dim: float64 counts, weight mean and entropy threshold; bool skip) and config parameters
+    tokens_ptr, sequences_ptr, weight_mean_ptr, threshold_ptr, skip_ptr, params_ptr,
+    # outputs: grad_lp, grad_ent, seq_factor [N] (compute dtype), partials [programs, PARTIAL_COLS] (float64)
+    grad_lp_ptr, grad_ent_ptr, seq_factor_ptr, partial_ptr,
+    # sizes
+    N, T, S, search_steps,
+    # meta-parameters: inputs and layout
+    PACKED: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr,
+    HAS_REF: tl.constexpr, HAS_ENTROPY: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, OWNS_SEQUENCES: tl.constexpr,
+    # meta-parameters: the config
+    OBJECTIVE: tl.constexpr, DUAL_CLIP: tl.constexpr, AGGREGATION: tl.constexpr,
+    WEIGHT_LEVEL: tl.constexpr, NORMALIZE_WEIGHTS: tl.constexpr, REJECT_LEVEL: tl.constexpr,
+    OPSM: tl.constexpr, TOP_ENTROPY: tl.constexpr, KL_IN_LOSS: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+    KL_STRAIGHT_THROUGH: tl.constexpr, KL_RATIO: tl.constexpr, ENTROPY_BONUS: tl.constexpr, SKIP: tl.constexpr,
+    # meta-parameters: pass-1 columns, dtype, block
+    NUM_COLS: tl.constexpr, COL_SEQ_IN: tl.constexpr, COL_D: tl.constexpr, COL_OPSM: tl.constexpr,
+    COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # --- 1. positions, validity, sanitized inputs, log-ratios ---
+    offs, seq, valid = token_block(pid, mask_ptr, cu_ptr, N, T, S, search_steps, PACKED, BLOCK)
+    lp, old, rollout, adv, log_ratio, log_ratio_inside, d = policy_inputs(
+        lp_ptr, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
+        HAS_OLD, HAS_ROLLOUT, BYPASS, ADV_PER_TOKEN, COMPUTE,
+    )
+    clamp = param(params_ptr, P_LOG_RATIO_CLAMP, COMPUTE)
+    zero = tl.zeros_like(lp)
+    no = offs < 0  # all False
+    ent = zero
+    if HAS_ENTROPY:
+        ent = load_clean(ent_ptr, offs, valid, COMPUTE)
+
+    # --- 2. per-sequence values (whole sequences, all CP ranks) ---
+    count_floor = zero + COUNT_FLOOR
+    row = seq_sums_ptr + seq * NUM_COLS
+    if NUM_COLS > 0:
+        count = tl.load(row, mask=valid, other=0.0).to(COMPUTE)
+        count_floor = tl.maximum(count, COUNT_FLOOR)
+    sum_d = zero
+    if COL_D >= 0:
+        sum_d = tl.load(row + COL_D, mask=valid, other=0.0).to(COMPUTE)
+
+    # --- 3. the objective ---
+    ratio_token = tl.exp(log_ratio)
+    direct = zero  # ∂term/∂log π_θ[t] along the token's own path
+    along_mean = zero  # ∂term/∂m (gspo / gmpo)
+    seq_input_grad = zero  # ∂(sequence input)/∂ℓ (gspo / gmpo)
+    clip_low = no
+    clip_high = no
+    dual = no
+    if OBJECTIVE == OBJ_PPO_CLIP or OBJECTIVE == OBJ_GSPO:
+        ratio = ratio_token
+        if OBJECTIVE == OBJ_GSPO:
+            seq_mean = tl.load(row + COL_SEQ_IN, mask=valid, other=0.0).to(COMPUTE) / count_floor
+            ratio = tl.exp(seq_mean)
+            seq_input_grad = tl.where(log_ratio_inside, 1.0, 0.0).to(COMPUTE)
+        low_bound = param(params_ptr, P_CLIP_LOW, COMPUTE)
+        high_bound = param(params_ptr, P_CLIP_HIGH, COMPUTE)
+        delta = param(params_ptr, P_DELTA, COMPUTE)
+        r2 = tl.minimum(tl.maximum(ratio, low_bound), high_bound)
+        r1 = tl.minimum(ratio, delta)
+        u1 = r1 * adv
+        u2 = r2 * adv
+        first = u1 <= u2  # −min(u1, u2); ties take the unclipped branch
+        term = -tl.where(first, u1, u2)
+        passes = tl.where(first, ratio <= delta, (ratio >= low_bound) & (ratio <= high_bound))
+        d_term_d_ratio = tl.where(passes, -adv, 0.0)
+        if DUAL_CLIP:
+            cap = -adv * param(params_ptr, P_DUAL_CLIP_C, COMPUTE)
+            dual = (adv < 0) & (term > cap)
+            term = tl.where(dual, cap, term)
+            d_term_d_ratio = tl.where(dual, 0.0, d_term_d_ratio)
+        clip_low = (ratio < low_bound) & (adv < 0)
+        clip_high = (ratio > high_bound) & (adv > 0)
+        if OBJECTIVE == OBJ_GSPO:
+            along_mean = d_term_d_ratio * ratio
+        else:
+            direct = tl.where(log_ratio_inside, d_term_d_ratio * ratio, 0.0)
+    elif OBJECTIVE == OBJ_CISPO:
+        ratio = ratio_token
+        low_bound = param(params_ptr, P_CLIP_LOW, COMPUTE)
+        high_bound = param(params_ptr, P_CLIP_HIGH, COMPUTE)
+        weight = tl.minimum(tl.maximum(ratio, low_bound), high_bound)
+        direct = -weight * adv
+        term = direct * lp
+        clip_low = ratio < low_bound
+        clip_high = ratio > high_bound
+    elif OBJECTIVE == OBJ_SAPO:
+        ratio = ratio_token
+        tau = tl.where(adv > 0, param(params_ptr, P_TAU_POS, COMPUTE), param(params_ptr, P_TAU_NEG, COMPUTE))
+        gate = 1.0 / (1.0 + tl.exp(-(tau * (ratio - 1.0))))
+        term = -(4.0 / tau) * gate * adv
+        d_term_d_ratio = -(4.0 / tau) * (gate * (1.0 - gate)) * tau * adv
+        direct = tl.where(log_ratio_inside, d_term_d_ratio * ratio, 0.0)
+    elif OBJECTIVE == OBJ_GMPO:
+        clipped, clip_low, clip_high = gmpo_clip(log_ratio, adv, params_ptr, COMPUTE)
+        seq_mean = tl.load(row + COL_SEQ_IN, mask=valid, other=0.0).to(COMPUTE) / count_floor
+        ratio = tl.exp(seq_mean)
+        term = -adv * ratio
+        along_mean = term
+        seq_input_grad = tl.where(log_ratio_inside & ~clip_low & ~clip_high, 1.0, 0.0).to(COMPUTE)
+    else:  # reinforce
+        ratio = ratio_token
+        direct = -adv
+        term = direct * lp
+
+    # --- 4. rollout correction weight, keep masks, the policy term ---
+    applied = zero + 1.0
+    raw_weight = applied
+    truncated = applied
+    if WEIGHT_LEVEL != LEVEL_NONE:
+        weight_log = _level_log_ratio(d, sum_d, count_floor, clamp, WEIGHT_LEVEL)
+        raw_weight = tl.exp(weight_log)
+        truncated = tl.minimum(
+            tl.maximum(raw_weight, param(params_ptr, P_WEIGHT_MIN, COMPUTE)), param(params_ptr, P_WEIGHT_MAX, COMPUTE)
+        )
+        applied = truncated
+        if NORMALIZE_WEIGHTS:
+            mean = tl.load(weight_mean_ptr).to(COMPUTE)
+            applied = truncated / tl.where(mean > WEIGHT_MEAN_FLOOR, mean, 1.0)
+        term = term * applied
+    keep_rollout = valid
+    keep_opsm = valid
+    keep_entropy = valid
+    if REJECT_LEVEL != LEVEL_NONE:
+        reject_ratio = tl.exp(_level_log_ratio(d, sum_d, count_floor, clamp, REJECT_LEVEL))
+        keep_rollout = (reject_ratio >= param(params_ptr, P_REJECT_MIN, COMPUTE)) & (
+            reject_ratio <= param(params_ptr, P_REJECT_MAX, COMPUTE)
+        )
+    if OPSM:
+        drift = tl.load(row + COL_OPSM, mask=valid, other=0.0).to(COMPUTE) / count_floor
+        keep_opsm = ~((adv < 0) & (drift > param(params_ptr, P_OPSM_DELTA, COMPUTE)))
+    if TOP_ENTROPY:
+        keep_entropy = ent.to(tl.float64) >= tl.load(threshold_ptr).to(tl.float64)
+    keep = valid & keep_rollout & keep_opsm & keep_entropy
+    policy = tl.where(keep, term, 0.0)
+    policy_scale = tl.where(keep, applied, 0.0)  # ∂policy/∂term
+
+    # --- 5. KL, entropy bonus, skip, divisor; share and gradients ---
+    contribution = policy
+    d_contribution = policy_scale * direct
+    kl = zero
+    if HAS_REF:
+        ref = load_clean(ref_ptr, offs, valid, COMPUTE)
+        x, x_inside = clamp_sym(ref - lp, param(params_ptr, P_KL_INPUT_CLAMP, COMPUTE))
+        if KL_ESTIMATOR == KL_K1:
+            base = -x
+            d_base_d_x = zero - 1.0
+        elif KL_ESTIMATOR == KL_K2:
+            base = 0.5 * (x * x)
+            d_base_d_x = x
+        else:
+            x_expm1 = expm1(x)
+            k3 = x_expm1 - x
+            if KL_STRAIGHT_THROUGH:
+                k2 = 0.5 * (x * x)
+                base = k2 + (k3 - k2)
+                d_base_d_x = x
+            else:
+                base = k3
+                d_base_d_x = x_expm1
+        d_base = tl.where(x_inside, -d_base_d_x, 0.0)  # ∂x/∂log π_θ = −1 inside the input clamp
+        if KL_RATIO == KL_RATIO_BIAS_CORRECTION:
+            before_clamp = base * ratio_token
+            d_before_clamp = d_base * ratio_token + tl.where(log_ratio_inside, base * ratio_token, 0.0)
+        elif KL_RATIO == KL_RATIO_SCORE_FUNCTION:
+            before_clamp = base * 1.0
+            d_before_clamp = d_base + base
+        else:
+            before_clamp = base
+            d_before_clamp = d_base
+        kl, kl_inside = clamp_sym(before_clamp, param(params_ptr, P_KL_OUTPUT_CLAMP, COMPUTE))
+        if KL_IN_LOSS:
+            kl_coef = param(params_ptr, P_KL_COEF, COMPUTE)
+            contribution = contribution + kl_coef * kl
+            d_contribution = d_contribution + kl_coef * tl.where(kl_inside, d_before_clamp, 0.0)
+    d_entropy = zero
+    if ENTROPY_BONUS:
+        bonus = param(params_ptr, P_ENTROPY_BONUS, COMPUTE)
+        contribution = contribution - bonus * ent
+        d_entropy = zero - bonus
+    live = valid
+    if SKIP:
+        live = valid & (tl.load(skip_ptr) == 0)
+    sequences = tl.maximum(tl.load(sequences_ptr).to(COMPUTE), COUNT_FLOOR)
+    if AGGREGATION == AGG_TOKEN_MEAN:
+        divisor = zero + tl.maximum(tl.load(tokens_ptr).to(COMPUTE), COUNT_FLOOR)
+    elif AGGREGATION == AGG_SEQ_MEAN_TOKEN_MEAN:
+        divisor = count_floor * sequences
+    elif AGGREGATION == AGG_SEQ_MEAN_TOKEN_SUM_NORM:
+        divisor = zero + sequences * param(params_ptr, P_NORM_CONSTANT, COMPUTE)
+    else:
+        divisor = zero + sequences
+    share = tl.where(live, contribution / divisor, 0.0)
+    tl.store(grad_lp_ptr + offs, tl.where(live, d_contribution / divisor, 0.0), mask=offs < N)
+    if ENTROPY_BONUS:
+        tl.store(grad_ent_ptr + offs, tl.where(live, d_entropy / divisor, 0.0), mask=offs < N)
+    if OBJECTIVE == OBJ_GSPO or OBJECTIVE == OBJ_GMPO:
+        tl.store(seq_factor_ptr + offs, tl.where(valid, seq_input_grad / count_floor, 0.0), mask=offs < N)
+        to_mean = tl.where(live, policy_scale * along_mean / divisor, 0.0)
+        seq_next = sequence_index(offs + 1, cu_ptr, T, S, search_steps, PACKED)
+        end, last = block_ends(offs, seq_next, seq, N, BLOCK)
+        segment_add(seq_grad_ptr, to_mean.to(tl.float64), seq, seq_next, end, last, S, 1, 0)
+
+    # --- 6. metric partials of this block ---
+    out = partial_ptr + pid * PARTIAL_COLS
+    none = tl.zeros([], dtype=tl.float64)
+    tl.store(out + SUM_SHARE, masked_sum(share, valid))
+    tl.store(out + SUM_VALID, masked_sum(valid, valid))
+    tl.store(out + SUM_POLICY, masked_sum(policy, valid))
+    tl.store(out + SUM_RATIO, masked_sum(ratio, valid))
+    tl.store(out + EXT_RATIO_MIN, masked_min(ratio, valid))
+    tl.store(out + EXT_RATIO_MAX, masked_max(ratio, valid))
+    tl.store(out + SUM_CLIP_LOW, masked_sum(clip_low, valid))
+    tl.store(out + SUM_CLIP_HIGH, masked_sum(clip_high, valid))
+    tl.store(out + SUM_CLIP_DUAL, masked_sum(dual, valid))
+    tl.store(out + SUM_WEIGHT_RAW, masked_sum(raw_weight, valid))
+    tl.store(out + SUM_WEIGHT_TRUNCATED, masked_sum(truncated, valid))
+    tl.store(out + SUM_WEIGHT_APPLIED, masked_sum(applied, valid))
+    tl.store(out + EXT_WEIGHT_RAW_MIN, masked_min(raw_weight, valid))
+    tl.store(out + EXT_WEIGHT_RAW_MAX, masked_max(raw_weight, valid))
+    tl.store(out + EXT_WEIGHT_TRUNCATED_MIN, masked_min(truncated, valid))
+    tl.store(out + EXT_WEIGHT_TRUNCATED_MAX, masked_max(truncated, valid))
+    tl.store(out + EXT_WEIGHT_APPLIED_MIN, masked_min(applied, valid))
+    tl.store(out + EXT_WEIGHT_APPLIED_MAX, masked_max(applied, valid))
+    tl.store(out + SUM_REJECTED_ROLLOUT, masked_sum(~keep_rollout, valid))
+    tl.store(out + SUM_REJECTED_OPSM, masked_sum(~keep_opsm, valid))
+    tl.store(out + SUM_REJECTED_ENTROPY, masked_sum(~keep_entropy, valid))
+    tl.store(out + SUM_KL, masked_sum(kl, valid))
+    tl.store(out + SUM_ENTROPY, masked_sum(ent, valid))
+    chi2_seq = none
+    chi2_seq_count = none
+    mismatch_k1 = none
+    mismatch_k3 = none
+    chi2_token = none
+    if HAS_ROLLOUT:
+        mismatch_k1 = masked_sum(-d, valid)
+        mismatch_k3 = masked_sum(expm1(d) - d, valid)
+        chi2_token = masked_sum(expm1(2.0 * d), valid)
+        if OWNS_SEQUENCES:  # each sequence counted once: on CP rank 0
+            seqs = pid * BLOCK + tl.arange(0, BLOCK)
+            in_seqs = seqs < S
+            seq_count = tl.load(seq_sums_ptr + seqs * NUM_COLS, mask=in_seqs, other=0.0).to(COMPUTE)
+            has_token = in_seqs & (seq_count > 0)
+            seq_sum_d = tl.load(seq_sums_ptr + seqs * NUM_COLS + COL_D, mask=has_token, other=0.0).to(COMPUTE)
+            seq_log_ratio, _ = clamp_sym(seq_sum_d, clamp)
+            chi2_seq = masked_sum(expm1(2.0 * seq_log_ratio), has_token)
+            chi2_seq_count = masked_sum(has_token, has_token)
+    tl.store(out + SUM_MISMATCH_K1, mismatch_k1)
+    tl.store(out + SUM_MISMATCH_K3, mismatch_k3)
+    tl.store(out + SUM_CHI2_TOKEN, chi2_token)
+    tl.store(out + SUM_CHI2_SEQ, chi2_seq)
+    tl.store(out + SUM_CHI2_SEQ_COUNT, chi2_seq_count)

@@ -1,0 +1,81 @@
+"""Fused GRPO loss: the loss and the metric entries from the combine pass's per-program partials (Triton).
+
+One program. Schedule:
+    1. Sum (float64) and take the extremes of the ``[programs, PARTIAL_COLS]`` partials, BLOCK_P rows at a time.
+    2. The loss share (in the loss's dtype) = Σ of the share column.
+    3. The metric pairs ``[NUM_PAIRS, 2]`` = (value, count): count 1 / M for the loss and the valid-token
+       total (M = the step's (rank, micro-batch) pairs), the sequence count for the per-sequence χ², (skip, 1)
+       for the skip flag, the valid-token count for every other mean; and the extremes ``[NUM_EXTREMES]``
+       (even slots minima, odd slots maxima; ±inf where nothing is valid).
+Every slot is written; the host names only those the config and the inputs report.
+"""
+
+import triton
+import triton.language as tl
+
+from mp_grpo.kernels.grpo_loss_common import (
+    NUM_EXTREMES,
+    NUM_PAIRS,
+    NUM_SUMS,
+    PAIR_CHI2_SEQ,
+    PAIR_LOSS,
+    PAIR_SKIPPED,
+    PAIR_VALID_TOKENS,
+    PARTIAL_COLS,
+    SUM_CHI2_SEQ_COUNT,
+    SUM_SHARE,
+    SUM_VALID,
+)
+
+
+@triton.jit
+def _pick(values, cols, col):
+    """``values[col]`` of a 1-D block (a 0-dim value)."""
+    return tl.sum(tl.where(cols == col, values, 0.0), axis=0)
+
+
+@triton.jit
+def grpo_loss_finalize_kernel(
+    partial_ptr,  # [P, PARTIAL_COLS] float64
+    micro_batches_ptr,  # 0-dim float64: M
+    skip_ptr,  # 0-dim bool (only with HAS_SKIP)
+    loss_ptr,  # 0-dim out, the loss's dtype
+    pairs_ptr,  # [NUM_PAIRS, 2] float64 out
+    extremes_ptr,  # [NUM_EXTREMES] float64 out
+    P,
+    HAS_SKIP: tl.constexpr,
+    COLS: tl.constexpr,  # power of two ≥ PARTIAL_COLS
+    BLOCK_P: tl.constexpr,
+):
+    cols = tl.arange(0, COLS)
+    is_sum = cols < NUM_SUMS
+    is_extreme = (cols >= NUM_SUMS) & (cols < PARTIAL_COLS)
+    is_min = is_extreme & ((cols - NUM_SUMS) % 2 == 0)
+    # --- 1. reduce the partials ---
+    sums = tl.zeros([COLS], dtype=tl.float64)
+    lows = tl.full([COLS], float("inf"), dtype=tl.float64)
+    highs = tl.full([COLS], float("-inf"), dtype=tl.float64)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        inside = (rows[:, None] < P) & (cols[None, :] < PARTIAL_COLS)
+        block = tl.load(partial_ptr + rows[:, None] * PARTIAL_COLS + cols[None, :], mask=inside, other=0.0)
+        sums += tl.sum(tl.where(inside & is_sum[None, :], block, 0.0), axis=0)
+        lows = tl.minimum(lows, tl.min(tl.where(inside & is_extreme[None, :], block, float("inf")), axis=0))
+        highs = tl.maximum(highs, tl.max(tl.where(inside & is_extreme[None, :], block, float("-inf")), axis=0))
+    # --- 2. the loss ---
+    tl.store(loss_ptr, _pick(sums, cols, SUM_SHARE).to(loss_ptr.dtype.element_ty))
+    # --- 3. metric pairs and extremes ---
+    inv_micro_batches = 1.0 / tl.load(micro_batches_ptr).to(tl.float64)
+    counts = tl.zeros([COLS], dtype=tl.float64) + _pick(sums, cols, SUM_VALID)
+    counts = tl.where((cols == PAIR_LOSS) | (cols == PAIR_VALID_TOKENS), inv_micro_batches, counts)
+    counts = tl.where(cols == PAIR_CHI2_SEQ, _pick(sums, cols, SUM_CHI2_SEQ_COUNT), counts)
+    values = sums
+    if HAS_SKIP:
+        skip = tl.load(skip_ptr).to(tl.float64)
+        values = tl.where(cols == PAIR_SKIPPED, skip, values)
+    counts = tl.where(cols == PAIR_SKIPPED, 1.0, counts)
+    is_pair = cols < NUM_PAIRS
+    tl.store(pairs_ptr + 2 * cols, values, mask=is_pair)
+    tl.store(pairs_ptr + 2 * cols + 1, counts, mask=is_pair)
+    extremes = tl.where(is_min, lows, highs)
+    tl.store(extremes_ptr + (cols - NUM_SUMS), extremes, mask=is_extreme & (cols - NUM_SUMS < NUM_EXTREMES))

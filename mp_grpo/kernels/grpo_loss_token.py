@@ -1,0 +1,75 @@
+"""Fused GRPO loss, pass 1 of 2 (forward): the per-sequence sums (Triton).
+
+Each program reads one block of BLOCK token positions once and adds, per sequence, the sums of the
+columns the combine pass needs (``mp_grpo/loss/sequence.py`` lists them) into a zeroed float64
+``[S, NUM_COLS]`` buffer:
+
+    column 0            valid tokens of the sequence (its length n)
+    COL_SEQ_IN   (≥ 0)  gspo: the clamped log-ratio ℓ; gmpo: ℓ clipped one-sidedly in log space
+    COL_D        (≥ 0)  d = clamp(trainer − rollout), the rollout-correction log-ratio
+    COL_OPSM     (≥ 0)  behaviour − log π_θ (rollout, else old), the OPSM divergence
+
+Masked positions are never read (they add 0). Sums of sequences that span blocks meet through float64
+atomic adds, a few per block (``segment_add``); the float64 accumulation keeps their order's rounding
+far below the compute dtype's. Under context parallelism the host all-reduces the buffer over the CP
+group before the combine pass.
+
+Schedule: 1. the block's positions, their sequences and validity; 2. the sanitized inputs and log-ratios;
+3. each column's per-sequence sums added to the buffer.
+"""
+
+import triton
+import triton.language as tl
+
+from mp_grpo.kernels.grpo_loss_common import (
+    OBJ_GMPO,
+    block_ends,
+    gmpo_clip,
+    policy_inputs,
+    segment_add,
+    sequence_index,
+    token_block,
+)
+
+
+@triton.jit
+def grpo_loss_token_kernel(
+    # token inputs, flat [N] (any float dtype; loss mask any dtype, nonzero = trained on)
+    lp_ptr, old_ptr, rollout_ptr, adv_ptr, mask_ptr,
+    # sequences: cu_seqlens [S + 1] (packed only), config parameters (float64), the sums (float64, zeroed)
+    cu_ptr, params_ptr, seq_sums_ptr,
+    # sizes
+    N, T, S, search_steps,
+    # meta-parameters
+    PACKED: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr,
+    ADV_PER_TOKEN: tl.constexpr, OBJECTIVE: tl.constexpr,
+    NUM_COLS: tl.constexpr, COL_SEQ_IN: tl.constexpr, COL_D: tl.constexpr, COL_OPSM: tl.constexpr,
+    COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # --- 1. positions, sequences, validity ---
+    offs, seq, valid = token_block(pid, mask_ptr, cu_ptr, N, T, S, search_steps, PACKED, BLOCK)
+    seq_next = sequence_index(offs + 1, cu_ptr, T, S, search_steps, PACKED)
+    end, last = block_ends(offs, seq_next, seq, N, BLOCK)
+
+    # --- 2. sanitized inputs and log-ratios ---
+    lp, old, rollout, adv, log_ratio, _, d = policy_inputs(
+        lp_ptr, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
+        HAS_OLD, HAS_ROLLOUT, BYPASS, ADV_PER_TOKEN, COMPUTE,
+    )
+
+    # --- 3. per-sequence sums of every column ---
+    segment_add(seq_sums_ptr, valid.to(tl.float64), seq, seq_next, end, last, S, NUM_COLS, 0)
+    if COL_SEQ_IN >= 0:
+        seq_in = log_ratio
+        if OBJECTIVE == OBJ_GMPO:
+            seq_in, _, _ = gmpo_clip(log_ratio, adv, params_ptr, COMPUTE)
+        segment_add(seq_sums_ptr, seq_in.to(tl.float64), seq, seq_next, end, last, S, NUM_COLS, COL_SEQ_IN)
+    if COL_D >= 0:
+        segment_add(seq_sums_ptr, d.to(tl.float64), seq, seq_next, end, last, S, NUM_COLS, COL_D)
+    if COL_OPSM >= 0:
+        behaviour = old
+        if HAS_ROLLOUT:
+            behaviour = rollout
+        divergence = tl.where(valid, behaviour - lp, 0.0)
+        segment_add(seq_sums_ptr, divergence.to(tl.float64), seq, seq_next, end, last, S, NUM_COLS, COL_OPSM)

@@ -1,0 +1,267 @@
+"""The GRPO-family loss through fused Triton kernels: host launches and the autograd Function.
+
+Same results as the torch path of :class:`mp_grpo.GRPOLoss` (its readable specification), in a few
+launches: every sequence-level quantity of the loss is detached except the gspo / gmpo sequence mean,
+so the loss is a sum of per-token terms once the per-sequence sums are known, and each term's gradient
+is written in the forward pass.
+
+Schedule of :class:`FusedGRPOLossFunction` (one micro-batch: N token positions, S sequences)
+
+Forward
+    1. When the config needs per-sequence sums: one zeroed float64 workspace — the sums ``[S, K]`` and,
+       for gspo / gmpo, the per-sequence gradient ``[S]`` (one memset).
+    2. ``grpo_loss_token_kernel``: the per-sequence sums (valid tokens, gspo / gmpo input, Σd, OPSM).
+    3. Context parallelism only: all-reduce of the sums over the CP group (``all_reduce_sum``).
+    4. ``grpo_loss_combine_kernel``: per token the share c_t / D_t and its gradient w.r.t. the log-prob
+       (and the entropy); gspo / gmpo add ∂share/∂m_s per sequence; per program the metric partials.
+    5. ``grpo_loss_finalize_kernel``: the loss (0-dim) and the metric pairs and extremes.
+Backward
+    1. gspo / gmpo under context parallelism only: all-reduce over the CP group of g · ∂share/∂m_s (each
+       CP rank's share depends on the whole sequence's mean, like ``SumOverGroup``).
+    2. ``grpo_loss_backward_kernel``: g × the forward's gradients (+ ∂share/∂m_s · ∂m_s/∂log π_θ[t]).
+
+Launches per call: forward 2 (no per-sequence sums: combine, finalize) to 4 (memset, token, combine,
+finalize), backward 1. No host synchronization; the step's counts and decisions are read by the kernels
+from the GlobalBatch's device tensors. Per-sequence sums meet through float64 atomics, so their last
+bits (far below the compute dtype's) depend on the order the programs run in.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+from triton import knobs
+
+from mp_grpo.collectives import ProcessGroup, all_reduce_sum, group_size
+from mp_grpo.config.loss import LossConfig
+from mp_grpo.kernels.grpo_loss_backward import grpo_loss_backward_kernel
+from mp_grpo.kernels.grpo_loss_combine import grpo_loss_combine_kernel
+from mp_grpo.kernels.grpo_loss_common import NUM_EXTREMES, NUM_PAIRS, PARTIAL_COLS
+from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
+from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
+from mp_grpo.ops.checks import check_runs_here
+from mp_grpo.ops.grpo_loss_plan import FusedLossPlan, InputsKey, build_plan, config_parameters
+
+_TRITON_DTYPES = {torch.float32: triton.language.float32, torch.float64: triton.language.float64}
+_PARTIAL_COLS = int(PARTIAL_COLS.value)
+_NUM_PAIRS = int(NUM_PAIRS.value)
+_NUM_EXTREMES = int(NUM_EXTREMES.value)
+_FINALIZE_COLS = triton.next_power_of_2(_PARTIAL_COLS)
+
+
+class _LaunchConfig(NamedTuple):
+    token_block: int
+    token_warps: int
+    combine_block: int
+    combine_warps: int
+    backward_block: int
+    backward_warps: int
+    finalize_block: int
+
+
+def _launch_config() -> _LaunchConfig:
+    """Block sizes. Under the interpreter (CPU tests) small blocks, so that sequences span blocks; on a GPU
+    the combine pass keeps ~2 tokens a thread (it holds many values per token), the light passes 8."""
+    if knobs.runtime.interpret:
+        return _LaunchConfig(16, 1, 16, 1, 16, 1, 4)
+    return _LaunchConfig(1024, 4, 256, 4, 1024, 4, 64)
+
+
+class SequenceInfo(NamedTuple):
+    """How the tokens form sequences, in the kernels' terms."""
+
+    cu_seqlens: torch.Tensor | None
+    """Packed: ``[S + 1]`` boundaries on the tokens' device; None: padded rows."""
+    num_sequences: int
+    """S."""
+    row_length: int
+    """Padded: T of ``[B, T]`` (unused when packed)."""
+    cp_group: ProcessGroup | None
+    """Context-parallel group of the per-sequence sums (None: none)."""
+    owns_sequences: bool
+    """This rank counts per-sequence metrics (CP rank 0)."""
+
+
+class StepTensors(NamedTuple):
+    """The GlobalBatch's values the kernels read (0-dim device tensors; None where the config needs none)."""
+
+    valid_tokens: torch.Tensor
+    sequences: torch.Tensor
+    micro_batches: torch.Tensor
+    weight_mean: torch.Tensor | None
+    entropy_threshold: torch.Tensor | None
+    skip: torch.Tensor | None
+
+
+class _Call(NamedTuple):
+    """Everything of one call besides the differentiable inputs (passed through ``Function.apply``)."""
+
+    plan: FusedLossPlan
+    params: torch.Tensor
+    old: torch.Tensor | None
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout: torch.Tensor | None
+    ref: torch.Tensor | None
+    step: StepTensors
+    sequences: SequenceInfo
+
+
+class FusedGRPOLoss:
+    """The fused loss of one :class:`LossConfig`: caches its plans (per input combination) and its
+    parameter vector (per device). Called by :class:`mp_grpo.GRPOLoss` after its input checks."""
+
+    def __init__(self, config: LossConfig) -> None:
+        self.config = config
+        self._parameters = config_parameters(config)
+        self._params_on: dict[torch.device, torch.Tensor] = {}
+        self._plans: dict[tuple, FusedLossPlan] = {}
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        rollout_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+        step: StepTensors,
+        sequences: SequenceInfo,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(this micro-batch's share, its metric dict) — the contract of :meth:`mp_grpo.GRPOLoss.__call__`;
+        the inputs are already checked (shapes, dtypes, devices)."""
+        check_runs_here(logprobs, "logprobs")
+        device = logprobs.device
+        key = (sequences.cu_seqlens is not None, old_logprobs is not None, rollout_logprobs is not None,
+               ref_logprobs is not None, entropy is not None, advantages.shape == logprobs.shape)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build_plan(self.config, InputsKey(*key))
+        params = self._params_on.get(device)
+        if params is None:
+            params = self._params_on[device] = torch.tensor(self._parameters, dtype=torch.float64, device=device)
+        call = _Call(plan, params, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, step, sequences)
+        loss, pairs, extremes = FusedGRPOLossFunction.apply(logprobs, entropy, call)
+        pair_rows, extreme_rows = pairs.unbind(0), extremes.unbind(0)
+        metrics = {name: (pair_rows if is_pair else extreme_rows)[slot] for name, is_pair, slot in plan.metrics}
+        return loss, metrics
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous 1-D tensor (a view when it already is contiguous)."""
+    return x.reshape(-1)
+
+
+class FusedGRPOLossFunction(torch.autograd.Function):
+    """Differentiable w.r.t. ``logprobs`` and ``entropy``; see the module docstring for the schedule."""
+
+    @staticmethod
+    def forward(ctx, logprobs: torch.Tensor, entropy: torch.Tensor | None, call: _Call):
+        plan, seqs, step = call.plan, call.sequences, call.step
+        device = logprobs.device
+        compute = torch.promote_types(logprobs.dtype, torch.float32)
+        lp = _flat(logprobs)
+        n = lp.numel()
+        s = seqs.num_sequences
+        packed = seqs.cu_seqlens is not None
+        cu = seqs.cu_seqlens if packed else lp  # an unused pointer for padded rows
+        row_length = max(seqs.row_length, 1)
+        search_steps = s.bit_length() if packed else 0
+        launch = _launch_config()
+        tl_compute = _TRITON_DTYPES[compute]
+        placeholder = lp  # pointer of an absent optional input (never read: its flag is off)
+        old = placeholder if call.old is None else _flat(call.old)
+        rollout = placeholder if call.rollout is None else _flat(call.rollout)
+        ref = placeholder if call.ref is None else _flat(call.ref)
+        ent = placeholder if entropy is None else _flat(entropy)
+        adv = _flat(call.advantages)
+        mask = _flat(call.loss_mask)
+
+        # --- 1. zeroed workspace: per-sequence sums and (gspo / gmpo) per-sequence gradient ---
+        sums_size = s * plan.num_cols
+        workspace = None
+        seq_sums = seq_grad = call.params  # unused pointers without per-sequence sums
+        if plan.num_cols:
+            workspace = torch.zeros(sums_size + (s if plan.seq_grad else 0), dtype=torch.float64, device=device)
+            seq_sums = workspace[:sums_size]
+            if plan.seq_grad:
+                seq_grad = workspace[sums_size:]
+            # --- 2. per-sequence sums ---
+            grpo_loss_token_kernel[(max(triton.cdiv(n, launch.token_block), 1),)](
+                lp, old, rollout, adv, mask, cu, call.params, seq_sums,
+                n, row_length, s, search_steps,
+                **plan.token_flags, COMPUTE=tl_compute, BLOCK=launch.token_block, num_warps=launch.token_warps,
+            )
+            # --- 3. whole sequences under context parallelism ---
+            if group_size(seqs.cp_group) > 1:
+                seq_sums = all_reduce_sum(seq_sums, seqs.cp_group)
+
+        # --- 4. per-token shares, gradients, metric partials ---
+        programs = max(triton.cdiv(n, launch.combine_block), triton.cdiv(s, launch.combine_block), 1)
+        grad_lp = torch.empty(n, dtype=compute, device=device)
+        grad_ent = torch.empty(n, dtype=compute, device=device) if plan.entropy_grad else None
+        seq_factor = torch.empty(n, dtype=compute, device=device) if plan.seq_grad else None
+        partials = torch.empty(programs, _PARTIAL_COLS, dtype=torch.float64, device=device)
+        unused = call.params
+        grpo_loss_combine_kernel[(programs,)](
+            lp, old, rollout, ref, ent, adv, mask,
+            cu, seq_sums, seq_grad,
+            step.valid_tokens, step.sequences, unused if step.weight_mean is None else step.weight_mean,
+            unused if step.entropy_threshold is None else step.entropy_threshold,
+            unused if step.skip is None else step.skip, call.params,
+            grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
+            n, row_length, s, search_steps,
+            **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=launch.combine_block,
+            num_warps=launch.combine_warps,
+        )
+
+        # --- 5. loss and metric entries ---
+        loss = torch.empty((), dtype=compute, device=device)
+        pairs = torch.empty(_NUM_PAIRS, 2, dtype=torch.float64, device=device)
+        extremes = torch.empty(_NUM_EXTREMES, dtype=torch.float64, device=device)
+        grpo_loss_finalize_kernel[(1,)](
+            partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
+            programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=launch.finalize_block,
+        )
+
+        ctx.mark_non_differentiable(pairs, extremes)
+        ctx.save_for_backward(grad_lp, grad_ent, seq_grad if plan.seq_grad else None, seq_factor, cu)
+        ctx.plan = plan
+        ctx.sizes = (n, row_length, s, search_steps, packed)
+        ctx.cp_group = seqs.cp_group
+        ctx.shapes = (logprobs.shape, logprobs.dtype, None if entropy is None else (entropy.shape, entropy.dtype))
+        ctx.compute = tl_compute
+        return loss, pairs, extremes
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor, _grad_pairs, _grad_extremes):
+        grad_lp_fwd, grad_ent_fwd, seq_grad, seq_factor, cu = ctx.saved_tensors
+        plan: FusedLossPlan = ctx.plan
+        n, row_length, s, search_steps, packed = ctx.sizes
+        (lp_shape, lp_dtype), ent_meta = ctx.shapes[:2], ctx.shapes[2]
+        device = grad_lp_fwd.device
+        grad_loss = grad_loss.reshape(())
+        entropy_grad = plan.entropy_grad and ent_meta is not None and ctx.needs_input_grad[1]
+        # --- 1. whole sequences under context parallelism: Σ over CP ranks of g_r · ∂share_r/∂m_s ---
+        seq_grad_scaled = False
+        if plan.seq_grad and group_size(ctx.cp_group) > 1:
+            seq_grad = all_reduce_sum(seq_grad * grad_loss.to(torch.float64), ctx.cp_group)
+            seq_grad_scaled = True
+        # --- 2. g × the forward's per-token gradients ---
+        grad_lp = torch.empty(n, dtype=lp_dtype, device=device)
+        grad_ent = torch.empty(n, dtype=ent_meta[1], device=device) if entropy_grad else None
+        launch = _launch_config()
+        if n:
+            grpo_loss_backward_kernel[(triton.cdiv(n, launch.backward_block),)](
+                grad_loss, grad_lp_fwd, grad_lp_fwd if grad_ent_fwd is None else grad_ent_fwd,
+                grad_lp_fwd if seq_grad is None else seq_grad, grad_lp_fwd if seq_factor is None else seq_factor,
+                cu, grad_lp, grad_lp if grad_ent is None else grad_ent,
+                n, row_length, s, search_steps,
+                PACKED=packed, ENTROPY_GRAD=entropy_grad, SEQ_GRAD=plan.seq_grad, SEQ_GRAD_SCALED=seq_grad_scaled,
+                COMPUTE=ctx.compute, BLOCK=launch.backward_block, num_warps=launch.backward_warps,
+            )
+        return grad_lp.view(lp_shape), None if grad_ent is None else grad_ent.view(ent_meta[0]), None

@@ -1,0 +1,93 @@
+"""The fused GRPO loss kernels (mp_grpo/kernels/grpo_loss_*.py) compile for an H100 / H200 (sm_90) on a machine
+without a GPU: Triton's real compiler (to PTX and, with the ptxas shipped in the triton wheel, to a cubin), not
+the interpreter the CPU suite runs them in — the interpreter accepts code the compiler rejects (types that
+differ between branches, globals that are not ``tl.constexpr``, …). Every feature config of the loss tests,
+padded and packed, float32 and float64, log-probs in bfloat16; the token, backward and finalize kernels.
+
+The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script): the test session
+has the interpreter on, and Triton picks it when the kernels are defined.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no NVIDIA Triton backend")
+def test_kernels_compile_for_sm90() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    assert "compiled" in proc.stdout
+
+
+def _compile_all() -> None:
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mp_grpo.config import load_config
+    from mp_grpo.kernels.grpo_loss_backward import grpo_loss_backward_kernel
+    from mp_grpo.kernels.grpo_loss_combine import grpo_loss_combine_kernel
+    from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
+    from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
+    from mp_grpo.ops.grpo_loss_plan import InputsKey, build_plan
+    from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS
+
+    target = GPUTarget("cuda", 90, 32)
+    count = 0
+
+    def compile_kernel(kernel, types: dict[str, str], constexprs: dict) -> None:
+        nonlocal count
+        signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
+                       options={"num_warps": 4})
+        count += 1
+
+    sizes = dict(N="i32", T="i32", S="i32", search_steps="i32")
+    for i, (feature, overrides) in enumerate(FEATURE_CONFIGS.items()):
+        aggregation = list(AGGREGATIONS)[i % len(AGGREGATIONS)]
+        cfg = load_config(None, overrides + AGGREGATIONS[aggregation])
+        packed = i % 2 == 1
+        compute, ptr = (tl.float64, "*fp64") if i % 4 == 3 else (tl.float32, "*fp32")
+        lp = "*bf16" if i % 4 == 2 else ptr
+        plan = build_plan(cfg, InputsKey(packed=packed, has_old=True, has_rollout=True, has_ref=True, has_entropy=True,
+                                         advantages_per_token=i % 3 == 0))
+        tokens = dict(lp_ptr=lp, old_ptr=ptr, rollout_ptr="*fp32", adv_ptr=ptr, mask_ptr="*i1",
+                      cu_ptr="*i32" if packed else lp, params_ptr="*fp64", **sizes)
+        if plan.num_cols:
+            compile_kernel(grpo_loss_token_kernel, dict(tokens, seq_sums_ptr="*fp64"),
+                           dict(plan.token_flags, COMPUTE=compute, BLOCK=1024))
+        compile_kernel(grpo_loss_combine_kernel, dict(
+            tokens, ref_ptr=ptr, ent_ptr=lp, seq_sums_ptr="*fp64", seq_grad_ptr="*fp64", tokens_ptr="*fp64",
+            sequences_ptr="*fp64", weight_mean_ptr="*fp64", threshold_ptr="*fp64", skip_ptr="*i1", grad_lp_ptr=ptr,
+            grad_ent_ptr=ptr, seq_factor_ptr=ptr, partial_ptr="*fp64",
+        ), dict(plan.combine_flags, OWNS_SEQUENCES=i % 3 != 1, COMPUTE=compute, BLOCK=256))
+    for seq_grad, scaled, packed in itertools.product([False, True], [False, True], [False, True]):
+        compile_kernel(grpo_loss_backward_kernel, dict(
+            grad_out_ptr="*fp32", grad_lp_fwd_ptr="*fp32", grad_ent_fwd_ptr="*fp32", seq_grad_ptr="*fp64",
+            seq_factor_ptr="*fp32", cu_ptr="*i64", grad_lp_ptr="*bf16", grad_ent_ptr="*fp32", **sizes,
+        ), dict(PACKED=packed, ENTROPY_GRAD=packed, SEQ_GRAD=seq_grad, SEQ_GRAD_SCALED=scaled, COMPUTE=tl.float32,
+                BLOCK=1024))
+    for skip, loss in ((False, "*fp32"), (True, "*fp64")):
+        compile_kernel(grpo_loss_finalize_kernel, dict(
+            partial_ptr="*fp64", micro_batches_ptr="*fp64", skip_ptr="*i1", loss_ptr=loss, pairs_ptr="*fp64",
+            extremes_ptr="*fp64", P="i32",
+        ), dict(HAS_SKIP=skip, COLS=32, BLOCK_P=64))
+    print(f"compiled {count} kernels for sm_90")
+
+
+if __name__ == "__main__":
+    _compile_all()
