@@ -54,7 +54,16 @@ from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs  # noqa:
 from tests.reference import linear_logprobs_reference  # noqa: E402
 from tests.tolerances import tolerance  # noqa: E402
 
-GiB = 2**30
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import GiB, extra_peak_bytes, timed_ms  # noqa: E402
+from measure import median_ms as _median_ms  # noqa: E402
+
+
+def median_ms(fn) -> float:
+    """Longer runs than the default: one matmul case takes tens of milliseconds."""
+    return _median_ms(fn, warmup_ms=100, rep_ms=1000)
+
+
 DEVICE = "cuda"
 BARE = "bare matmul h@Wᵀ + 2 backward GEMMs (no softmax)"
 FUSED = "mp_grpo fused_linear_logprobs"
@@ -62,24 +71,6 @@ LIGER = "Liger LigerFusedLinearGRPOLoss (chunked, compiled)"
 TARGET_TIME_RATIO = 1.5  # fwd+bwd vs. bare matmul
 TARGET_EXTRA_GiB = 1.5
 TARGET_LIGER_SPEEDUP = 3.0
-
-
-# ----------------------------------------------------------------------------- measurement helpers
-def median_ms(fn) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=100, rep=1000, return_mode="median")
-
-
-def extra_peak_bytes(fwd_bwd) -> int:
-    """Peak of one forward+backward beyond what was allocated before it (after one warm-up call)."""
-    fwd_bwd()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def make_inputs(n: int, hidden_size: int, v: int, seed: int = 0, weight_std: float = 0.02):
@@ -246,23 +237,6 @@ def add_ratios(result: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- tensor parallel
-def timed_ms(fn, iters: int) -> float:
-    """Median of per-iteration CUDA-event times, after a warm-up and a barrier; same count on every rank."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def run_tensor_parallel(args) -> dict:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")

@@ -47,35 +47,8 @@ from mp_grpo import vocab_parallel_logprobs  # noqa: E402
 from mp_grpo.kernels import logprob_launch_config  # noqa: E402
 from tests.reference import logprobs_reference  # noqa: E402
 
-GiB = 2**30
-
-
-# ----------------------------------------------------------------------------- measurement helpers
-def median_ms(fn) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    x = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda").random_()
-    y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x))
-    del x, y
-    return 2 * 2 * GiB / (ms * 1e-3)
-
-
-def extra_peak_bytes(fwd_bwd) -> int:
-    """Peak memory of one forward+backward beyond what was allocated before it (inputs + grad)."""
-    fwd_bwd()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import GiB, copy_bandwidth, extra_peak_bytes, median_ms, timed_ms  # noqa: E402
 
 # ----------------------------------------------------------------------------- the cases
 def make_inputs(n: int, v: int, seed: int = 0):
@@ -241,23 +214,6 @@ def run_single_gpu(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- tensor parallel
-def timed_ms(fn, iters: int, group) -> float:
-    """Median of per-iteration CUDA-event times, after a warm-up and a barrier; same count on all ranks."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier(group)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def run_tensor_parallel(args) -> dict:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
