@@ -1,0 +1,76 @@
+"""The log-prob kernels (mp_grpo/kernels/logprob_*.py) compile for an H100 / H200 (sm_90) on a machine without a
+GPU: Triton's real compiler (to PTX and, with the ptxas shipped in the triton wheel, to a cubin), not the
+interpreter the CPU suite runs them in — the interpreter accepts code the compiler rejects (a global that is
+not ``tl.constexpr`` did slip through it once). Every logits dtype, with and without entropy, at the block
+sizes ``kernels/launch_config.py`` picks on a GPU.
+
+The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script), as in
+``test_grpo_loss_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no NVIDIA Triton backend")
+def test_logprob_kernels_compile_for_sm90() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    assert "compiled 14 kernels" in proc.stdout, proc.stdout
+
+
+def _compile_all() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mp_grpo.kernels.logprob_backward import logprob_backward_kernel
+    from mp_grpo.kernels.logprob_merge import logprob_merge_kernel
+    from mp_grpo.kernels.logprob_stats import logprob_stats_kernel
+
+    target = GPUTarget("cuda", 90, 32)
+    count = 0
+
+    def compile_kernel(kernel, types: dict[str, str], constexprs: dict) -> None:
+        nonlocal count
+        signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
+                       options={"num_warps": 4})
+        count += 1
+
+    block = 4096  # what launch_config picks on a GPU for V_local >= 4096
+    for logits, with_entropy in itertools.product(("*bf16", "*fp16", "*fp32"), (False, True)):
+        compile_kernel(logprob_stats_kernel, dict(
+            x_ptr=logits, target_ptr="*i64", stats_ptr="*fp32", n="i32", row_start="i32", N_total="i32",
+            V_local="i32", vocab_start="i32", stride_x_row="i64", stride_stats_row="i32", inv_temperature="fp32",
+        ), dict(HAS_ENTROPY=with_entropy, BLOCK_V=block))
+        compile_kernel(logprob_backward_kernel, dict(
+            x_ptr=logits, grad_x_ptr=logits, target_ptr="*i64", row_max_ptr="*fp32", log_sum_ptr="*fp32",
+            entropy_ptr="*fp32", grad_logprob_ptr="*fp32", grad_entropy_ptr="*fp32", V_local="i32",
+            vocab_start="i32", ignore_index="i32", stride_x_row="i64", stride_grad_x_row="i64",
+            inv_temperature="fp32",
+        ), dict(HAS_ENTROPY_GRAD=with_entropy, BLOCK_V=block))
+    for with_entropy in (False, True):
+        compile_kernel(logprob_merge_kernel, dict(
+            stats_ptr="*fp32", target_ptr="*i64", logprob_ptr="*fp32", entropy_ptr="*fp32", row_max_ptr="*fp32",
+            log_sum_ptr="*fp32", errors_ptr="*i32", N="i32", TP="i32", V_global="i32", ignore_index="i32",
+            stride_stats_rank="i32", stride_stats_row="i32",
+        ), dict(HAS_ENTROPY=with_entropy, BLOCK_N=256))
+    print(f"compiled {count} kernels for sm_90")
+
+
+if __name__ == "__main__":
+    _compile_all()
