@@ -4,39 +4,23 @@ the interpreter the CPU suite runs them in — the interpreter accepts code the 
 differ between branches, globals that are not ``tl.constexpr``, …). Every feature config of the loss tests,
 padded and packed, float32 and float64, log-probs in bfloat16; the token, backward and finalize kernels.
 
-The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script): the test session
-has the interpreter on, and Triton picks it when the kernels are defined.
+The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script; see ``sm90.py``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90 import Sm90Compiler, needs_nvidia_backend, run_compile_script
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no NVIDIA Triton backend")
+@needs_nvidia_backend
 def test_kernels_compile_for_sm90() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=REPO_ROOT)
-    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
-    assert "compiled" in proc.stdout
+    assert "compiled" in run_compile_script(__file__)
 
 
 def _compile_all() -> None:
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from mp_grpo.config import load_config
     from mp_grpo.kernels.grpo_loss_backward import grpo_loss_backward_kernel
@@ -46,15 +30,8 @@ def _compile_all() -> None:
     from mp_grpo.ops.grpo_loss_plan import InputsKey, build_plan
     from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS
 
-    target = GPUTarget("cuda", 90, 32)
-    count = 0
-
-    def compile_kernel(kernel, types: dict[str, str], constexprs: dict) -> None:
-        nonlocal count
-        signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
-        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                       options={"num_warps": 4})
-        count += 1
+    compiler = Sm90Compiler()
+    compile_kernel = compiler.compile
 
     sizes = dict(N="i32", T="i32", S="i32", search_steps="i32")
     for i, (feature, overrides) in enumerate(FEATURE_CONFIGS.items()):
@@ -86,7 +63,7 @@ def _compile_all() -> None:
             partial_ptr="*fp64", micro_batches_ptr="*fp64", skip_ptr="*i1", loss_ptr=loss, pairs_ptr="*fp64",
             extremes_ptr="*fp64", P="i32",
         ), dict(HAS_SKIP=skip, COLS=32, BLOCK_P=64))
-    print(f"compiled {count} kernels for sm_90")
+    print(f"compiled {compiler.count} kernels for sm_90")
 
 
 if __name__ == "__main__":

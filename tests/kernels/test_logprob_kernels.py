@@ -4,53 +4,28 @@ interpreter the CPU suite runs them in — the interpreter accepts code the comp
 not ``tl.constexpr`` did slip through it once). Every logits dtype, with and without entropy, at the block
 sizes ``kernels/launch_config.py`` picks on a GPU.
 
-The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script), as in
-``test_grpo_loss_kernels.py``.
+The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script; see ``sm90.py``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.sm90 import Sm90Compiler, needs_nvidia_backend, run_compile_script
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None, reason="no NVIDIA Triton backend")
+@needs_nvidia_backend
 def test_logprob_kernels_compile_for_sm90() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=REPO_ROOT)
-    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
-    assert "compiled 14 kernels" in proc.stdout, proc.stdout
+    assert "compiled 14 kernels" in run_compile_script(__file__)
 
 
 def _compile_all() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from mp_grpo.kernels.logprob_backward import logprob_backward_kernel
     from mp_grpo.kernels.logprob_merge import logprob_merge_kernel
     from mp_grpo.kernels.logprob_stats import logprob_stats_kernel
 
-    target = GPUTarget("cuda", 90, 32)
-    count = 0
-
-    def compile_kernel(kernel, types: dict[str, str], constexprs: dict) -> None:
-        nonlocal count
-        signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
-        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=target,
-                       options={"num_warps": 4})
-        count += 1
-
+    compiler = Sm90Compiler()
+    compile_kernel = compiler.compile
     block = 4096  # what launch_config picks on a GPU for V_local >= 4096
     for logits, with_entropy in itertools.product(("*bf16", "*fp16", "*fp32"), (False, True)):
         compile_kernel(logprob_stats_kernel, dict(
@@ -69,7 +44,7 @@ def _compile_all() -> None:
             log_sum_ptr="*fp32", errors_ptr="*i32", N="i32", TP="i32", V_global="i32", ignore_index="i32",
             stride_stats_rank="i32", stride_stats_row="i32",
         ), dict(HAS_ENTROPY=with_entropy, BLOCK_N=256))
-    print(f"compiled {count} kernels for sm_90")
+    print(f"compiled {compiler.count} kernels for sm_90")
 
 
 if __name__ == "__main__":
