@@ -261,7 +261,7 @@ class GlobalBatch:
                     f"batch: the LossConfig needs step-level quantities ({', '.join(needs)}); build the GlobalBatch "
                     "with GlobalBatch.from_rollouts(config, ...), not from_masks"
                 )
-        elif self.config != config:
+        elif self.config is not config and self.config != config:  # identity first: this runs every micro-batch
             raise StaleGlobalBatchError("batch: this GlobalBatch was built for a different LossConfig")
 
 
