@@ -36,6 +36,20 @@ class Objective(str, Enum):
     """Geometric-Mean Policy Optimization: the geometric mean of per-token clipped ratios."""
     REINFORCE = "reinforce"
     """Plain policy gradient ``−A · log π`` (no ratio)."""
+    VESPO = "vespo"
+    """VESPO (arXiv 2602.10693, TRL / Liger ``loss_type="vespo"``): ``−stopgrad(φ(w))·A·log π`` with the gamma
+    weight φ(w) = e^λ·w^k·e^(−λw) of the sequence ratio w = Π π_θ/π_old (× token IS weights)."""
+
+
+class GSPOGradient(str, Enum):
+    """How the gspo sequence ratio carries the gradient (``policy.gspo_gradient``)."""
+
+    SEQUENCE = "sequence"
+    """GSPO paper: s = exp(mean ℓ), differentiated as a whole — every token's term reaches every token."""
+    TOKEN = "token"
+    """GSPO-token (verl ``compute_policy_loss_gspo``): s_t = stopgrad(s)·π_θ(y_t)/stopgrad(π_θ(y_t)) — the
+    same value, but each token's term differentiates only its own log-prob, so a per-token IS weight or
+    advantage scales only that token's gradient."""
 
 
 class Aggregation(str, Enum):
@@ -122,6 +136,17 @@ class PolicyConfig:
     """SAPO gate temperature for tokens with A > 0."""
     sapo_tau_neg: float = 1.05
     """SAPO gate temperature for tokens with A ≤ 0."""
+    vespo_k_pos: float = 2.0
+    """VESPO gamma shape k (power of w) where A ≥ 0 (TRL ``vespo_k_pos``)."""
+    vespo_lambda_pos: float = 3.0
+    """VESPO gamma rate λ where A ≥ 0 (TRL ``vespo_lambda_pos``); ≥ 0, floored at ``VESPO_LAMBDA_FLOOR``."""
+    vespo_k_neg: float = 3.0
+    """VESPO gamma shape k where A < 0 (TRL ``vespo_k_neg``)."""
+    vespo_lambda_neg: float = 2.0
+    """VESPO gamma rate λ where A < 0 (TRL ``vespo_lambda_neg``); ≥ 0, floored at ``VESPO_LAMBDA_FLOOR``."""
+    gspo_gradient: GSPOGradient = GSPOGradient.SEQUENCE
+    """gspo only: sequence (GSPO paper, TRL) | token (GSPO-token, verl: each token's term differentiates
+    only its own log-prob)."""
     log_ratio_clamp: float | None = 20.0
     """Bound on |log-ratio| before every ``exp`` (policy ratio, rollout-correction ratios, mismatch
     metrics): e^20 ≈ 4.9e8 stays finite in fp32 even squared (χ²). 20 is NeMo-RL's and verl's bound.
@@ -144,6 +169,12 @@ class PolicyConfig:
         _check_float("policy.sapo_tau_pos", self.sapo_tau_pos, nullable=False, low=0.0, low_inclusive=False)
         _check_float("policy.sapo_tau_neg", self.sapo_tau_neg, nullable=False, low=0.0, low_inclusive=False)
         _check_float("policy.log_ratio_clamp", self.log_ratio_clamp, nullable=True, low=0.0, low_inclusive=False)
+        for sign in ("pos", "neg"):
+            _check_float(f"policy.vespo_k_{sign}", getattr(self, f"vespo_k_{sign}"), nullable=False, low=0.0)
+            _check_float(f"policy.vespo_lambda_{sign}", getattr(self, f"vespo_lambda_{sign}"), nullable=False, low=0.0)
+        if self.gspo_gradient != GSPOGradient.SEQUENCE:
+            _require(self.objective == Objective.GSPO, "policy.gspo_gradient",
+                     f"is only used by objective gspo, not {self.objective.value}", f"sequence with {self.objective.value}")
 
 
 @dataclass
@@ -158,9 +189,19 @@ class AggregationConfig:
     count_empty_sequences: bool = False
     """Count every sequence (row / packed segment) in the global sequence count, also those without a valid
     token, as TRL and verl do; by default only sequences with at least one valid token count."""
+    regularizer_mode: Aggregation | None = None
+    """Aggregation of the KL penalty and the entropy bonus when it differs from the policy term's ``mode``
+    (verl aggregates gspo / sapo's policy term with seq_mean_token_mean whatever its ``loss_agg_mode``, and
+    KL / entropy with ``loss_agg_mode``). null = ``mode``."""
+
+    @property
+    def regularizer(self) -> Aggregation:
+        """The mode of the KL and entropy terms (``regularizer_mode``, or ``mode`` when null)."""
+        return self.mode if self.regularizer_mode is None else self.regularizer_mode
 
     def __post_init__(self) -> None:
-        if self.mode == Aggregation.SEQ_MEAN_TOKEN_SUM_NORM:
+        norm = Aggregation.SEQ_MEAN_TOKEN_SUM_NORM
+        if norm in (self.mode, self.regularizer_mode):
             _check_float("aggregation.norm_constant", self.norm_constant, nullable=False, low=0.0, low_inclusive=False)
         else:
             _require(self.norm_constant is None, "aggregation.norm_constant",
@@ -253,8 +294,12 @@ class KLConfig:
     output_clamp: float | None = 10.0
     """Bound on |KL| per token after it (NeMo-RL ``kl_output_clamp_value``, verl ``low_var_kl``). null = off."""
     bias_correction: bool = False
-    """DeepSeek-V3.2 / TRL ``use_bias_correction_kl``: multiply the KL by the token ratio π_θ/π_old (with its
-    gradient)."""
+    """DeepSeek-V3.2 / TRL ``use_bias_correction_kl``: multiply the KL by the ratio π_θ/π_old at
+    ``bias_correction_level`` (with its gradient)."""
+    bias_correction_level: RatioLevel = RatioLevel.TOKEN
+    """Level of that ratio: token exp(ℓ_t) (DeepSeek-V3.2) | geometric exp(mean ℓ) (TRL / Liger under
+    ``importance_sampling_level="sequence"``, whose ratio ``coef_1`` is the GSPO one) | sequence exp(Σ ℓ).
+    Needs ``bias_correction``."""
     score_function: bool = False
     """NeMo-RL's default: multiply the KL by exp(log π_θ − stopgrad(log π_θ)) — value 1, adds the score-function
     gradient KL·∇log π_θ (arXiv 2506.09477). Equals bias_correction on-policy."""
@@ -267,6 +312,9 @@ class KLConfig:
         _check_float("kl.output_clamp", self.output_clamp, nullable=True, low=0.0, low_inclusive=False)
         _require(not (self.bias_correction and self.score_function), "kl.score_function",
                  "and kl.bias_correction both multiply the KL by a ratio", "at most one of them true")
+        if self.bias_correction_level != RatioLevel.TOKEN:
+            _require(self.bias_correction, "kl.bias_correction_level", "has no effect without kl.bias_correction",
+                     "token, or set kl.bias_correction to true")
         if self.straight_through:
             _require(self.estimator == KLEstimator.K3, "kl.straight_through",
                      f"takes the value of k3 but estimator is {self.estimator.value}", "true only with estimator k3")
@@ -282,10 +330,36 @@ class EntropyConfig:
     """Keep the policy term only on valid tokens whose entropy is at least the (1 − top_quantile) quantile
     (linear interpolation) of the entropies of all valid tokens of the step, on all DP ranks ("Beyond the
     80/20 rule": 0.2). 1.0 keeps every token."""
+    bonus_on_selected: bool = False
+    """Apply the entropy bonus only on the tokens the top-entropy selection keeps (TRL: the bonus uses the
+    same ``mask * entropy_mask`` as the policy term). Needs ``top_quantile`` < 1."""
+    adaptive: bool = False
+    """TRL ``use_adaptive_entropy`` (Skywork-OR1): the bonus coefficient is a per-step value held by a
+    :class:`~mp_grpo.loss.AdaptiveEntropyCoefficient` (its initial value is ``bonus_coef``) and passed to
+    every call as ``entropy_coef=``; it applies only while the last step's mean entropy is ≤ ``target``."""
+    target: float = 0.2
+    """TRL ``entropy_target`` (nats): the bonus applies, and the coefficient grows, while the step's mean
+    entropy is at most this; above it the coefficient shrinks."""
+    coef_min: float = 0.0
+    """TRL ``entropy_coef_min``: lower bound of the adaptive coefficient."""
+    coef_max: float = 1.0
+    """TRL ``entropy_coef_max``: upper bound of the adaptive coefficient."""
+    coef_delta: float = 0.005
+    """TRL ``entropy_coef_delta``: the adaptive coefficient's step per optimizer step."""
 
     def __post_init__(self) -> None:
         _check_float("entropy.bonus_coef", self.bonus_coef, nullable=False)
         _check_float("entropy.top_quantile", self.top_quantile, nullable=False, low=0.0, high=1.0)
+        if self.bonus_on_selected:
+            _require(self.top_quantile < 1.0, "entropy.bonus_on_selected",
+                     "restricts the bonus to the top-entropy selection, but top_quantile is 1 (no selection)",
+                     "false, or top_quantile < 1")
+        _check_float("entropy.target", self.target, nullable=False)
+        _check_float("entropy.coef_min", self.coef_min, nullable=False)
+        _check_float("entropy.coef_max", self.coef_max, nullable=False, low=self.coef_min)
+        _check_float("entropy.coef_delta", self.coef_delta, nullable=False, low=0.0)
+        if self.adaptive:
+            _check_float("entropy.bonus_coef", self.bonus_coef, nullable=False, low=self.coef_min, high=self.coef_max)
 
 
 @dataclass
@@ -326,6 +400,15 @@ class LossConfig:
                      f"with bypass = true the policy ratio of {self.policy.objective.value} already is π_θ/π_rollout, "
                      "so an IS weight would count it twice",
                      "null with bypass, or policy.objective reinforce")
+        if self.policy.objective == Objective.VESPO:
+            token_only = (None, RatioLevel.TOKEN)
+            for name in ("weight_level", "reject_level"):
+                level = getattr(rc, name)
+                _require(level in token_only, f"rollout_correction.{name}",
+                         f"is {level.value if level else None}, but vespo folds the rollout correction into its "
+                         "sequence weight token by token (TRL allows token_truncate / token_mask only)", "null | token")
+            _require(not rc.normalize_weights, "rollout_correction.normalize_weights",
+                     "is not defined for vespo (the token IS weights enter its sequence weight)", "false with vespo")
         if rc.bypass:
             _require(self.mismatch.skip_threshold is None, "mismatch.skip_threshold",
                      "compares old with rollout log-probs, which bypass makes equal", "null with bypass = true")
@@ -340,4 +423,4 @@ class LossConfig:
     @property
     def needs_entropy(self) -> bool:
         """Whether :class:`~mp_grpo.GRPOLoss` must be given ``entropy``."""
-        return self.entropy.bonus_coef != 0.0 or self.entropy.top_quantile < 1.0
+        return self.entropy.bonus_coef != 0.0 or self.entropy.top_quantile < 1.0 or self.entropy.adaptive

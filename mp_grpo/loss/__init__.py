@@ -6,15 +6,19 @@
 - :mod:`.sequence`: :class:`SequenceLayout` — padded, packed (THD) and context-parallel sequences.
 - :mod:`.objectives`, :mod:`.rollout_correction`, :mod:`.opsm`, :mod:`.entropy`, :mod:`.kl`,
   :mod:`.mismatch`, :mod:`.aggregation`: the terms; :mod:`.clamps`: the fixed bounds.
+- :mod:`.vespo`: VESPO's gamma weight; :mod:`.adaptive_entropy`: the adaptive entropy coefficient (state
+  outside the loss).
 - :mod:`.metrics`: exactly reducible metric dicts and :func:`reduce_metrics`.
 """
 
+from mp_grpo.loss.adaptive_entropy import AdaptiveEntropyCoefficient
 from mp_grpo.loss.global_batch import GlobalBatch, StaleGlobalBatchError
-from mp_grpo.loss.grpo_loss import GRPOLoss, LossBackend
+from mp_grpo.loss.grpo_loss import GRPOLoss, LossBackend, fused_unsupported
 from mp_grpo.loss.metrics import reduce_metrics
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout, SumOverGroup, sum_over_group
 
 __all__ = [
+    "AdaptiveEntropyCoefficient",
     "GRPOLoss",
     "GlobalBatch",
     "LossBackend",
@@ -23,6 +27,7 @@ __all__ = [
     "SequenceLayout",
     "StaleGlobalBatchError",
     "SumOverGroup",
+    "fused_unsupported",
     "reduce_metrics",
     "sum_over_group",
 ]

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from mp_grpo.config.loss import Aggregation, AggregationConfig
+from mp_grpo.config.loss import Aggregation
 from mp_grpo.loss.clamps import COUNT_FLOOR
 
 
 def token_divisor(
-    cfg: AggregationConfig,
+    mode: Aggregation,
+    norm_constant: float | None,
     global_tokens: torch.Tensor,
     global_sequences: torch.Tensor,
     seq_count: torch.Tensor,
@@ -32,10 +33,10 @@ def token_divisor(
     ``seq_count`` is the per-token broadcast of the whole sequence's valid-token count.
     """
     sequences = global_sequences.clamp(min=COUNT_FLOOR)
-    if cfg.mode == Aggregation.TOKEN_MEAN:
+    if mode == Aggregation.TOKEN_MEAN:
         return global_tokens.clamp(min=COUNT_FLOOR)
-    if cfg.mode == Aggregation.SEQ_MEAN_TOKEN_MEAN:
+    if mode == Aggregation.SEQ_MEAN_TOKEN_MEAN:
         return seq_count.clamp(min=COUNT_FLOOR) * sequences
-    if cfg.mode == Aggregation.SEQ_MEAN_TOKEN_SUM:
+    if mode == Aggregation.SEQ_MEAN_TOKEN_SUM:
         return sequences
-    return sequences * cfg.norm_constant  # type: ignore[operator]
+    return sequences * norm_constant  # type: ignore[operator]

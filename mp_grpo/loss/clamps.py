@@ -6,6 +6,8 @@ clipping ranges) live in :mod:`mp_grpo.config.loss`; the constants here are not 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 COUNT_FLOOR = 1.0
@@ -23,3 +25,16 @@ def symmetric_clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
     if bound is None:
         return x
     return x.clamp(-bound, bound)
+
+
+VESPO_LOG_W_MIN = math.log(1e-8)
+"""Lower bound of VESPO's log sequence weight and of each token IS weight's log inside it (TRL / Liger
+``get_gamma_weights``: ``log(1e-8)`` ≈ −18.42). A token the rollout rejection drops enters with weight 1e-8
+(log 0 would be −inf), which makes φ(w) ≈ 0 for its sequence, as in TRL's ``token_mask`` mode."""
+
+VESPO_LOG_W_MAX = 20.0
+"""Upper bound of VESPO's log sequence weight and of each token IS weight's log (TRL / Liger): w ≤ e^20
+≈ 4.9e8 keeps λ·w finite in fp32."""
+
+VESPO_LAMBDA_FLOOR = 1e-4
+"""Floor of VESPO's gamma rate λ (TRL / Liger ``.clamp(min=1e-4)``): with λ = 0, φ(w) = w^k is unbounded."""

@@ -21,7 +21,9 @@ stages with ``torch.compile`` (the per-sequence sums and collectives stay eager)
 Backends (:class:`LossBackend`): steps 3–6 as written here in plain torch (``TORCH``, the readable
 specification), or as the fused Triton kernels of :mod:`mp_grpo.ops.grpo_loss` (``TRITON``: the same
 results in 3–5 launches per call, forward and backward); ``AUTO`` (the default) takes ``TRITON`` for
-CUDA tensors in padded or packed layouts and ``TORCH`` otherwise. Steps 1–2 are shared.
+CUDA tensors in padded or packed layouts and ``TORCH`` otherwise. Steps 1–2 are shared. The kernels do not
+implement every option (:func:`fused_unsupported` names what they lack): such a config always takes the
+torch path under ``AUTO`` and is refused under ``TRITON`` when the GRPOLoss is built.
 
 Convention: summed over all micro-batches of all ranks of the data-parallel group (DP×CP), the returned
 shares give the step objective and their gradients its gradient. Zero valid tokens in the whole step give
@@ -35,18 +37,19 @@ from typing import NamedTuple
 
 import torch
 
-from mp_grpo.config.loss import LossConfig
+from mp_grpo.config.loss import GSPOGradient, LossConfig, Objective, RatioLevel
 from mp_grpo.loss import metrics as M
 from mp_grpo.loss.aggregation import token_divisor
-from mp_grpo.loss.clamps import COUNT_FLOOR, symmetric_clamp
+from mp_grpo.loss.clamps import symmetric_clamp
 from mp_grpo.loss.entropy import high_entropy
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.kl import kl_penalty
 from mp_grpo.loss.mismatch import chi2_sequence, chi2_token, k1, k3
-from mp_grpo.loss.objectives import needs_sequence_mean, policy_term, sequence_input
+from mp_grpo.loss.objectives import needs_sequence_sum, policy_term, sequence_input, sequence_value
 from mp_grpo.loss.opsm import opsm_divergence, opsm_keep
 from mp_grpo.loss.rollout_correction import kept, level_log_ratio, normalized_weight, token_log_ratio, truncated_weight
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
+from mp_grpo.loss.vespo import vespo_token_input
 from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
 
 
@@ -59,7 +62,30 @@ class LossBackend(str, Enum):
     """The plain torch stages of this module (with ``compile=True``: through ``torch.compile``)."""
     TRITON = "triton"
     """The fused kernels of :mod:`mp_grpo.ops.grpo_loss`: 3–5 launches per call; CUDA tensors (CPU tensors
-    only under ``TRITON_INTERPRET=1``), :class:`PaddedSequences` or :class:`PackedSequences`."""
+    only under ``TRITON_INTERPRET=1``), :class:`PaddedSequences` or :class:`PackedSequences`; configs for
+    which :func:`fused_unsupported` is None."""
+
+
+def fused_unsupported(config: LossConfig) -> str | None:
+    """What of ``config`` the fused kernels do not implement (None: they implement all of it).
+
+    Those options exist in the torch path only; ``AUTO`` routes them there and ``TRITON`` refuses them.
+    """
+    p, kl, ent, agg = config.policy, config.kl, config.entropy, config.aggregation
+    missing = []
+    if p.objective == Objective.VESPO:
+        missing.append("policy.objective=vespo")
+    if p.gspo_gradient != GSPOGradient.SEQUENCE:
+        missing.append(f"policy.gspo_gradient={p.gspo_gradient.value}")
+    if agg.regularizer_mode is not None and agg.regularizer_mode != agg.mode:
+        missing.append(f"aggregation.regularizer_mode={agg.regularizer_mode.value}")
+    if kl.bias_correction and kl.bias_correction_level != RatioLevel.TOKEN:
+        missing.append(f"kl.bias_correction_level={kl.bias_correction_level.value}")
+    if ent.bonus_on_selected:
+        missing.append("entropy.bonus_on_selected=true")
+    if ent.adaptive:
+        missing.append("entropy.adaptive=true")
+    return ", ".join(missing) if missing else None
 
 
 class GRPOLoss:
@@ -83,8 +109,12 @@ class GRPOLoss:
             raise TypeError(f"backend must be a LossBackend ({allowed}), got {backend!r}")
         if compile and backend == LossBackend.TRITON:
             raise ValueError("compile=True compiles the torch path; it cannot be used with backend=LossBackend.TRITON")
+        unsupported = fused_unsupported(config)
+        if backend == LossBackend.TRITON and unsupported is not None:
+            raise ValueError(f"config: backend TRITON does not implement {unsupported}; use LossBackend.AUTO or "
+                             "LossBackend.TORCH (the torch path implements every option)")
         self.config = config
-        self.backend = LossBackend.TORCH if compile else backend
+        self.backend = LossBackend.TORCH if compile or unsupported is not None else backend
         self._fused = FusedGRPOLoss(config) if self.backend != LossBackend.TORCH else None
         # Two closures with their own code objects, so that torch.compile caches (and guards) them apart.
         def token_stage(*args):
@@ -108,6 +138,8 @@ class GRPOLoss:
         entropy: torch.Tensor | None = None,
         batch: GlobalBatch | None = None,
         layout: SequenceLayout | None = None,
+        kl_logprobs: torch.Tensor | None = None,
+        entropy_coef: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
 
@@ -122,6 +154,11 @@ class GRPOLoss:
             entropy: per-token entropy of π_θ, differentiable (entropy bonus, top-entropy selection).
             batch: the step's GlobalBatch; None: this call (with its CP peers) is the whole step.
             layout: how tokens form sequences (None: padded rows, no context parallelism).
+            kl_logprobs: log π_θ the KL penalty is taken of, when it differs from ``logprobs`` — the unfiltered
+                log-probs under top-k / top-p filtering (NeMo-RL ``curr_logprobs_unfiltered``); differentiable.
+                None: ``logprobs``. The KL's ``score_function`` weight uses them too; the policy term never.
+            entropy_coef: the step's entropy-bonus coefficient with ``entropy.adaptive`` (required then, and
+                only allowed then): :attr:`AdaptiveEntropyCoefficient.applied`.
         """
         cfg = self.config
         # --- 1. check the inputs ---
@@ -129,8 +166,14 @@ class GRPOLoss:
         if not isinstance(layout, SequenceLayout):
             raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
         _check_inputs(cfg, layout, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy)
+        if kl_logprobs is not None:
+            _check_float("kl_logprobs", kl_logprobs)
+            _check_like("kl_logprobs", kl_logprobs, logprobs.shape, logprobs.device)
+        if cfg.entropy.adaptive != (entropy_coef is not None):
+            raise ValueError("entropy_coef must be given exactly when entropy.adaptive is true (the step's coefficient "
+                             f"from AdaptiveEntropyCoefficient.applied); entropy.adaptive is {cfg.entropy.adaptive}")
         token_shape = logprobs.shape
-        fused = self._use_fused(logprobs, layout)
+        fused = self._use_fused(logprobs, layout) and kl_logprobs is None
         # --- 2. the step's account ---
         if batch is None:
             old_for_batch = logprobs.detach() if old_logprobs is None else old_logprobs
@@ -153,7 +196,9 @@ class GRPOLoss:
         if advantages.shape != token_shape:
             advantages = layout.broadcast(advantages, token_shape)
         # --- 3. token stage ---
-        tokens = self._token_stage(logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy)
+        tokens = self._token_stage(
+            logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy, kl_logprobs
+        )
         # --- 4. per-sequence sums over whole sequences, broadcast back ---
         seq_sums = layout.seq_sum(tokens.seq_columns, token_shape)
         seq_tokens = layout.broadcast(seq_sums, token_shape)
@@ -162,6 +207,7 @@ class GRPOLoss:
             tokens=batch.valid_tokens, sequences=batch.sequences(cfg.aggregation.count_empty_sequences),
             micro_batches=batch.num_micro_batches, weight_mean=batch.weight_mean,
             entropy_threshold=batch.entropy_threshold, skip=batch.skip,
+            entropy_coef=cfg.entropy.bonus_coef if entropy_coef is None else entropy_coef,
         )
         return self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
 
@@ -213,8 +259,11 @@ class _Tokens(NamedTuple):
     rollout_d: torch.Tensor | None
     ref: torch.Tensor | None
     entropy: torch.Tensor | None
+    kl_logprobs: torch.Tensor
+    """The log-probs the KL is taken of (``logprobs`` unless ``kl_logprobs`` was given)."""
     seq_columns: torch.Tensor
-    """``[*tokens, k]``: valid count, then (per config) the objective's sequence input, d, the OPSM divergence."""
+    """``[*tokens, k]``: valid count, then (per config) the objective's sequence input, d, the OPSM divergence,
+    ℓ for a sequence-level KL bias correction."""
 
 
 class _StepValues(NamedTuple):
@@ -226,6 +275,8 @@ class _StepValues(NamedTuple):
     weight_mean: torch.Tensor | None
     entropy_threshold: torch.Tensor | None
     skip: torch.Tensor | None
+    entropy_coef: float | torch.Tensor
+    """The entropy-bonus coefficient of this step (``bonus_coef``, or the adaptive one)."""
 
 
 def _token_stage(
@@ -237,6 +288,7 @@ def _token_stage(
     rollout_logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor | None,
     entropy: torch.Tensor | None,
+    kl_logprobs: torch.Tensor | None,
 ) -> _Tokens:
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
@@ -259,20 +311,31 @@ def _token_stage(
         trainer = lp.detach() if cfg.rollout_correction.bypass else old
         d = token_log_ratio(trainer, rollout, valid, cfg.policy.log_ratio_clamp)  # type: ignore[arg-type]
     columns = [valid.to(dtype)]
-    seq_in = sequence_input(cfg.policy, log_ratio, adv)
-    if seq_in is not None:
-        columns.append(seq_in)
+    if cfg.policy.objective == Objective.VESPO:
+        columns.append(vespo_token_input(log_ratio, d, valid, cfg.rollout_correction))
+    else:
+        seq_in = sequence_input(cfg.policy, log_ratio, adv)
+        if seq_in is not None:
+            columns.append(seq_in)
     if d is not None:
         columns.append(d)
     if cfg.opsm.delta is not None:
         behaviour = rollout if rollout is not None else old
         columns.append(opsm_divergence(behaviour, lp, valid))  # type: ignore[arg-type]
+    if _sequence_bias_correction(cfg):
+        columns.append(log_ratio)
     return _Tokens(
         logprobs=lp, log_ratio=log_ratio, advantages=adv, valid=valid, rollout_d=d,
         ref=None if ref_logprobs is None else clean(ref_logprobs).detach(),
         entropy=None if entropy is None else clean(entropy),
+        kl_logprobs=lp if kl_logprobs is None else clean(kl_logprobs),
         seq_columns=torch.stack(columns, dim=-1),
     )
+
+
+def _sequence_bias_correction(cfg: LossConfig) -> bool:
+    """Whether the KL's bias correction needs the per-sequence Σℓ (geometric / sequence level)."""
+    return cfg.kl.bias_correction and cfg.kl.bias_correction_level != RatioLevel.TOKEN
 
 
 def _combine_stage(
@@ -290,25 +353,27 @@ def _combine_stage(
     # Columns of the per-sequence sums, in the order of the token stage.
     column = iter(range(1, seq_tokens.shape[-1]))
     seq_count = seq_tokens[..., 0]
-    seq_in_col = next(column) if needs_sequence_mean(cfg.policy) else None
+    seq_in_col = next(column) if needs_sequence_sum(cfg.policy) else None
     d_col = next(column) if t.rollout_d is not None else None
     opsm_col = next(column) if cfg.opsm.delta is not None else None
+    kl_col = next(column) if _sequence_bias_correction(cfg) else None
 
     # --- 5a. the objective ---
-    seq_mean = None if seq_in_col is None else seq_tokens[..., seq_in_col] / seq_count.clamp(min=COUNT_FLOOR)
-    pt = policy_term(cfg.policy, lp, t.log_ratio, adv, seq_mean)
+    seq_value = None if seq_in_col is None else sequence_value(cfg.policy, seq_tokens[..., seq_in_col], seq_count)
+    pt = policy_term(cfg.policy, lp, t.log_ratio, adv, seq_value)
     policy = pt.term
-    # --- 5b. rollout correction: weight and rejection ---
+    # --- 5b. rollout correction: weight and rejection (vespo folds them into φ in the token stage) ---
     raw_weight = weight = truncated = None
     keep_rc = keep_opsm = keep_ent = None
-    if rc.weight_level is not None:
+    folded = cfg.policy.objective == Objective.VESPO
+    if rc.weight_level is not None and not folded:
         w_log = level_log_ratio(rc.weight_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
         raw_weight = w_log.exp()
         weight = truncated = truncated_weight(w_log, rc)
         if rc.normalize_weights:
             weight = normalized_weight(truncated, step.weight_mean)  # type: ignore[arg-type]
         policy = policy * weight
-    if rc.reject_level is not None:
+    if rc.reject_level is not None and not folded:
         r_log = level_log_ratio(rc.reject_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
         keep_rc = kept(r_log, rc)
     # --- 5c. OPSM and top-entropy selection ---
@@ -321,20 +386,35 @@ def _combine_stage(
         if mask is not None:
             keep = keep & mask
     policy = torch.where(keep, policy, zero)
-    # --- 5d. KL and entropy bonus on every valid token ---
-    contribution = policy
+    # --- 5d. KL and entropy bonus on every valid token (the bonus only on kept ones with bonus_on_selected) ---
+    regularizer = torch.zeros_like(policy)
     kl = None
     if t.ref is not None:
-        kl = kl_penalty(lp, t.ref, t.log_ratio, cfg.kl)
+        kl_log_ratio = t.log_ratio
+        if kl_col is not None:
+            kl_log_ratio = level_log_ratio(cfg.kl.bias_correction_level, t.log_ratio, seq_tokens[..., kl_col],
+                                           seq_count, clamp)
+        kl = kl_penalty(t.kl_logprobs, t.ref, kl_log_ratio, cfg.kl)
         if cfg.kl.coef != 0.0:
-            contribution = contribution + cfg.kl.coef * kl
-    if cfg.entropy.bonus_coef != 0.0:
-        contribution = contribution - cfg.entropy.bonus_coef * t.entropy  # type: ignore[operator]
+            regularizer = regularizer + cfg.kl.coef * kl
+    bonus_entropy = None
+    if cfg.entropy.bonus_coef != 0.0 or cfg.entropy.adaptive:
+        bonus_entropy = t.entropy
+        if cfg.entropy.bonus_on_selected:
+            bonus_entropy = torch.where(keep_ent, t.entropy, zero)  # type: ignore[arg-type]
+        regularizer = regularizer - step.entropy_coef * bonus_entropy  # type: ignore[operator]
+    # --- 5e. aggregation: this micro-batch's share (KL / entropy with aggregation.regularizer) ---
+    agg = cfg.aggregation
+    tokens_, sequences_ = step.tokens.to(lp.dtype), step.sequences.to(lp.dtype)
+    divisor = token_divisor(agg.mode, agg.norm_constant, tokens_, sequences_, seq_count)
+    if agg.regularizer == agg.mode:
+        contribution = (policy + regularizer) / divisor
+    else:
+        reg_divisor = token_divisor(agg.regularizer, agg.norm_constant, tokens_, sequences_, seq_count)
+        contribution = policy / divisor + regularizer / reg_divisor
     if step.skip is not None:
         contribution = torch.where(step.skip, zero, contribution)
-    # --- 5e. aggregation: this micro-batch's share ---
-    divisor = token_divisor(cfg.aggregation, step.tokens.to(lp.dtype), step.sequences.to(lp.dtype), seq_count)
-    share = torch.where(valid, contribution / divisor, zero).sum()
+    share = torch.where(valid, contribution, zero).sum()
 
     # --- 6. metrics ---
     with torch.no_grad():
@@ -344,6 +424,8 @@ def _combine_stage(
             "policy_loss": M.mean_entry(policy, valid),
         }
         out.update(M.stats_entries("ratio", pt.ratio, valid))
+        if pt.coefficient is not None:
+            out.update(M.stats_entries("vespo_phi", pt.coefficient, valid))
         for name, flag in (("low", pt.clipped_low), ("high", pt.clipped_high), ("dual", pt.dual_clipped)):
             if flag is not None:
                 out[f"clip_frac/{name}"] = M.mean_entry(flag.to(lp.dtype), valid)
@@ -368,6 +450,8 @@ def _combine_stage(
             out["kl"] = M.mean_entry(kl, valid)
         if t.entropy is not None:
             out["entropy"] = M.mean_entry(t.entropy, valid)
+            if cfg.entropy.adaptive and keep_ent is not None:  # what the controller reads (TRL's measure)
+                out["entropy/selected"] = M.mean_entry(t.entropy, valid & keep_ent)
     return share, out
 
 
@@ -396,7 +480,7 @@ def _check_inputs(
     needs = {
         "rollout_logprobs": (cfg.needs_rollout_logprobs, "rollout_correction / mismatch settings"),
         "ref_logprobs": (cfg.kl.coef != 0.0, "kl.coef != 0"),
-        "entropy": (cfg.needs_entropy, "entropy.bonus_coef / entropy.top_quantile"),
+        "entropy": (cfg.needs_entropy, "entropy.bonus_coef / entropy.top_quantile / entropy.adaptive"),
     }
     given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs,
              "entropy": entropy}

@@ -4,8 +4,8 @@ Schedule of :func:`kl_penalty`
     1. ``x = clamp(ref − log π_θ, ±input_clamp)`` (0 on masked tokens, whose inputs were zeroed).
     2. ``k1 = −x``, ``k2 = x²/2``, ``k3 = eˣ − x − 1``; with ``straight_through`` the value of k3 with the
        gradient of k2 (verl's ``k3+``).
-    3. ``bias_correction``: times the clamped token ratio π_θ/π_old, with its gradient (DeepSeek-V3.2's
-       unbiased estimate). ``score_function``: times ``exp(log π_θ − stopgrad(log π_θ))`` (value 1; adds the
+    3. ``bias_correction``: times the ratio π_θ/π_old at ``bias_correction_level`` (token: the clamped token
+       ratio, DeepSeek-V3.2's unbiased estimate; geometric / sequence: the sequence's), with its gradient. ``score_function``: times ``exp(log π_θ − stopgrad(log π_θ))`` (value 1; adds the
        score-function gradient, NeMo-RL's default).
     4. ``clamp(·, ±output_clamp)``.
 The penalty is added on every valid token; the IS weights and the rejection / OPSM / entropy masks of
@@ -23,7 +23,9 @@ from mp_grpo.loss.clamps import symmetric_clamp
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, log_ratio: torch.Tensor, cfg: KLConfig
 ) -> torch.Tensor:
-    """Per-token KL estimate (differentiable w.r.t. ``logprobs``); ``log_ratio`` is the clamped log π_θ/π_old.
+    """Per-token KL estimate (differentiable w.r.t. ``logprobs``); ``log_ratio`` is the log π_θ/π_old at
+    ``bias_correction_level`` (read only with ``bias_correction``). ``logprobs`` are the policy's log-probs
+    the KL is taken of — the unfiltered ones when top-k / top-p filtering is on (NeMo-RL).
 
     ``logprobs`` and ``ref_logprobs`` must already hold 0 on masked tokens, where the result is then 0.
     """

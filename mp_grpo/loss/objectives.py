@@ -11,8 +11,13 @@
   A < 0 — then g = exp(mean over the sequence of the clipped ℓ), term = −A·g on each of its tokens
   (GMPO, arXiv 2507.20673; TRL's experimental GMPOTrainer).
 * ``reinforce``: −A·log π_θ.
+* ``vespo``: −stopgrad(φ(w))·A·log π_θ with VESPO's gamma weight of the sequence ratio w (:mod:`.vespo`).
 
-Per-sequence means come in already reduced over the sequence (and the context-parallel group).
+``policy.gspo_gradient=token`` (GSPO-token, verl): the gspo ratio is exp(stopgrad(m) + ℓ_t − stopgrad(ℓ_t)) —
+the value of the sequence ratio, the gradient of token t's own log-prob only.
+
+Per-sequence sums come in already reduced over the sequence (and the context-parallel group);
+:func:`sequence_value` turns them into what the objective reads (the mean m, or VESPO's log w).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_grpo.config.loss import Objective, PolicyConfig
+from mp_grpo.config.loss import GSPOGradient, Objective, PolicyConfig
+from mp_grpo.loss.clamps import COUNT_FLOOR
+from mp_grpo.loss.vespo import gamma_weight, sequence_log_weight
 
 
 @dataclass(frozen=True)
@@ -38,15 +45,26 @@ class PolicyTerm:
     """Bool: the upper clip is active."""
     dual_clipped: torch.Tensor | None
     """Bool: the dual clip is active (None without ``dual_clip_c``)."""
+    coefficient: torch.Tensor | None = None
+    """VESPO's φ(w) per token (None for the other objectives)."""
 
 
-def needs_sequence_mean(cfg: PolicyConfig) -> bool:
-    """Whether the objective needs a per-sequence mean (gspo, gmpo)."""
-    return cfg.objective in (Objective.GSPO, Objective.GMPO)
+def needs_sequence_sum(cfg: PolicyConfig) -> bool:
+    """Whether the objective needs a per-sequence sum (gspo, gmpo: a mean; vespo: log w)."""
+    return cfg.objective in (Objective.GSPO, Objective.GMPO, Objective.VESPO)
+
+
+def sequence_value(cfg: PolicyConfig, seq_sum: torch.Tensor, seq_count: torch.Tensor) -> torch.Tensor:
+    """What the objective reads per sequence (broadcast to its tokens): the mean m = Σ / n (gspo, gmpo; with its
+    gradient) or VESPO's log w (detached)."""
+    if cfg.objective == Objective.VESPO:
+        return sequence_log_weight(seq_sum)
+    return seq_sum / seq_count.clamp(min=COUNT_FLOOR)
 
 
 def sequence_input(cfg: PolicyConfig, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
-    """The per-token quantity whose mean over each sequence the objective needs (None: none needed).
+    """The per-token quantity whose sum over each sequence gspo / gmpo need (None: none needed; vespo's input,
+    which also reads the rollout correction, is :func:`mp_grpo.loss.vespo.vespo_token_input`).
 
     gspo: ℓ itself; gmpo: ℓ clipped one-sidedly by the sign of A. Zero on masked tokens when ℓ is.
     """
@@ -62,14 +80,21 @@ def policy_term(
     logprobs: torch.Tensor,
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
-    seq_mean: torch.Tensor | None,
+    seq_value: torch.Tensor | None,
 ) -> PolicyTerm:
-    """The surrogate of ``cfg.objective``; ``seq_mean`` is the broadcast per-sequence mean of
-    :func:`sequence_input` (gspo / gmpo only)."""
+    """The surrogate of ``cfg.objective``; ``seq_value`` is :func:`sequence_value` broadcast to the tokens
+    (gspo / gmpo / vespo only)."""
     objective = cfg.objective
-    if objective in (Objective.PPO_CLIP, Objective.GSPO):
-        ratio = (seq_mean if objective == Objective.GSPO else log_ratio).exp()
-        return _ppo_clip(cfg, ratio, advantages)
+    if objective == Objective.PPO_CLIP:
+        return _ppo_clip(cfg, log_ratio.exp(), advantages)
+    if objective == Objective.GSPO:
+        log_s = seq_value
+        if cfg.gspo_gradient == GSPOGradient.TOKEN:
+            log_s = seq_value.detach() + (log_ratio - log_ratio.detach())  # type: ignore[union-attr]
+        return _ppo_clip(cfg, log_s.exp(), advantages)  # type: ignore[union-attr]
+    if objective == Objective.VESPO:
+        phi = gamma_weight(cfg, seq_value, advantages)  # type: ignore[arg-type]
+        return PolicyTerm(-phi * advantages * logprobs, seq_value.exp(), None, None, None, phi)  # type: ignore[union-attr]
     if objective == Objective.CISPO:
         ratio = log_ratio.exp()
         weight = _clip(ratio, cfg).detach()
@@ -82,7 +107,7 @@ def policy_term(
         return PolicyTerm(term, ratio.detach(), None, None, None)
     if objective == Objective.GMPO:
         _, low, high = _gmpo_clipped(cfg, log_ratio, advantages)
-        ratio = seq_mean.exp()  # type: ignore[union-attr]
+        ratio = seq_value.exp()  # type: ignore[union-attr]
         return PolicyTerm(-advantages * ratio, ratio.detach(), low, high, None)
     return PolicyTerm(-advantages * logprobs, log_ratio.detach().exp(), None, None, None)
 
