@@ -5,6 +5,8 @@ Nothing here calls mp_grpo: every formula is spelled out from its definition.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -104,13 +106,48 @@ def _level_log_ratio(level: str, d: torch.Tensor, clamp: float | None) -> torch.
     return d.mean().expand_as(d)  # geometric
 
 
+def vespo_phi_reference(log_w: torch.Tensor, adv: torch.Tensor, k_pos, lam_pos, k_neg, lam_neg) -> torch.Tensor:
+    """VESPO's φ(w) = e^λ·w^k·e^(−λw) per token (TRL ``get_gamma_weights``): (k, λ) by A ≥ 0, λ ≥ 1e-4,
+    non-finite → 0; ``log_w`` is already clamped to [log 1e-8, 20]."""
+    pos = adv >= 0
+    k = torch.where(pos, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
+    lam = torch.where(pos, torch.full_like(adv, lam_pos), torch.full_like(adv, lam_neg)).clamp(min=1e-4)
+    phi = torch.exp(lam) * torch.exp(log_w) ** k * torch.exp(-lam * torch.exp(log_w))
+    return torch.where(torch.isfinite(phi), phi, torch.zeros_like(phi))
+
+
+def _vespo_log_w(rc, lr: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
+    """log w of one sequence: Σ ℓ (+ Σ clamp(log ρ_t) of the token-level rollout correction), clamped."""
+    floor = math.log(1e-8)
+    total = lr.detach().sum()
+    weight_token = rc.weight_level is not None and rc.weight_level.value == "token"
+    reject_token = rc.reject_level is not None and rc.reject_level.value == "token"
+    if d is not None and (weight_token or reject_token):
+        rho = _clamp_range(torch.exp(d), rc.weight_min, rc.weight_max) if weight_token else torch.ones_like(d)
+        if reject_token:
+            ratio = torch.exp(d)
+            keep = torch.ones_like(d, dtype=torch.bool)
+            if rc.reject_min is not None:
+                keep &= ratio >= rc.reject_min
+            if rc.reject_max is not None:
+                keep &= ratio <= rc.reject_max
+            rho = torch.where(keep, rho, torch.zeros_like(rho))
+        total = total + torch.log(rho).clamp(floor, 20.0).sum()
+    return total.clamp(floor, 20.0).expand_as(lr)
+
+
 def _policy_term_reference(p, lp: torch.Tensor, lr: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """Per-token surrogate of one sequence (its valid tokens only)."""
+    """Per-token surrogate of one sequence (its valid tokens only; vespo is handled by the caller)."""
     objective = p.objective.value
     lo = None if p.eps_low is None else 1.0 - p.eps_low
     hi = None if p.eps_high is None else 1.0 + p.eps_high
     if objective in ("ppo_clip", "gspo"):
-        r = torch.exp(lr) if objective == "ppo_clip" else torch.exp(lr.mean()).expand_as(lr)
+        if objective == "ppo_clip":
+            r = torch.exp(lr)
+        elif p.gspo_gradient.value == "token":  # value of the sequence ratio, each token its own gradient
+            r = torch.exp(lr.mean().detach() + lr - lr.detach())
+        else:
+            r = torch.exp(lr.mean()).expand_as(lr)
         r1 = r if p.delta is None else torch.minimum(r, torch.full_like(r, p.delta))
         term = -torch.min(r1 * adv, _clamp_range(r, lo, hi) * adv)
         if p.dual_clip_c is not None:
@@ -129,7 +166,7 @@ def _policy_term_reference(p, lp: torch.Tensor, lr: torch.Tensor, adv: torch.Ten
     return -adv * lp  # reinforce
 
 
-def _kl_reference(k, lp: torch.Tensor, ref: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+def _kl_reference(k, lp: torch.Tensor, ref: torch.Tensor, lr: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
     x = _clamp_abs(ref - lp, k.input_clamp)
     k3 = torch.exp(x) - x - 1.0
     k2 = 0.5 * x * x
@@ -137,7 +174,10 @@ def _kl_reference(k, lp: torch.Tensor, ref: torch.Tensor, lr: torch.Tensor) -> t
     if k.straight_through:
         kl = k2 + (k3 - k2).detach()
     if k.bias_correction:
-        kl = kl * torch.exp(lr)
+        level = k.bias_correction_level.value
+        ratio_log = {"token": lr, "geometric": lr.mean().expand_as(lr),
+                     "sequence": _clamp_abs(lr.sum(), clamp).expand_as(lr)}[level]
+        kl = kl * torch.exp(ratio_log)
     if k.score_function:
         kl = kl * torch.exp(lp - lp.detach())
     return _clamp_abs(kl, k.output_clamp)
@@ -158,8 +198,13 @@ def grpo_objective_reference(
     rollout_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    kl_logprobs: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> torch.Tensor:
-    """The objective J of a whole step given as one padded batch ``[B, T]``, in float64."""
+    """The objective J of a whole step given as one padded batch ``[B, T]``, in float64.
+
+    ``kl_logprobs``: the log-probs the KL is taken of (None: ``logprobs``); ``entropy_coef``: the bonus
+    coefficient (None: ``entropy.bonus_coef``)."""
     lp_all = logprobs.double()
     valid = loss_mask != 0
     B = lp_all.shape[0]
@@ -170,6 +215,9 @@ def grpo_objective_reference(
         return [None if x is None else x.double()[b][valid[b]] for b in range(B)]
 
     lps, rolls, refs, ents = rows(lp_all), rows(rollout_logprobs), rows(ref_logprobs), rows(entropy)
+    kl_lps = lps if kl_logprobs is None else rows(kl_logprobs)
+    bonus = cfg.entropy.bonus_coef if entropy_coef is None else entropy_coef
+    vespo = cfg.policy.objective.value == "vespo"
     if bypass:
         olds = [r.detach() for r in rolls]
     elif old_logprobs is None:
@@ -192,7 +240,7 @@ def grpo_objective_reference(
         if k3_sum / max(n_tokens, 1) > cfg.mismatch.skip_threshold:
             return _zero_on_graph(lp_all, valid)
     weights = [None] * B
-    if rc.weight_level is not None:
+    if rc.weight_level is not None and not vespo:
         lvl = rc.weight_level.value
         weights = [_clamp_range(torch.exp(_level_log_ratio(lvl, ds[b], clamp)), rc.weight_min, rc.weight_max)
                    if b in nonempty else None for b in range(B)]
@@ -213,11 +261,17 @@ def grpo_objective_reference(
         lp, old, adv = lps[b], olds[b], advs[b]
         n = lp.numel()
         lr = _clamp_abs(lp - old, clamp)
-        term = _policy_term_reference(cfg.policy, lp, lr, adv)
+        if vespo:
+            p = cfg.policy
+            phi = vespo_phi_reference(_vespo_log_w(rc, lr, ds[b]), adv, p.vespo_k_pos, p.vespo_lambda_pos,
+                                      p.vespo_k_neg, p.vespo_lambda_neg)
+            term = -phi.detach() * adv * lp
+        else:
+            term = _policy_term_reference(cfg.policy, lp, lr, adv)
         if weights[b] is not None:
             term = term * weights[b]
         keep = torch.ones(n, dtype=torch.bool)
-        if rc.reject_level is not None:
+        if rc.reject_level is not None and not vespo:
             ratio = torch.exp(_level_log_ratio(rc.reject_level.value, ds[b], clamp))
             if rc.reject_min is not None:
                 keep &= ratio >= rc.reject_min
@@ -227,20 +281,28 @@ def grpo_objective_reference(
             behaviour = rolls[b] if rollout_logprobs is not None else old
             drift = (behaviour - lp.detach()).mean()
             keep &= ~((adv < 0) & (drift > cfg.opsm.delta))
+        selected = torch.ones(n, dtype=torch.bool)
         if threshold is not None:
-            keep &= ents[b].detach() >= threshold
+            selected = ents[b].detach() >= threshold
+            keep &= selected
         c = torch.where(keep, term, torch.zeros_like(term))
+        reg = torch.zeros_like(c)
         if cfg.kl.coef != 0.0:
-            c = c + cfg.kl.coef * _kl_reference(cfg.kl, lp, refs[b], lr)
-        if cfg.entropy.bonus_coef != 0.0:
-            c = c - cfg.entropy.bonus_coef * ents[b]
-        mode = cfg.aggregation.mode.value
-        if mode == "token_mean":
-            total = total + c.sum() / n_tokens
-        elif mode == "seq_mean_token_mean":
-            total = total + c.sum() / n / n_seqs
-        elif mode == "seq_mean_token_sum":
-            total = total + c.sum() / n_seqs
-        else:
-            total = total + c.sum() / (n_seqs * cfg.aggregation.norm_constant)
+            reg = reg + cfg.kl.coef * _kl_reference(cfg.kl, kl_lps[b], refs[b], lr, clamp)
+        if bonus != 0.0:
+            ent = ents[b]
+            if cfg.entropy.bonus_on_selected:
+                ent = torch.where(selected, ent, torch.zeros_like(ent))
+            reg = reg - bonus * ent
+        agg = cfg.aggregation
+        reg_mode = agg.mode if agg.regularizer_mode is None else agg.regularizer_mode
+        for x, mode in ((c, agg.mode.value), (reg, reg_mode.value)):
+            if mode == "token_mean":
+                total = total + x.sum() / n_tokens
+            elif mode == "seq_mean_token_mean":
+                total = total + x.sum() / n / n_seqs
+            elif mode == "seq_mean_token_sum":
+                total = total + x.sum() / n_seqs
+            else:
+                total = total + x.sum() / (n_seqs * agg.norm_constant)
     return total

@@ -56,6 +56,24 @@ FEATURE_CONFIGS: dict[str, list[str]] = {
     "ppo_score_kl_k2": ["kl.coef=0.1", "kl.estimator=k2", "kl.score_function=true", "opsm.delta=0.0"],
 }
 
+# Options only the torch path implements (mp_grpo.loss.fused_unsupported): LossBackend.AUTO routes them to
+# it; the fused-path tests do not run them.
+TORCH_ONLY_FEATURES: dict[str, list[str]] = {
+    "vespo": ["policy.objective=vespo"],
+    "vespo_token_tis_mask": ["policy.objective=vespo", "policy.vespo_k_neg=1.5", "policy.vespo_lambda_pos=0.5",
+                             "rollout_correction.weight_level=token", "rollout_correction.weight_max=1.1",
+                             "rollout_correction.weight_min=0.9", "rollout_correction.reject_level=token",
+                             "rollout_correction.reject_min=0.8", "rollout_correction.reject_max=1.2"],
+    "gspo_token_tis_kl_geo": ["policy.objective=gspo", "policy.gspo_gradient=token", "policy.eps_low=0.01",
+                              "policy.eps_high=0.02", "rollout_correction.weight_level=token",
+                              "rollout_correction.weight_max=1.05", "kl.coef=0.1", "kl.bias_correction=true",
+                              "kl.bias_correction_level=geometric"],
+    "sapo_reg_token_mean": ["policy.objective=sapo", "aggregation.regularizer_mode=token_mean", "kl.coef=0.1",
+                            "entropy.bonus_coef=0.02", "kl.bias_correction=true", "kl.bias_correction_level=sequence"],
+    "ppo_entropy_selected": ["entropy.top_quantile=0.5", "entropy.bonus_coef=0.03", "entropy.bonus_on_selected=true",
+                             "kl.coef=0.05", "kl.score_function=true"],
+}
+
 AGGREGATIONS: dict[str, list[str]] = {
     "token_mean": ["aggregation.mode=token_mean"],
     "seq_mean_token_mean": ["aggregation.mode=seq_mean_token_mean"],
@@ -65,5 +83,6 @@ AGGREGATIONS: dict[str, list[str]] = {
 
 
 def config(feature: str, aggregation: str):
-    return load_config(None, FEATURE_CONFIGS[feature] + AGGREGATIONS[aggregation])
+    overrides = FEATURE_CONFIGS[feature] if feature in FEATURE_CONFIGS else TORCH_ONLY_FEATURES[feature]
+    return load_config(None, overrides + AGGREGATIONS[aggregation])
 
