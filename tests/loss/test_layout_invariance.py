@@ -6,7 +6,9 @@ rows and with packed (THD) segments, each sequence cut into Megatron's 2·CP chu
 TP=2 × DP=2 with log-probs from ``vocab_parallel_logprobs`` on vocabulary shards. Every aggregation mode,
 uneven lengths (each micro-batch padded to its own length, inf/NaN in the padding), an empty sequence, an
 empty micro-batch and a rank with zero valid tokens, and the step-level features (top-entropy quantile,
-IS-weight normalization, mismatch skip on both sides of its threshold). The fused Triton path (under the
+IS-weight normalization, mismatch skip on both sides of its threshold), and the torch-only options
+(VESPO's per-sequence weight, GSPO-token, the sequence-level KL bias correction, separate KL / entropy
+aggregation, the bonus on the step's top-entropy tokens; ``TORCH_ONLY_FEATURES``). The fused Triton path (under the
 interpreter) runs the data- and context-parallel splits on a subset of the configs, against the torch path's
 single call.
 """
@@ -37,7 +39,7 @@ TRITON_CONFIGS = {
 def _configs(backend: str):
     from mp_grpo.config import load_config
     from mp_grpo.loss.mismatch import k3
-    from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS, make_batch
+    from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS, TORCH_ONLY_FEATURES, make_batch
 
     # Mismatch skip on both sides of the step's global k3: the decision must be global, not per rank.
     batch = make_batch(0, LENGTHS, T)
@@ -47,6 +49,8 @@ def _configs(backend: str):
     features = dict(FEATURE_CONFIGS)
     features["skip_just_below"] = [f"mismatch.skip_threshold={global_k3 * 0.98}", "kl.coef=0.1"]
     features["skip_just_above"] = [f"mismatch.skip_threshold={global_k3 * 1.02}", "kl.coef=0.1"]
+    if backend == "torch":
+        features.update(TORCH_ONLY_FEATURES)
     for feature, feature_overrides in features.items():
         for aggregation, agg_overrides in AGGREGATIONS.items():
             name = f"{feature}/{aggregation}"
