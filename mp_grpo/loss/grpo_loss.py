@@ -173,7 +173,12 @@ class GRPOLoss:
             raise ValueError("entropy_coef must be given exactly when entropy.adaptive is true (the step's coefficient "
                              f"from AdaptiveEntropyCoefficient.applied); entropy.adaptive is {cfg.entropy.adaptive}")
         token_shape = logprobs.shape
-        fused = self._use_fused(logprobs, layout) and kl_logprobs is None
+        fused = self._use_fused(logprobs, layout)
+        if kl_logprobs is not None and fused:
+            if self.backend == LossBackend.TRITON:
+                raise ValueError("kl_logprobs: backend TRITON does not implement a separate KL input; use "
+                                 "LossBackend.AUTO or LossBackend.TORCH")
+            fused = False  # AUTO: the torch path
         # --- 2. the step's account ---
         if batch is None:
             old_for_batch = logprobs.detach() if old_logprobs is None else old_logprobs

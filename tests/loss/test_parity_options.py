@@ -154,6 +154,25 @@ def test_fused_supported_configs_keep_the_fused_path() -> None:
     assert GRPOLoss(cfg, backend=LossBackend.AUTO)._fused is not None
 
 
+def test_kl_logprobs_refused_by_triton_and_rerouted_by_auto() -> None:
+    cfg = load_config(None, ["kl.coef=0.1"])
+    batch = make_batch(6, LENGTHS, T)
+    args = (batch["logprobs"], batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
+    kwargs = dict(ref_logprobs=batch["ref_logprobs"], kl_logprobs=batch["logprobs"] - 0.1)
+    with pytest.raises(ValueError, match="kl_logprobs: backend TRITON"):
+        GRPOLoss(cfg, backend=LossBackend.TRITON)(*args, **kwargs)
+    auto = GRPOLoss(cfg, backend=LossBackend.AUTO)
+
+    def no_fused(*a, **k):
+        raise AssertionError("the fused path ran with kl_logprobs")
+
+    auto._fused = no_fused  # CPU tensors under AUTO never reach it anyway; make sure on any device
+    auto._use_fused = lambda *a: True
+    loss, _ = auto(*args, **kwargs)
+    torch_loss, _ = GRPOLoss(cfg, backend=LossBackend.TORCH)(*args, **kwargs)
+    assert_close(loss, torch_loss, torch.float64, "AUTO = TORCH with kl_logprobs")
+
+
 def test_config_errors_name_the_key() -> None:
     cases = {
         "rollout_correction.weight_level": ["policy.objective=vespo", "rollout_correction.weight_level=sequence"],
