@@ -24,7 +24,7 @@ from mp_grpo.config import (
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = ["trl_grpo", "trl_dapo", "trl_dr_grpo", "trl_cispo", "trl_sapo", "gspo", "verl_ppo", "nemo_rl_grpo",
-           "deepseek_v32", "mismatch_safe"]
+           "deepseek_v32", "mismatch_safe", "trl_vespo", "trl_luspo"]
 
 
 def _leaf_keys(cls, prefix: str = "") -> list[str]:
@@ -226,3 +226,15 @@ def test_bad_sources(tmp_path: Path) -> None:
         load_config(None, schema=dict)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=re.escape("loss: must be a mapping")):
         load_config({"loss": 3}, section="loss")
+
+
+def test_vespo_luspo_preset_values() -> None:
+    vespo = load_config(preset_path("trl_vespo"))
+    p = vespo.policy
+    assert p.objective is Objective.VESPO and (p.vespo_k_pos, p.vespo_lambda_pos, p.vespo_k_neg, p.vespo_lambda_neg) \
+        == (2.0, 3.0, 3.0, 2.0)
+    assert vespo.aggregation.mode is Aggregation.TOKEN_MEAN
+    assert vespo.rollout_correction.weight_level is RatioLevel.TOKEN and vespo.rollout_correction.weight_max == 3.0
+    luspo = load_config(preset_path("trl_luspo"))
+    assert luspo.policy.objective is Objective.GSPO and (luspo.policy.eps_low, luspo.policy.eps_high) == (2e-3, 2.5e-3)
+    assert luspo.aggregation.mode is Aggregation.SEQ_MEAN_TOKEN_SUM and luspo.aggregation.count_empty_sequences
