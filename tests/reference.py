@@ -119,7 +119,7 @@ def vespo_phi_reference(log_w: torch.Tensor, adv: torch.Tensor, k_pos, lam_pos, 
 def _vespo_log_w(rc, lr: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
     """log w of one sequence: Σ ℓ (+ Σ clamp(log ρ_t) of the token-level rollout correction), clamped."""
     floor = math.log(1e-8)
-    total = lr.detach().sum()
+    total = lr.detach().clamp(-20.0, 20.0).sum()
     weight_token = rc.weight_level is not None and rc.weight_level.value == "token"
     reject_token = rc.reject_level is not None and rc.reject_level.value == "token"
     if d is not None and (weight_token or reject_token):
@@ -306,3 +306,118 @@ def grpo_objective_reference(
             else:
                 total = total + x.sum() / (n_seqs * agg.norm_constant)
     return total
+
+
+# ============================================================================================
+# Peer references: the peers' loss code re-read and re-written in float64, one micro-batch = the whole step
+# ============================================================================================
+def trl_grpo_loss_reference(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    beta: float = 0.0,
+    ref_per_token_logps: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
+    importance_sampling_level: str = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+    max_completion_length: int = 512,
+    sampling_per_token_logps: torch.Tensor | None = None,
+    vllm_importance_sampling_mode: str = "sequence_mask",
+    vllm_importance_sampling_clip_min: float | None = None,
+    vllm_importance_sampling_clip_max: float | None = 3.0,
+    entropies: torch.Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
+    entropy_coef: float = 0.0,
+) -> torch.Tensor:
+    """TRL ``GRPOTrainer._compute_loss`` (huggingface/trl f2cd577, trl/trainer/grpo_trainer.py; the vLLM IS
+    ratio from ``_generate_and_score_completions``, VESPO's weight from ``get_gamma_weights``), one process, no
+    gradient accumulation, in float64. ``sampling_per_token_logps`` given = vLLM with
+    ``vllm_importance_sampling_correction``. Inputs must be finite everywhere (TRL multiplies by the mask).
+    Differentiable w.r.t. ``per_token_logps`` and ``entropies``."""
+    lp = per_token_logps.double()
+    m = mask.double()
+    adv = advantages.double().unsqueeze(1) if advantages.dim() == 1 else advantages.double()
+    old = lp.detach() if old_per_token_logps is None else old_per_token_logps.double()
+    eps_low, eps_high = epsilon, epsilon if epsilon_high is None else epsilon_high
+    # vLLM importance sampling ratio (token_*: (B, T); sequence_*: (B, 1))
+    is_ratio = None
+    if sampling_per_token_logps is not None:
+        diff = (old - sampling_per_token_logps.double()) * m
+        if vllm_importance_sampling_mode.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)
+        is_ratio = torch.exp(diff)
+        lo = -math.inf if vllm_importance_sampling_clip_min is None else vllm_importance_sampling_clip_min
+        hi = math.inf if vllm_importance_sampling_clip_max is None else vllm_importance_sampling_clip_max
+        if vllm_importance_sampling_mode.endswith("truncate"):
+            is_ratio = is_ratio.clamp(min=vllm_importance_sampling_clip_min, max=vllm_importance_sampling_clip_max)
+        else:
+            is_ratio = torch.where((is_ratio < lo) | (is_ratio > hi), torch.zeros_like(is_ratio), is_ratio)
+    entropy_mask = None
+    if top_entropy_quantile < 1.0:
+        values = entropies.double()[mask.bool()].detach()
+        threshold = torch.quantile(values, 1 - top_entropy_quantile)
+        entropy_mask = ((entropies.double() * m) >= threshold) & mask.bool()
+    log_ratio = lp - old
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_w)
+    if beta != 0.0:
+        ref = ref_per_token_logps.double()
+        per_token_kl = torch.exp(ref - lp) - (ref - lp) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=eps_high).detach() * adv * lp
+    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    elif loss_type == "sapo":
+        temps = torch.where(adv > 0, torch.full_like(adv, sapo_temperature_pos), torch.full_like(adv, sapo_temperature_neg))
+        per_token_loss = -(torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * adv
+    elif loss_type == "vespo":
+        floor = math.log(1e-8)
+        seq = (torch.clamp(log_ratio.detach(), -20.0, 20.0) * m).sum(-1, keepdim=True)
+        if is_ratio is not None:
+            seq = seq + torch.clamp(torch.log(is_ratio), floor, 20.0).sum(-1, keepdim=True)
+        log_w_seq = torch.clamp(seq, floor, 20.0)
+        phi = vespo_phi_reference(log_w_seq, adv.expand_as(log_w_seq) if adv.shape[1] == 1 else adv, *vespo)
+        per_token_loss = -phi.detach() * adv * lp
+    else:
+        raise ValueError(loss_type)
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if is_ratio is not None and loss_type != "vespo":
+        per_token_loss = per_token_loss * is_ratio
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    if loss_type in ("grpo", "sapo"):
+        loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * m).sum() / (per_token_loss.size(0) * max_completion_length)
+    elif loss_type in ("cispo", "dapo", "vespo"):
+        normalizer = m.sum().clamp(min=1.0)  # num_items_in_batch of one process, one micro-batch
+        loss = (per_token_loss * m).sum() / normalizer
+    else:  # luspo
+        loss = (per_token_loss * m.sum(1, keepdim=True)).mean()
+    if entropy_coef != 0.0:
+        eff = m if entropy_mask is None else m * entropy_mask
+        ent = entropies.double()
+        if loss_type in ("cispo", "dapo", "vespo"):
+            loss = loss - entropy_coef * (ent * eff).sum() / m.sum().clamp(min=1.0)
+        else:
+            loss = loss - entropy_coef * (ent * eff).sum() / eff.sum().clamp(min=1.0)
+    return loss

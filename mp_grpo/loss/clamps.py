@@ -36,5 +36,9 @@ VESPO_LOG_W_MAX = 20.0
 """Upper bound of VESPO's log sequence weight and of each token IS weight's log (TRL / Liger): w ≤ e^20
 ≈ 4.9e8 keeps λ·w finite in fp32."""
 
+VESPO_LOG_RATIO_BOUND = 20.0
+"""VESPO's own bound on each token's |log π_θ/π_old| before the sum (TRL / Liger ``get_gamma_weights``), part
+of its definition: applied whatever ``policy.log_ratio_clamp`` is."""
+
 VESPO_LAMBDA_FLOOR = 1e-4
 """Floor of VESPO's gamma rate λ (TRL / Liger ``.clamp(min=1e-4)``): with λ = 0, φ(w) = w^k is unbounded."""

@@ -1,7 +1,7 @@
 """VESPO's sequence weight (arXiv 2602.10693; TRL / Liger ``get_gamma_weights``, ``loss_type="vespo"``).
 
 Schedule
-    1. Token stage (:func:`vespo_token_input`): per valid token ℓ_t (the clamped log π_θ/π_old) plus, when the
+    1. Token stage (:func:`vespo_token_input`): per valid token clamp(ℓ_t, ±``VESPO_LOG_RATIO_BOUND``) plus, when the
        rollout correction is at token level, clamp(log ρ_t, ``VESPO_LOG_W_MIN``, ``VESPO_LOG_W_MAX``) with
        ρ_t the truncated token IS weight (1 without ``weight_level``), and ρ_t = 0 (→ the floor) where the
        token-level rejection drops the token. The rollout correction enters here instead of multiplying the
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from mp_grpo.config.loss import PolicyConfig, RatioLevel, RolloutCorrectionConfig
-from mp_grpo.loss.clamps import VESPO_LAMBDA_FLOOR, VESPO_LOG_W_MAX, VESPO_LOG_W_MIN
+from mp_grpo.loss.clamps import VESPO_LAMBDA_FLOOR, VESPO_LOG_RATIO_BOUND, VESPO_LOG_W_MAX, VESPO_LOG_W_MIN, symmetric_clamp
 from mp_grpo.loss.rollout_correction import kept, truncated_weight
 
 
@@ -27,7 +27,7 @@ def vespo_token_input(
     log_ratio: torch.Tensor, d: torch.Tensor | None, valid: torch.Tensor, rc: RolloutCorrectionConfig
 ) -> torch.Tensor:
     """Step 1: the per-token summand of log w, detached, exactly 0 on masked tokens."""
-    x = log_ratio.detach()
+    x = symmetric_clamp(log_ratio.detach(), VESPO_LOG_RATIO_BOUND)
     token = RatioLevel.TOKEN
     if d is not None and (rc.weight_level == token or rc.reject_level == token):
         log_rho = truncated_weight(d, rc).log() if rc.weight_level == token else torch.zeros_like(d)

@@ -1,0 +1,117 @@
+"""Each TRL preset against TRL's own loss code, re-written in float64 in tests/reference.py
+(``trl_grpo_loss_reference``: huggingface/trl f2cd577, trl/trainer/grpo_trainer.py ``_compute_loss``,
+``get_gamma_weights`` and the vLLM IS ratio of ``_generate_and_score_completions``; Liger-Kernel 0.8.5
+src/liger_kernel/chunked_loss/grpo_loss.py computes the same): one micro-batch, one process.
+
+Realistic inputs: the preset as shipped equals TRL (its ±20 clamps never bind). Inputs beyond the clamps
+(|log-ratio| and |ref − log π| up to ~60): the preset plus the overrides its file states
+(``policy.log_ratio_clamp=null``, ``kl.input_clamp=null``) equals TRL, and the preset as shipped does not
+wherever a clamp binds on a term that is not clipped anyway."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mp_grpo.config import load_config, preset_path
+from mp_grpo.loss import GRPOLoss
+from tests.loss.helpers import make_batch
+from tests.reference import trl_grpo_loss_reference
+from tests.tolerances import assert_close
+
+LENGTHS = [5, 3, 0, 6, 1, 4]
+T = 7
+EXACT = ["policy.log_ratio_clamp=null", "kl.input_clamp=null"]
+
+# preset → (TRL GRPOConfig arguments, extra mp_grpo overrides for the same run)
+CASES: dict[str, tuple[str, dict, list[str]]] = {
+    "grpo": ("trl_grpo", dict(loss_type="grpo"), []),
+    "grpo_kl_bias": ("trl_grpo", dict(loss_type="grpo", beta=0.04, use_bias_correction_kl=True),
+                     ["kl.coef=0.04", "kl.bias_correction=true"]),
+    "grpo_entropy_bonus": ("trl_grpo", dict(loss_type="grpo", entropy_coef=0.03),
+                           ["entropy.bonus_coef=0.03", "aggregation.regularizer_mode=token_mean"]),
+    "dapo": ("trl_dapo", dict(loss_type="dapo", epsilon_high=0.28), []),
+    "dapo_top_entropy_bonus_kl": (
+        "trl_dapo", dict(loss_type="dapo", epsilon_high=0.28, top_entropy_quantile=0.4, entropy_coef=0.05, beta=0.02),
+        ["entropy.top_quantile=0.4", "entropy.bonus_coef=0.05", "entropy.bonus_on_selected=true", "kl.coef=0.02"]),
+    "dapo_token_truncate": ("trl_dapo", dict(loss_type="dapo", epsilon_high=0.28, vllm_importance_sampling_mode=
+                                             "token_truncate", vllm_importance_sampling_clip_min=0.5),
+                            ["rollout_correction.reject_level=null", "rollout_correction.reject_max=null",
+                             "rollout_correction.weight_level=token", "rollout_correction.weight_min=0.5",
+                             "rollout_correction.weight_max=3.0"]),
+    "dr_grpo": ("trl_dr_grpo", dict(loss_type="dr_grpo", max_completion_length=512), []),
+    "cispo": ("trl_cispo", dict(loss_type="cispo", epsilon_high=5.0), []),
+    "sapo": ("trl_sapo", dict(loss_type="sapo"), []),
+    "vespo": ("trl_vespo", dict(loss_type="vespo", vllm_importance_sampling_mode="token_truncate"), []),
+    "vespo_token_mask_kl": (
+        "trl_vespo", dict(loss_type="vespo", vllm_importance_sampling_mode="token_mask",
+                          vllm_importance_sampling_clip_min=0.8, vllm_importance_sampling_clip_max=1.25, beta=0.04),
+        ["rollout_correction.weight_max=null", "rollout_correction.reject_level=token", "rollout_correction.reject_min=0.8",
+         "rollout_correction.reject_max=1.25", "kl.coef=0.04"]),
+    "luspo": ("trl_luspo", dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=2e-3,
+                                epsilon_high=2.5e-3), []),
+    "gspo_no_vllm_kl_bias": (
+        "gspo", dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4,
+                     beta=0.04, use_bias_correction_kl=True),
+        ["aggregation.count_empty_sequences=true", "kl.coef=0.04", "kl.bias_correction=true",
+         "kl.bias_correction_level=geometric", "kl.output_clamp=null"]),
+}
+NO_VLLM = {"gspo_no_vllm_kl_bias"}
+
+
+def _batch(seed: int, far: bool) -> dict[str, torch.Tensor]:
+    batch = make_batch(seed, LENGTHS, T, garbage=False)  # TRL multiplies by the mask: finite padding
+    if far:
+        mask = batch["loss_mask"]
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, scale in (("old_logprobs", 20.0), ("rollout_logprobs", 0.5), ("ref_logprobs", 25.0)):
+            shift = torch.randn(mask.shape, generator=gen, dtype=torch.float64) * scale
+            batch[name] = torch.where(mask, batch[name] + shift, batch[name])
+    return batch
+
+
+def _ours(cfg, batch, vllm: bool):
+    lp = batch["logprobs"].clone().requires_grad_()
+    ent = batch["entropy"].clone().requires_grad_()
+    loss, _ = GRPOLoss(cfg)(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+                            rollout_logprobs=batch["rollout_logprobs"] if vllm else None,
+                            ref_logprobs=batch["ref_logprobs"], entropy=ent)
+    loss.backward()
+    return loss.detach(), lp.grad, torch.zeros_like(ent) if ent.grad is None else ent.grad
+
+
+def _trl(kwargs, batch, vllm: bool):
+    lp = batch["logprobs"].clone().requires_grad_()
+    ent = batch["entropy"].clone().requires_grad_()
+    loss = trl_grpo_loss_reference(
+        lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+        ref_per_token_logps=batch["ref_logprobs"], entropies=ent,
+        sampling_per_token_logps=batch["rollout_logprobs"] if vllm else None, **kwargs)
+    loss.backward()
+    zeros = torch.zeros_like(batch["entropy"])
+    return loss.detach(), lp.grad, zeros if ent.grad is None else ent.grad
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["realistic", "beyond_clamps"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_preset_matches_trl(case: str, far: bool) -> None:
+    preset, kwargs, overrides = CASES[case]
+    vllm = case not in NO_VLLM
+    batch = _batch(sum(map(ord, case)), far)
+    cfg = load_config(preset_path(preset), overrides + (EXACT if far else []))
+    loss, g_lp, g_ent = _ours(cfg, batch, vllm)
+    want, w_lp, w_ent = _trl(kwargs, batch, vllm)
+    assert torch.isfinite(want), "the reference must be finite for the comparison to mean anything"
+    assert_close(loss, want, torch.float64, f"{case} loss")
+    assert_close(g_lp, w_lp, torch.float64, f"{case} d/dlogprobs")
+    assert_close(g_ent, w_ent, torch.float64, f"{case} d/dentropy")
+
+
+@pytest.mark.parametrize("case", ["grpo_kl_bias", "vespo_token_mask_kl"])
+def test_clamps_bind_beyond_them(case: str) -> None:
+    """The overrides matter: as shipped, the ±20 KL input clamp changes the loss on those inputs."""
+    preset, kwargs, overrides = CASES[case]
+    batch = _batch(sum(map(ord, case)), far=True)
+    loss, _, _ = _ours(load_config(preset_path(preset), overrides), batch, True)
+    want, _, _ = _trl(kwargs, batch, True)
+    assert not torch.allclose(loss, want, rtol=1e-6)
