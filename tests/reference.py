@@ -421,3 +421,127 @@ def trl_grpo_loss_reference(
         else:
             loss = loss - entropy_coef * (ent * eff).sum() / eff.sum().clamp(min=1.0)
     return loss
+
+
+def verl_actor_loss_reference(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_mode: str = "vanilla",
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: torch.Tensor | None = None,
+    ref_log_prob: torch.Tensor | None = None,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl",
+    entropy: torch.Tensor | None = None,
+    entropy_coeff: float = 0.0,
+) -> torch.Tensor:
+    """verl's actor loss (volcengine/verl b178a3c, verl/trainer/ppo/core_algos.py ``compute_policy_loss_vanilla``
+    / ``compute_policy_loss_gspo``, ``agg_loss``, ``kl_penalty_forward``; the engine path's global counts: every
+    row of the batch counted, one mini-batch = the step): pg_loss − entropy_coeff·entropy + kl_coef·kl, each
+    aggregated (gspo's policy term always with seq-mean-token-mean), in float64. ``advantages`` per token."""
+    lp, old = log_prob.double(), old_log_prob.double()
+    mask = response_mask.double()
+    adv = advantages.double()
+    n_tokens, n_rows = mask.sum(), mask.shape[0]
+
+    def agg(mat: torch.Tensor, mode: str) -> torch.Tensor:
+        if mode == "token-mean":
+            return (mat * mask).sum() / n_tokens
+        row_tokens = mask.sum(-1)
+        if mode == "seq-mean-token-mean":
+            seq = (mat * mask).sum(-1) / (row_tokens + 1e-8)
+            return (seq * (row_tokens > 0)).sum() / n_rows
+        if mode == "seq-mean-token-sum":
+            return ((mat * mask).sum(-1) * (row_tokens > 0)).sum() / n_rows
+        raise ValueError(mode)
+
+    neg_kl = lp - old
+    if loss_mode == "vanilla":
+        ratio = torch.exp(torch.clamp(neg_kl, -20.0, 20.0))
+        l1 = -adv * ratio
+        l2 = -adv * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        clip1 = torch.maximum(l1, l2)
+        pg = torch.where(adv < 0, torch.min(-adv * clip_ratio_c, clip1), clip1)
+        if rollout_is_weights is not None:
+            pg = pg * rollout_is_weights.double()
+        pg_loss = agg(pg, loss_agg_mode)
+    elif loss_mode == "gspo":
+        seq = (neg_kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        log_s = torch.clamp(lp - lp.detach() + seq.detach().unsqueeze(-1), max=10.0)
+        s = torch.exp(log_s)
+        pg = torch.maximum(-adv * s, -adv * torch.clamp(s, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        if rollout_is_weights is not None:
+            pg = pg * rollout_is_weights.double()
+        pg_loss = agg(pg, "seq-mean-token-mean")
+    else:
+        raise ValueError(loss_mode)
+    loss = pg_loss
+    if entropy_coeff != 0.0:
+        loss = loss - entropy_coeff * agg(entropy.double(), loss_agg_mode)
+    if kl_loss_coef != 0.0:
+        ref = ref_log_prob.double()
+        if kl_loss_type in ("kl", "k1"):
+            kld = lp - ref
+        elif kl_loss_type in ("mse", "k2"):
+            kld = 0.5 * (lp - ref).square()
+        else:  # low_var_kl / k3
+            x = torch.clamp(ref - lp, -20, 20)
+            kld = torch.clamp(torch.exp(x) - x - 1, -10, 10)
+        loss = loss + kl_loss_coef * agg(kld, loss_agg_mode)
+    return loss
+
+
+def nemo_rl_clipped_pg_loss_reference(
+    curr_logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    reference_policy_logprobs: torch.Tensor | None = None,
+    curr_logprobs_unfiltered: torch.Tensor | None = None,
+    ratio_clip_min: float = 0.2,
+    ratio_clip_max: float = 0.2,
+    ratio_clip_c: float | None = None,
+    reference_policy_kl_penalty: float = 0.0,
+    reference_policy_kl_type: str = "k3",
+    kl_input_clamp_value: float | None = 20.0,
+    kl_output_clamp_value: float | None = 10.0,
+) -> torch.Tensor:
+    """NeMo-RL ``ClippedPGLossFn`` (NVIDIA-NeMo/RL 7ea279a, nemo_rl/algorithms/loss/loss_functions.py, and
+    ``calculate_kl`` in nemo_rl/algorithms/utils.py) with ``use_on_policy_kl_approximation: false`` (the KL
+    weighted by exp(lp − stopgrad lp), detached where the input clamp binds), ``token_level_loss: true``, no IS
+    correction, one micro-batch = the step, in float64. ``advantages`` per token; ``mask`` = token_mask · sample_mask."""
+    lp, prev = curr_logprobs.double(), prev_logprobs.double()
+    m = mask.double()
+    adv = advantages.double()
+    n_tokens = m.sum()
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:  # masked_mean with global_normalization_factor = valid tokens
+        return (x * m).sum() / n_tokens
+
+    ratios = torch.exp(lp - prev)
+    clipped = ratios.clamp(1.0 - ratio_clip_min, 1.0 + ratio_clip_max)
+    clip_loss = torch.max(-adv * ratios, -adv * clipped)
+    if ratio_clip_c is not None:
+        clip_loss = torch.where(adv < 0, torch.min(clip_loss, -adv * ratio_clip_c), clip_loss)
+    loss = reduce(clip_loss)
+    if reference_policy_kl_penalty != 0.0:
+        unf = lp if curr_logprobs_unfiltered is None else curr_logprobs_unfiltered.double()
+        weights = torch.exp(unf - unf.detach())
+        logr = reference_policy_logprobs.double() - unf
+        if kl_input_clamp_value is not None:
+            clamped = logr.clamp(-kl_input_clamp_value, kl_input_clamp_value)
+            weights = torch.where(logr == clamped, weights, weights.detach())
+            logr = clamped
+        kl = {"k1": -logr, "k2": 0.5 * logr.square(), "k3": torch.exp(logr) - 1 - logr}[reference_policy_kl_type]
+        kl = kl * weights
+        if kl_output_clamp_value is not None:
+            kl = kl.clamp(-kl_output_clamp_value, kl_output_clamp_value)
+        loss = loss + reference_policy_kl_penalty * reduce(kl)
+    return loss
