@@ -336,6 +336,7 @@ def trl_grpo_loss_reference(
     entropies: torch.Tensor | None = None,
     top_entropy_quantile: float = 1.0,
     entropy_coef: float = 0.0,
+    off_policy_mask_threshold: float | None = None,
 ) -> torch.Tensor:
     """TRL ``GRPOTrainer._compute_loss`` (huggingface/trl f2cd577, trl/trainer/grpo_trainer.py; the vLLM IS
     ratio from ``_generate_and_score_completions``, VESPO's weight from ``get_gamma_weights``), one process, no
@@ -365,6 +366,11 @@ def trl_grpo_loss_reference(
         values = entropies.double()[mask.bool()].detach()
         threshold = torch.quantile(values, 1 - top_entropy_quantile)
         entropy_mask = ((entropies.double() * m) >= threshold) & mask.bool()
+    off_policy_mask = None
+    if off_policy_mask_threshold is not None:  # get_off_policy_mask: sampling log-probs, else old
+        behaviour = old if sampling_per_token_logps is None else sampling_per_token_logps.double()
+        seq_kl = ((behaviour - lp.detach()) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((adv >= 0) | (seq_kl <= off_policy_mask_threshold)).double()
     log_ratio = lp - old
     if importance_sampling_level == "token":
         log_w = log_ratio
@@ -396,6 +402,8 @@ def trl_grpo_loss_reference(
         per_token_loss = -phi.detach() * adv * lp
     else:
         raise ValueError(loss_type)
+    if off_policy_mask is not None:
+        per_token_loss = per_token_loss * off_policy_mask
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
     if is_ratio is not None and loss_type != "vespo":

@@ -59,8 +59,14 @@ CASES: dict[str, tuple[str, dict, list[str]]] = {
                      beta=0.04, use_bias_correction_kl=True),
         ["aggregation.count_empty_sequences=true", "kl.coef=0.04", "kl.bias_correction=true",
          "kl.bias_correction_level=geometric", "kl.output_clamp=null"]),
+    # DeepSeek-V3.2's OPSM + unbiased KL as TRL implements them (loss_type="grpo": every row counted)
+    "deepseek_v32_opsm_no_vllm": (
+        "deepseek_v32", dict(loss_type="grpo", beta=0.001, use_bias_correction_kl=True, off_policy_mask_threshold=0.05),
+        ["opsm.delta=0.05", "aggregation.count_empty_sequences=true", "kl.output_clamp=null"]),
+    "dapo_opsm_vllm": ("trl_dapo", dict(loss_type="dapo", epsilon_high=0.28, off_policy_mask_threshold=0.02),
+                       ["opsm.delta=0.02"]),
 }
-NO_VLLM = {"gspo_no_vllm_kl_bias"}
+NO_VLLM = {"gspo_no_vllm_kl_bias", "deepseek_v32_opsm_no_vllm"}
 
 
 def _batch(seed: int, far: bool) -> dict[str, torch.Tensor]:
