@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mp_grpo.config import AggregationConfig
 from mp_grpo.config.loss import Aggregation
 from mp_grpo.loss.aggregation import token_divisor
 
@@ -23,10 +22,9 @@ LENGTHS = torch.tensor([5.0, 5.0, 0.0, 2.0])
     ],
 )
 def test_divisors(mode: Aggregation, norm: float | None, expected: list[float]) -> None:
-    d = token_divisor(AggregationConfig(mode=mode, norm_constant=norm), N, S, LENGTHS)
+    d = token_divisor(mode, norm, N, S, LENGTHS)
     assert d.expand(4).tolist() == expected
 
 
 def test_empty_step_divides_by_the_floor() -> None:
-    cfg = AggregationConfig(mode=Aggregation.TOKEN_MEAN)
-    assert token_divisor(cfg, torch.tensor(0.0), torch.tensor(0.0), LENGTHS).item() == 1.0
+    assert token_divisor(Aggregation.TOKEN_MEAN, None, torch.tensor(0.0), torch.tensor(0.0), LENGTHS).item() == 1.0

@@ -7,7 +7,7 @@ import torch
 
 from mp_grpo.config import PolicyConfig
 from mp_grpo.config.loss import Objective
-from mp_grpo.loss.objectives import needs_sequence_mean, policy_term, sequence_input
+from mp_grpo.loss.objectives import needs_sequence_sum, policy_term, sequence_input
 
 N = 64
 
@@ -42,7 +42,7 @@ def test_ppo_clip_with_delta_and_dual_clip() -> None:
 def test_gspo_uses_the_sequence_ratio() -> None:
     cfg = PolicyConfig(objective=Objective.GSPO, eps_low=0.01, eps_high=0.02)
     lp, lr, adv, g = _inputs(1)
-    assert needs_sequence_mean(cfg) and sequence_input(cfg, lr, adv) is lr
+    assert needs_sequence_sum(cfg) and sequence_input(cfg, lr, adv) is lr
     seq_mean = lr.mean().expand(N)  # one sequence
     pt = policy_term(cfg, lp, lr, adv, seq_mean)
     s = lr.mean().exp()
