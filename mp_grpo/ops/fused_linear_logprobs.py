@@ -71,8 +71,10 @@ Megatron gradient-accumulation fusion (``accumulate_into_main_grad=True``)
     ``LinearWithGradAccumulationAndAsyncCommunication``: when ``weight`` has the attribute
     ``grad_added_to_main_grad`` (Megatron's DDP sets it), it is set to True and a placeholder gradient
     is returned so that DDP's backward hook runs on the main thread; otherwise None. The placeholder
-    is zeros (Megatron leaves it uninitialized unless ``weight.zero_out_wgrad``): the hook ignores it,
-    and anything else that reads ``weight.grad`` sees a correct "nothing beyond main_grad".
+    is zeros (Megatron leaves it uninitialized unless ``weight.zero_out_wgrad``), one zero element
+    allocated once and expanded: the hook ignores it — or, under ``zero_out_wgrad`` (tied embeddings),
+    adds it plus the embedding lookup's gradient into ``main_grad`` — and anything else that reads
+    ``weight.grad`` sees a correct "nothing beyond main_grad".
 
 Precision: the logits are rounded to hidden's dtype before the statistics, as in the logits path
 ``vocab_parallel_logprobs(hidden @ weightᵀ)``. Backward recomputes them with GEMMs of another shape,
@@ -204,12 +206,25 @@ def _chunk_view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
-def _main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The weight "gradient" returned after accumulating into ``weight.main_grad`` (see module docstring)."""
+_PLACEHOLDER_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+"""One zero element per (dtype, device), expanded to the weight's shape for every placeholder."""
+
+
+def main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight "gradient" returned after accumulating into ``weight.main_grad`` (see module docstring).
+
+    Zeros, as Megatron's linear layer makes them under ``weight.zero_out_wgrad`` (tied embeddings: the
+    embedding lookup's gradient is added to it, and DDP's hook adds the sum into ``main_grad``), but
+    allocated once: a single zero element expanded to ``weight.shape`` (stride 0). Autograd copies it
+    into a tensor of its own only where it must keep it as ``weight.grad``; nothing writes into it."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
-    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    key = (dtype, weight.device)
+    zero = _PLACEHOLDER_ZEROS.get(key)
+    if zero is None:
+        zero = _PLACEHOLDER_ZEROS[key] = torch.zeros((), dtype=dtype, device=weight.device)
+    return zero.expand(weight.shape)
 
 
 def _forward_statistics(
@@ -378,7 +393,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         grad_hidden = grad_h.view(ctx.hidden_shape) if need_hidden else None
         grad_weight = grad_w
         if need_weight and main_grad is not None:
-            grad_weight = _main_grad_placeholder(ctx.weight, h.dtype)
+            grad_weight = main_grad_placeholder(ctx.weight, h.dtype)
         return (grad_hidden, grad_weight, *not_differentiable)
 
 
