@@ -56,6 +56,8 @@ VARIANTS = [
     Variant("packed", True, False, "sequence_level", tied=True),
     Variant("padded", False, True, "step_level", main_grad=True),
     Variant("padded", True, False, "sequence_level", main_grad=True, bf16=True),
+    # Tied embeddings x gradient-accumulation fusion x the loss in forward (ppo_token_tis is token-separable).
+    Variant("packed", False, False, "ppo_token_tis", tied=True, main_grad=True),
 ]
 
 
@@ -92,6 +94,8 @@ def _step(groups, rollouts, weights, v: Variant, path: OutputPath):
     model = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=groups.tp,
                           share_embeddings_and_output_weights=v.tied)
     model.load_full_weights(weights)
+    if v.tied:  # as GPTModel does for a weight shared by the embedding and the output layer
+        model.word_embeddings.weight.zero_out_wgrad = True
     module = model
     if v.bf16:
         config.bf16 = True
@@ -116,7 +120,7 @@ def _step(groups, rollouts, weights, v: Variant, path: OutputPath):
     losses = forward_backward_cpu(forward_step_func=grpo.forward_step_func(batch, step=1), data_iterator=iter(micro),
                                   model=ddp, num_microbatches=NUM_MICROBATCHES, groups=groups)
     if v.main_grad and path == OutputPath.FUSED:
-        weight = model.output_layer.weight
+        weight = model.word_embeddings.weight if v.tied else model.output_layer.weight
         assert weight.grad_added_to_main_grad and weight.grad is None, "the fused op did not write main_grad itself"
     return reduce_metrics(losses, groups.dp_cp), passes, _gathered_grads(model)
 
