@@ -259,6 +259,34 @@ def test_token_logprobs_of_hidden_states_equal_those_of_logits() -> None:
     assert torch.equal(upcast, native)
 
 
+@pytest.mark.parametrize("loss", ["ppo_token_tis", "sequence_level"])
+def test_loss_func_with_the_loss_in_forward_equals_logits_path(loss: str) -> None:
+    """One process, no model: ``loss_func`` on the fused path (the loss in forward for a token-separable config,
+    the per-token op otherwise) returns the logits path's loss and metrics, and the same gradients."""
+    from mp_grpo.megatron.fused_output import loss_in_forward
+
+    mb = prepare_micro_batch(H.make_rollouts(4, seed=19))
+    assert loss_in_forward(H.loss_config(loss), mb.sequences) == (loss == "ppo_token_tis")
+    gen = torch.Generator().manual_seed(20)
+    hidden = torch.randn(*mb.targets.shape, H.HIDDEN, generator=gen)
+    weight = torch.randn(H.VOCAB, H.HIDDEN, generator=gen) * H.HIDDEN**-0.5
+    results = []
+    for path in (OutputPath.LOGITS, OutputPath.FUSED):
+        grpo = MegatronGRPO(H.loss_config(loss), temperature=H.TEMPERATURE, num_microbatches=1,
+                            calculate_per_token_loss=False, groups=ParallelGroups(), vocab_size=H.VOCAB,
+                            output_path=path)
+        batch = grpo.global_batch([mb], step=3)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if path == OutputPath.FUSED:
+            out = grpo.loss_func(mb, batch, h, output_weight=OutputWeight(w, accumulate_into_main_grad=False))
+        else:
+            out = grpo.loss_func(mb, batch, h @ w.t())
+        out[0].backward(torch.tensor(0.37))  # Megatron's upstream gradient (loss scaling)
+        results.append((out[0], out[1]["loss"], h.grad, w.grad))
+    for name, actual, expected in zip(("loss", "metrics loss", "grad hidden", "grad weight"), results[1], results[0]):
+        assert_close(actual, expected, torch.float32, msg=f"{name} ({loss})")
+
+
 def test_fused_path_errors_name_the_argument() -> None:
     mb = prepare_micro_batch(H.make_rollouts(2, seed=12))
     hidden = torch.zeros(*mb.targets.shape, H.HIDDEN)
