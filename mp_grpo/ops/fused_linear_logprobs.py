@@ -156,23 +156,25 @@ def plan_chunks(
     *,
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
+    logits_chunk_bytes: int = LOGITS_CHUNK_BYTES,
 ) -> ChunkPlan:
     """The chunks of one call: explicit sizes where given, else the largest within the byte budgets.
 
     ``chunk_tokens`` sets both the forward chunk rows and the backward token block; ``chunk_vocab``
-    the backward chunk columns (forward chunks are always whole rows).
+    the backward chunk columns (forward chunks are always whole rows). ``logits_chunk_bytes``: the
+    logits-chunk budget (:mod:`mp_grpo.ops.fused_linear_loss` holds no recompute chunk and takes a larger one).
     """
     element = torch.empty((), dtype=dtype).element_size()
     n = max(rows, 1)  # no rows: a one-row plan (the forward still launches once for the shard-size row)
     if chunk_tokens is not None:
         forward_rows = backward_rows = min(chunk_tokens, n)
     else:
-        forward_rows = _piece_size(n, LOGITS_CHUNK_BYTES // (v_local * element), ROW_ALIGN)
+        forward_rows = _piece_size(n, logits_chunk_bytes // (v_local * element), ROW_ALIGN)
         backward_rows = _piece_size(n, GRAD_HIDDEN_BLOCK_BYTES // (hidden_size * 4), ROW_ALIGN)
     if chunk_vocab is not None:
         backward_cols = min(chunk_vocab, v_local)
     else:
-        backward_cols = _piece_size(v_local, LOGITS_CHUNK_BYTES // (backward_rows * element), COL_ALIGN)
+        backward_cols = _piece_size(v_local, logits_chunk_bytes // (backward_rows * element), COL_ALIGN)
     return ChunkPlan(forward_rows, backward_rows, backward_cols)
 
 

@@ -18,7 +18,7 @@ holding 0, and keeps the gradient of the chunk's rows only; the last call sees e
 Schedule of :class:`FusedLinearLoss` (``N`` rows, ``H`` hidden, ``V_local`` columns on each of ``TP`` ranks)
 
 Forward — chunks of whole rows, ``[rows, V_local]`` (the plan of :func:`~mp_grpo.ops.fused_linear_logprobs.plan_chunks`)
-    1. ``logits = hidden[chunk] @ weightᵀ`` (cuBLAS, fp32 accumulation, hidden's dtype) into one reused
+    1. ``logits = hidden[chunk] @ weightᵀ`` (≤ ``LOSS_LOGITS_CHUNK_BYTES``; cuBLAS, fp32 accumulation, hidden's dtype) into one reused
        buffer; ``logprob_stats_kernel`` writes the chunk's ``[rows + 1, 4]`` statistics.
     2. The TP merge: all-gather of the chunk's statistics over ``tp_group`` (one small collective per
        chunk; skipped for a group of size 1) and ``logprob_merge_kernel`` → the chunk's log-probs,
@@ -43,7 +43,7 @@ Tensor parallelism: as :func:`~mp_grpo.fused_linear_logprobs` (the returned hidd
 rank's partial sum; apply Megatron's input mapping). ``loss_fn`` runs on every TP rank on the same
 log-probs; every rank must cut the same chunks (same ``N``), as the all-gather per chunk needs.
 
-Memory beyond the inputs: one logits chunk (≤ ``LOGITS_CHUNK_BYTES``), the ``[N, H]`` hidden gradient
+Memory beyond the inputs: one logits chunk (≤ ``LOSS_LOGITS_CHUNK_BYTES``), the ``[N, H]`` hidden gradient
 and the ``[V_local, H]`` weight gradient (held from forward to backward — they are the outputs
 backward returns; under gradient-accumulation fusion the weight buffer is extra: ``V_local·H`` in
 weight's dtype, or fp32 when that fits ``WEIGHT_GRAD_FP32_BYTES``).
@@ -70,6 +70,12 @@ from mp_grpo.ops.checks import (
 )
 from mp_grpo.ops.fused_linear_logprobs import ChunkPlan, _chunk_view, _matmul_into, main_grad_placeholder, plan_chunks
 from mp_grpo.ops.logprob_launch import gather_and_merge, logprob_backward, new_stats_buffer, shard_statistics
+
+LOSS_LOGITS_CHUNK_BYTES = 768 * 2**20
+"""The one logits-chunk buffer of the forward pass. Larger than the per-token op's 512 MiB: every chunk
+costs one call of ``loss_fn`` and one read-modify-write of the ``[V_local, H]`` weight gradient, and
+nothing else is held. At N = 16384, H = 4096, bf16: 7 chunks of 2432 rows at V = 151936 (10 at 512 MiB),
+one chunk at V = 18992 (2 at 512 MiB)."""
 
 WEIGHT_GRAD_FP32_BYTES = 512 * 2**20
 """The weight gradient is summed over row chunks in an fp32 ``[V_local, H]`` buffer when it fits this
@@ -236,7 +242,7 @@ def fused_linear_loss(
         loss_fn: ``(logprobs [...] fp32, entropy [...] fp32 or None) -> (0-dim loss, aux)``, token-separable
             (see the module docstring); called once per forward chunk.
         with_entropy: pass the entropy to ``loss_fn`` (else None).
-        chunk_tokens: rows per forward chunk; None: the largest within ``LOGITS_CHUNK_BYTES``.
+        chunk_tokens: rows per forward chunk; None: the largest within ``LOSS_LOGITS_CHUNK_BYTES``.
 
     Returns:
         ``(loss, aux)``: the loss (0-dim, differentiable w.r.t. ``hidden`` and ``weight``) and ``loss_fn``'s
@@ -250,7 +256,10 @@ def fused_linear_loss(
     chunk_tokens = check_chunk_size(chunk_tokens, "chunk_tokens")
     if accumulate_into_main_grad:
         check_main_grad(weight)
-    plan = plan_chunks(target.numel(), weight.shape[1], weight.shape[0], hidden.dtype, chunk_tokens=chunk_tokens)
+    plan = plan_chunks(
+        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype, chunk_tokens=chunk_tokens,
+        logits_chunk_bytes=LOSS_LOGITS_CHUNK_BYTES,
+    )
     aux = _Aux()
     loss = FusedLinearLoss.apply(
         hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,

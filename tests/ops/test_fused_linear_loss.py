@@ -205,3 +205,14 @@ def test_grpo_loss_matches_objective_reference(feature):
     assert "loss" in metrics
     _assert_sum_close(h.grad, ref_h.grad, torch.float32, f"grad hidden ({feature})")
     _assert_sum_close(w.grad, ref_w.grad, torch.float32, f"grad weight ({feature})")
+
+
+def test_default_plan_at_benchmark_size():
+    """N = 16384, H = 4096, bf16: the forward chunk stays within its budget (7 chunks at V = 151936, one at 18992)."""
+    from mp_grpo.ops.fused_linear_logprobs import plan_chunks
+    from mp_grpo.ops.fused_linear_loss import LOSS_LOGITS_CHUNK_BYTES
+
+    for v, chunks in ((151936, 7), (18992, 1)):
+        plan = plan_chunks(16384, 4096, v, torch.bfloat16, logits_chunk_bytes=LOSS_LOGITS_CHUNK_BYTES)
+        assert plan.forward_rows * v * 2 <= LOSS_LOGITS_CHUNK_BYTES
+        assert -(-16384 // plan.forward_rows) == chunks, plan
