@@ -273,6 +273,22 @@ def check_correctness(n: int = 1000, hidden_size: int = 256, v: int = 5000) -> f
     return max(worst, with_loss)
 
 
+def profile_with_loss(n: int, hidden_size: int, v: int, out: Path) -> None:
+    """Kernel time of one forward+backward of the with-loss op, grouped by kernel (torch.profiler), into
+    ``fused_profile_<V>.txt``: how much of it is GEMMs and how much the epilogue, statistics and loss."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, fwd_bwd = cases(n, hidden_size, v)[WITH_LOSS]()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd_bwd()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    (out / f"fused_profile_{v}.txt").write_text(table)
+    print(table, flush=True)
+
+
 def run_single_gpu(args) -> dict:
     worst = check_correctness()
     assert worst <= 1.0, f"the fused op disagrees with the float64 reference: worst error / tolerance = {worst:.3f}"
@@ -514,6 +530,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="also profile the with-loss op's kernels per V")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tp > 1:
@@ -524,6 +541,9 @@ def main() -> None:
     else:
         result = run_single_gpu(args)
         write_single_gpu_report(result, args.out)
+        if args.profile:
+            for v in args.vocab:
+                profile_with_loss(args.tokens, args.hidden, v, args.out)
         print_compact(result)
 
 
