@@ -9,8 +9,8 @@ parameter has no ``main_grad``) and are reduced once, synchronously, in ``finish
 With ``main_grad=True`` they are kept as Megatron's DDP keeps them instead: every parameter gets an
 fp32 ``main_grad`` (zeroed by ``zero_grad_buffer``) and the flag ``grad_added_to_main_grad``; after
 each backward a hook adds ``param.grad`` into ``main_grad`` and drops it — unless a layer with
-gradient-accumulation fusion already wrote its gradient into ``main_grad`` and set the flag (the hook
-of ``DistributedDataParallel._make_backward_post_hook``). Reduction and scaling then act on ``main_grad``.
+gradient-accumulation fusion already wrote its gradient into ``main_grad`` and set the flag, and the
+parameter has no ``zero_out_wgrad`` (the hook of ``DistributedDataParallel._make_backward_post_hook``). Reduction and scaling then act on ``main_grad``.
 
 The reduction is Megatron's, step for step (``DistributedDataParallel.__init__`` and
 ``_ParamAndGradBucketGroup.start_grad_sync`` in megatron-core 0.16):
@@ -106,7 +106,9 @@ class CpuDistributedDataParallel(torch.nn.Module):
 
 
 def _move_grad_to_main_grad(param: torch.nn.Parameter) -> None:
-    """Megatron DDP's backward post-hook: ``grad`` into ``main_grad`` unless a fused layer put it there already."""
-    if param.grad is not None and not param.grad_added_to_main_grad:
+    """Megatron DDP's backward post-hook: ``grad`` into ``main_grad`` unless a fused layer put it there already
+    — or also then, under ``param.zero_out_wgrad`` (GPTModel sets it on a weight shared by the embedding and the
+    output layer: the fused layer returned zeros, to which autograd added the embedding lookup's gradient)."""
+    if param.grad is not None and (not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)):
         param.main_grad.add_(param.grad)
     param.grad = None

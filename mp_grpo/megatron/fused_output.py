@@ -37,6 +37,16 @@ Schedule of :func:`call_for_hidden_states`
 3. Call the model with the output layer's ``forward`` replaced (see above); it must be called exactly
    once (multi-token prediction calls it once per MTP layer and is not supported).
 4. Return ``(hidden [B, S, H], OutputWeight)``.
+
+Then :meth:`MegatronGRPO.loss_func <mp_grpo.megatron.MegatronGRPO.loss_func>` computes the loss from them
+in one of two ways (:func:`loss_in_forward` decides, per micro-batch):
+
+- the loss in forward (:func:`fused_output_loss` → :func:`mp_grpo.ops.fused_linear_loss.fused_linear_loss`):
+  for a token-separable loss config (:func:`mp_grpo.loss.separable.token_separable`) without context
+  parallelism, with gradients enabled — GRPOLoss, given the step's GlobalBatch, is the ``loss_fn`` whose
+  gradient per row chunk is multiplied out right away: three GEMMs, no recompute;
+- otherwise (sequence-level objectives, OPSM, bypass at sequence level, CP > 1, no-grad passes) the
+  per-token op :func:`mp_grpo.fused_linear_logprobs` (recompute in backward: four GEMMs) then GRPOLoss.
 """
 
 from __future__ import annotations
@@ -46,6 +56,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from mp_grpo.collectives import ProcessGroup, group_size
+from mp_grpo.config.loss import LossConfig
+from mp_grpo.loss.separable import token_separable
+from mp_grpo.loss.sequence import SequenceLayout
+from mp_grpo.ops.fused_linear_loss import LossFn, fused_linear_loss
 
 
 @dataclass(frozen=True)
@@ -156,3 +172,37 @@ def _forward_replaced(module: torch.nn.Module, forward: Callable) -> Iterator[No
             del module.forward
         else:
             module.forward = previous
+
+
+def loss_in_forward(config: LossConfig, layout: SequenceLayout) -> bool:
+    """Whether the fused path computes this micro-batch's loss gradient in forward (see the module docstring).
+
+    Token-separable configs only (a token's gradient must not read a per-sequence sum of current
+    log-probs), without context parallelism (the loss is called once per row chunk, and under CP its
+    per-sequence sums are collectives whose count must then match across CP ranks), and while gradients
+    are enabled (a no-grad pass needs no gradient)."""
+    return torch.is_grad_enabled() and token_separable(config) and group_size(layout.cp_group) == 1
+
+
+def fused_output_loss(
+    hidden: torch.Tensor,
+    output_weight: OutputWeight,
+    targets: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    tp_group: ProcessGroup | None,
+    temperature: float,
+    with_entropy: bool,
+    ignore_index: int,
+):
+    """``(share, metrics)`` of ``loss_fn`` on the fused output layer, its gradient made in forward.
+
+    ``loss_fn(logprobs, entropy) -> (share, metrics)`` is GRPOLoss bound to the micro-batch and the step's
+    GlobalBatch. The weight gradient goes into ``main_grad`` under the output layer's
+    gradient-accumulation fusion (as Megatron's linear layer: only when a weight gradient is computed)."""
+    weight = output_weight.weight
+    accumulate = output_weight.accumulate_into_main_grad and weight.requires_grad
+    return fused_linear_loss(
+        hidden, weight, targets, loss_fn, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
+        ignore_index=ignore_index, accumulate_into_main_grad=accumulate,
+    )

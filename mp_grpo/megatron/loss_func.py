@@ -11,7 +11,10 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    :func:`mp_grpo.vocab_parallel_logprobs` of the logits, or :func:`mp_grpo.fused_linear_logprobs` of
    the hidden states and the weight (the output layer's GEMM fused with the log-probs, chunk by chunk,
    never holding the logits; into ``weight.main_grad`` with gradient-accumulation fusion). This is the
-   one place that reads the model output; both paths give the same log-probs and gradients.
+   one place that reads the model output; both paths give the same log-probs and gradients. On the
+   fused path with a token-separable loss (:func:`~mp_grpo.megatron.fused_output.loss_in_forward`)
+   steps 2–3 run together in :func:`~mp_grpo.megatron.fused_output.fused_output_loss`: the loss's
+   gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it.
 3. :class:`~mp_grpo.GRPOLoss` with the step's :class:`~mp_grpo.GlobalBatch` and the micro-batch's
    :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
 4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
@@ -32,7 +35,7 @@ from mp_grpo.config.job import OutputPath
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.grpo_loss import GRPOLoss
-from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states
+from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states, fused_output_loss, loss_in_forward
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
 from mp_grpo.megatron.scaling import MegatronScaling
@@ -223,14 +226,7 @@ class MegatronGRPO:
             _check_output_shape(output_tensor, mb, "vocab-parallel logits", "V_local",
                                 "GPTModel with parallel_output=True, labels=None")
             v_local, what = output_tensor.shape[-1], "logits hold"
-        vocab_size = self.vocab_size if vocab_size is None else vocab_size
-        tp = self.groups.tp_size
-        if vocab_size is not None and v_local * tp != vocab_size:
-            raise ValueError(
-                f"tp_group: the {what} {v_local} vocabulary ids on each of {tp} tensor-parallel ranks "
-                f"({v_local * tp} in all) but the model's vocabulary has {vocab_size}: the TP group does "
-                "not match the model's vocabulary shards"
-            )
+        self._check_vocab_shards(v_local, what, vocab_size)
         # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
         common = dict(tp_group=self.groups.tp, temperature=self.temperature, with_entropy=self.with_entropy,
                       ignore_index=IGNORE_INDEX)
@@ -242,6 +238,17 @@ class MegatronGRPO:
         else:
             out = vocab_parallel_logprobs(output_tensor, mb.targets, **common)
         return out if self.with_entropy else (out, None)
+
+    def _check_vocab_shards(self, v_local: int, what: str, vocab_size: int | None) -> None:
+        """Step 1: ``V_local · TP`` must be the model's (padded) vocabulary."""
+        vocab_size = self.vocab_size if vocab_size is None else vocab_size
+        tp = self.groups.tp_size
+        if vocab_size is not None and v_local * tp != vocab_size:
+            raise ValueError(
+                f"tp_group: the {what} {v_local} vocabulary ids on each of {tp} tensor-parallel ranks "
+                f"({v_local * tp} in all) but the model's vocabulary has {vocab_size}: the TP group does "
+                "not match the model's vocabulary shards"
+            )
 
     def _checked_hidden_states(
         self, output_tensor: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None
@@ -273,14 +280,26 @@ class MegatronGRPO:
         output_weight: OutputWeight | None = None,
     ) -> tuple:
         """Megatron's loss function for one micro-batch; see the module docstring."""
-        # --- 1.–2. log-probs (and entropy) ---
-        logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size, output_weight=output_weight)
-        # --- 3. this micro-batch's share of the step objective ---
-        share, metrics = self.loss(
-            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
-            rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-            batch=batch, layout=mb.sequences,
-        )
+        def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+            return self.loss(
+                logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
+                rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+                batch=batch, layout=mb.sequences,
+            )
+
+        if self.output_path == OutputPath.FUSED and loss_in_forward(self.config, mb.sequences):
+            # --- 1.–3. fused path, token-separable loss: log-probs and the share with its gradient in forward ---
+            hidden = self._checked_hidden_states(output_tensor, mb, output_weight)
+            self._check_vocab_shards(output_weight.weight.shape[0], "output layer's weight holds", vocab_size)
+            share, metrics = fused_output_loss(
+                hidden, output_weight, mb.targets, share_of, tp_group=self.groups.tp, temperature=self.temperature,
+                with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
+            )
+        else:
+            # --- 1.–2. log-probs (and entropy) ---
+            logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size, output_weight=output_weight)
+            # --- 3. this micro-batch's share of the step objective ---
+            share, metrics = share_of(logprobs, entropy)
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
         loss = self.scaling.megatron_loss(share, batch.valid_tokens)
         if self.scaling.calculate_per_token_loss:

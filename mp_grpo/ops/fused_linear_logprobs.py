@@ -71,8 +71,10 @@ Megatron gradient-accumulation fusion (``accumulate_into_main_grad=True``)
     ``LinearWithGradAccumulationAndAsyncCommunication``: when ``weight`` has the attribute
     ``grad_added_to_main_grad`` (Megatron's DDP sets it), it is set to True and a placeholder gradient
     is returned so that DDP's backward hook runs on the main thread; otherwise None. The placeholder
-    is zeros (Megatron leaves it uninitialized unless ``weight.zero_out_wgrad``): the hook ignores it,
-    and anything else that reads ``weight.grad`` sees a correct "nothing beyond main_grad".
+    is zeros (Megatron leaves it uninitialized unless ``weight.zero_out_wgrad``), one zero element
+    allocated once and expanded: the hook ignores it — or, under ``zero_out_wgrad`` (tied embeddings),
+    adds it plus the embedding lookup's gradient into ``main_grad`` — and anything else that reads
+    ``weight.grad`` sees a correct "nothing beyond main_grad".
 
 Precision: the logits are rounded to hidden's dtype before the statistics, as in the logits path
 ``vocab_parallel_logprobs(hidden @ weightᵀ)``. Backward recomputes them with GEMMs of another shape,
@@ -154,23 +156,25 @@ def plan_chunks(
     *,
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
+    logits_chunk_bytes: int = LOGITS_CHUNK_BYTES,
 ) -> ChunkPlan:
     """The chunks of one call: explicit sizes where given, else the largest within the byte budgets.
 
     ``chunk_tokens`` sets both the forward chunk rows and the backward token block; ``chunk_vocab``
-    the backward chunk columns (forward chunks are always whole rows).
+    the backward chunk columns (forward chunks are always whole rows). ``logits_chunk_bytes``: the
+    logits-chunk budget (:mod:`mp_grpo.ops.fused_linear_loss` holds no recompute chunk and takes a larger one).
     """
     element = torch.empty((), dtype=dtype).element_size()
     n = max(rows, 1)  # no rows: a one-row plan (the forward still launches once for the shard-size row)
     if chunk_tokens is not None:
         forward_rows = backward_rows = min(chunk_tokens, n)
     else:
-        forward_rows = _piece_size(n, LOGITS_CHUNK_BYTES // (v_local * element), ROW_ALIGN)
+        forward_rows = _piece_size(n, logits_chunk_bytes // (v_local * element), ROW_ALIGN)
         backward_rows = _piece_size(n, GRAD_HIDDEN_BLOCK_BYTES // (hidden_size * 4), ROW_ALIGN)
     if chunk_vocab is not None:
         backward_cols = min(chunk_vocab, v_local)
     else:
-        backward_cols = _piece_size(v_local, LOGITS_CHUNK_BYTES // (backward_rows * element), COL_ALIGN)
+        backward_cols = _piece_size(v_local, logits_chunk_bytes // (backward_rows * element), COL_ALIGN)
     return ChunkPlan(forward_rows, backward_rows, backward_cols)
 
 
@@ -204,12 +208,25 @@ def _chunk_view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
-def _main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The weight "gradient" returned after accumulating into ``weight.main_grad`` (see module docstring)."""
+_PLACEHOLDER_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+"""One zero element per (dtype, device), expanded to the weight's shape for every placeholder."""
+
+
+def main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight "gradient" returned after accumulating into ``weight.main_grad`` (see module docstring).
+
+    Zeros, as Megatron's linear layer makes them under ``weight.zero_out_wgrad`` (tied embeddings: the
+    embedding lookup's gradient is added to it, and DDP's hook adds the sum into ``main_grad``), but
+    allocated once: a single zero element expanded to ``weight.shape`` (stride 0). Autograd copies it
+    into a tensor of its own only where it must keep it as ``weight.grad``; nothing writes into it."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
-    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    key = (dtype, weight.device)
+    zero = _PLACEHOLDER_ZEROS.get(key)
+    if zero is None:
+        zero = _PLACEHOLDER_ZEROS[key] = torch.zeros((), dtype=dtype, device=weight.device)
+    return zero.expand(weight.shape)
 
 
 def _forward_statistics(
@@ -378,7 +395,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         grad_hidden = grad_h.view(ctx.hidden_shape) if need_hidden else None
         grad_weight = grad_w
         if need_weight and main_grad is not None:
-            grad_weight = _main_grad_placeholder(ctx.weight, h.dtype)
+            grad_weight = main_grad_placeholder(ctx.weight, h.dtype)
         return (grad_hidden, grad_weight, *not_differentiable)
 
 

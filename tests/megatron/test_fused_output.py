@@ -56,6 +56,8 @@ VARIANTS = [
     Variant("packed", True, False, "sequence_level", tied=True),
     Variant("padded", False, True, "step_level", main_grad=True),
     Variant("padded", True, False, "sequence_level", main_grad=True, bf16=True),
+    # Tied embeddings x gradient-accumulation fusion x the loss in forward (ppo_token_tis is token-separable).
+    Variant("packed", False, False, "ppo_token_tis", tied=True, main_grad=True),
 ]
 
 
@@ -92,6 +94,8 @@ def _step(groups, rollouts, weights, v: Variant, path: OutputPath):
     model = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=groups.tp,
                           share_embeddings_and_output_weights=v.tied)
     model.load_full_weights(weights)
+    if v.tied:  # as GPTModel does for a weight shared by the embedding and the output layer
+        model.word_embeddings.weight.zero_out_wgrad = True
     module = model
     if v.bf16:
         config.bf16 = True
@@ -116,7 +120,7 @@ def _step(groups, rollouts, weights, v: Variant, path: OutputPath):
     losses = forward_backward_cpu(forward_step_func=grpo.forward_step_func(batch, step=1), data_iterator=iter(micro),
                                   model=ddp, num_microbatches=NUM_MICROBATCHES, groups=groups)
     if v.main_grad and path == OutputPath.FUSED:
-        weight = model.output_layer.weight
+        weight = model.word_embeddings.weight if v.tied else model.output_layer.weight
         assert weight.grad_added_to_main_grad and weight.grad is None, "the fused op did not write main_grad itself"
     return reduce_metrics(losses, groups.dp_cp), passes, _gathered_grads(model)
 
@@ -253,6 +257,34 @@ def test_token_logprobs_of_hidden_states_equal_those_of_logits() -> None:
     native, _ = _grpo(OutputPath.FUSED).token_logprobs(hidden.to(torch.bfloat16), mb,
                                                        output_weight=OutputWeight(bf16_weight, False))
     assert torch.equal(upcast, native)
+
+
+@pytest.mark.parametrize("loss", ["ppo_token_tis", "sequence_level"])
+def test_loss_func_with_the_loss_in_forward_equals_logits_path(loss: str) -> None:
+    """One process, no model: ``loss_func`` on the fused path (the loss in forward for a token-separable config,
+    the per-token op otherwise) returns the logits path's loss and metrics, and the same gradients."""
+    from mp_grpo.megatron.fused_output import loss_in_forward
+
+    mb = prepare_micro_batch(H.make_rollouts(4, seed=19))
+    assert loss_in_forward(H.loss_config(loss), mb.sequences) == (loss == "ppo_token_tis")
+    gen = torch.Generator().manual_seed(20)
+    hidden = torch.randn(*mb.targets.shape, H.HIDDEN, generator=gen)
+    weight = torch.randn(H.VOCAB, H.HIDDEN, generator=gen) * H.HIDDEN**-0.5
+    results = []
+    for path in (OutputPath.LOGITS, OutputPath.FUSED):
+        grpo = MegatronGRPO(H.loss_config(loss), temperature=H.TEMPERATURE, num_microbatches=1,
+                            calculate_per_token_loss=False, groups=ParallelGroups(), vocab_size=H.VOCAB,
+                            output_path=path)
+        batch = grpo.global_batch([mb], step=3)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if path == OutputPath.FUSED:
+            out = grpo.loss_func(mb, batch, h, output_weight=OutputWeight(w, accumulate_into_main_grad=False))
+        else:
+            out = grpo.loss_func(mb, batch, h @ w.t())
+        out[0].backward(torch.tensor(0.37))  # Megatron's upstream gradient (loss scaling)
+        results.append((out[0], out[1]["loss"], h.grad, w.grad))
+    for name, actual, expected in zip(("loss", "metrics loss", "grad hidden", "grad weight"), results[1], results[0]):
+        assert_close(actual, expected, torch.float32, msg=f"{name} ({loss})")
 
 
 def test_fused_path_errors_name_the_argument() -> None:

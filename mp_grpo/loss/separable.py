@@ -1,0 +1,28 @@
+"""Which loss configs are token-separable: a token's gradient reads no other token's log-prob or entropy.
+
+For such a config the step's normalizers (token and sequence counts, the IS-weight mean, the entropy
+threshold, the skip decision) come from the :class:`~mp_grpo.GlobalBatch` and the per-sequence valid
+counts from the mask, so d loss / d logp_t and d loss / d entropy_t are functions of token t's own
+inputs: they can be taken from the loss on a partially filled micro-batch (the fused output layer
+with the loss in forward, :mod:`mp_grpo.ops.fused_linear_loss`). Not separable — the gradient of a
+token reads a per-sequence sum of log-probs of the current policy:
+
+- sequence-mean objectives (``gspo``, ``gmpo``: exp of the sequence's mean log-ratio);
+- OPSM (the sequence's mean divergence from the behaviour policy, with stopgrad of log π_θ);
+- rollout correction in bypass mode at sequence or geometric level (the trainer log-probs are the
+  current ones, summed over the sequence).
+"""
+
+from __future__ import annotations
+
+from mp_grpo.config.loss import LossConfig, RatioLevel
+from mp_grpo.loss.objectives import needs_sequence_mean
+
+
+def token_separable(config: LossConfig) -> bool:
+    """True when every token's gradient depends only on its own log-prob and entropy (see the module docstring)."""
+    if needs_sequence_mean(config.policy) or config.opsm.delta is not None:
+        return False
+    rc = config.rollout_correction
+    sequence_levels = (RatioLevel.SEQUENCE, RatioLevel.GEOMETRIC)
+    return not (rc.bypass and (rc.weight_level in sequence_levels or rc.reject_level in sequence_levels))

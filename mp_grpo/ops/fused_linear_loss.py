@@ -1,0 +1,268 @@
+"""Output layer + token-separable loss fused: the loss's gradient produced in forward, three GEMMs, no logits kept.
+
+:func:`fused_linear_loss` computes ``loss_fn(log softmax(hidden @ weightᵀ / T)[target], entropy)`` and
+its gradients w.r.t. ``hidden`` and ``weight`` in ONE pass over row chunks: the per-token coefficients
+d loss / d logp and d loss / d entropy are known as soon as a chunk's log-probs are, so the chunk's
+logits gradient is formed in place and multiplied out right away — three GEMMs per chunk (the bare
+output layer's three), no recompute (:mod:`mp_grpo.ops.fused_linear_logprobs` needs four, for callers
+whose upstream gradient is unknown in forward). Backward only scales the stored gradients by the actual
+upstream gradient (Megatron's loss scaling) and adds the weight's into ``main_grad`` when asked.
+
+``loss_fn(logprobs, entropy) -> (loss, aux)`` must be TOKEN-SEPARABLE: the gradient at token t may
+depend on token t's log-prob and entropy and on constants, never on another token's (the GRPO losses of
+:func:`mp_grpo.loss.separable.token_separable`, given the step's :class:`~mp_grpo.GlobalBatch`). The op
+calls it on full-size ``[...]`` log-prob / entropy tensors once per forward chunk, rows not yet computed
+holding 0, and keeps the gradient of the chunk's rows only; the last call sees every row, and its
+``(loss, aux)`` are returned. The loss maths is thereby defined once, in ``loss_fn`` (GRPOLoss).
+
+Schedule of :class:`FusedLinearLoss` (``N`` rows, ``H`` hidden, ``V_local`` columns on each of ``TP`` ranks)
+
+Forward — chunks of whole rows, ``[rows, V_local]`` (the plan of :func:`~mp_grpo.ops.fused_linear_logprobs.plan_chunks`)
+    1. ``logits = hidden[chunk] @ weightᵀ`` (≤ ``LOSS_LOGITS_CHUNK_BYTES``; cuBLAS, fp32 accumulation, hidden's dtype) into one reused
+       buffer; ``logprob_stats_kernel`` writes the chunk's ``[rows + 1, 4]`` statistics.
+    2. The TP merge: all-gather of the chunk's statistics over ``tp_group`` (one small collective per
+       chunk; skipped for a group of size 1) and ``logprob_merge_kernel`` → the chunk's log-probs,
+       entropy, M and log S.
+    3. The coefficient: ``loss_fn`` under autograd on the detached full-size log-probs / entropy
+       (the chunk's rows filled in); d loss / d logp and d loss / d entropy of the chunk's rows.
+    4. ``logprob_backward_kernel`` IN PLACE: the chunk buffer becomes d loss / d logits.
+    5. ``grad_hidden[chunk] = grad_logits @ weight`` (fp32 accumulation, written once: the chunk spans
+       this rank's whole vocabulary). Skipped when ``hidden`` needs no gradient.
+    6. ``grad_weight (+)= grad_logitsᵀ @ hidden[chunk]`` into an fp32 ``[V_local, H]`` accumulator when
+       it fits ``WEIGHT_GRAD_FP32_BYTES``, else into a buffer of weight's dtype (cuBLAS sums each chunk in
+       fp32 and rounds once per chunk). Skipped when ``weight`` needs no gradient.
+    Saved for backward: the two gradients (no logits, no inputs).
+
+Backward (``g`` = the upstream gradient of the loss, a 0-dim tensor; no host read)
+    1. ``grad_hidden = g · grad_hidden`` (in place on the op's own buffer).
+    2. ``grad_weight = g · grad_weight`` in weight's dtype; with ``accumulate_into_main_grad``:
+       ``weight.main_grad += g · grad_weight`` (one fused pass) and Megatron's placeholder is returned
+       (:func:`~mp_grpo.ops.fused_linear_logprobs.main_grad_placeholder`).
+
+Tensor parallelism: as :func:`~mp_grpo.fused_linear_logprobs` (the returned hidden gradient is this
+rank's partial sum; apply Megatron's input mapping). ``loss_fn`` runs on every TP rank on the same
+log-probs; every rank must cut the same chunks (same ``N``), as the all-gather per chunk needs.
+
+Memory beyond the inputs: one logits chunk (≤ ``LOSS_LOGITS_CHUNK_BYTES``), the ``[N, H]`` hidden gradient
+and the ``[V_local, H]`` weight gradient (held from forward to backward — they are the outputs
+backward returns; under gradient-accumulation fusion the weight buffer is extra: ``V_local·H`` in
+weight's dtype, or fp32 when that fits ``WEIGHT_GRAD_FP32_BYTES``).
+
+Precision: the logits and their gradient are rounded to hidden's dtype as on the logits path. The
+weight gradient is summed over row chunks in fp32 when the fp32 buffer fits the budget, else rounded
+to weight's dtype once per chunk; the upstream scaling ``g`` is one more rounding (none for g = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mp_grpo.collectives import ProcessGroup, group_rank
+from mp_grpo.ops.checks import (
+    check_chunk_size,
+    check_hidden_weight_and_target,
+    check_main_grad,
+    check_runs_here,
+    check_temperature,
+)
+from mp_grpo.ops.fused_linear_logprobs import ChunkPlan, _chunk_view, _matmul_into, main_grad_placeholder, plan_chunks
+from mp_grpo.ops.logprob_launch import gather_and_merge, logprob_backward, new_stats_buffer, shard_statistics
+
+LOSS_LOGITS_CHUNK_BYTES = 768 * 2**20
+"""The one logits-chunk buffer of the forward pass. Larger than the per-token op's 512 MiB: every chunk
+costs one call of ``loss_fn`` and one read-modify-write of the ``[V_local, H]`` weight gradient, and
+nothing else is held. At N = 16384, H = 4096, bf16: 7 chunks of 2432 rows at V = 151936 (10 at 512 MiB),
+one chunk at V = 18992 (2 at 512 MiB)."""
+
+WEIGHT_GRAD_FP32_BYTES = 512 * 2**20
+"""The weight gradient is summed over row chunks in an fp32 ``[V_local, H]`` buffer when it fits this
+(V_local·H ≤ 128 Mi: V = 18992 at H = 4096 does, V = 151936 does not); else in weight's dtype."""
+
+LossFn = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, Any]"]
+
+
+class _Aux:
+    """Carries ``loss_fn``'s non-differentiable second output out of the Function."""
+
+    value: Any = None
+
+
+def _coefficients(
+    loss_fn: LossFn,
+    logprobs: torch.Tensor,  # [N] fp32, rows so far filled in
+    entropy: torch.Tensor | None,  # [N] fp32, or None
+    token_shape: torch.Size,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any]:
+    """Forward step 3: ``(d loss/d logp [N], d loss/d entropy [N] or None, loss, aux)`` of ``loss_fn`` here."""
+    with torch.enable_grad():
+        lp = logprobs.detach().requires_grad_()
+        ent = entropy.detach().requires_grad_() if entropy is not None else None
+        loss, aux = loss_fn(lp.view(token_shape), ent.view(token_shape) if ent is not None else None)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(f"loss_fn must return (a 0-dim loss tensor, aux), got {type(loss).__name__} as the loss")
+        inputs = [lp] if ent is None else [lp, ent]
+        if loss.requires_grad:
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        else:  # a loss that reads neither (e.g. a skipped step): zero gradient
+            grads = (None,) * len(inputs)
+    grad_lp = grads[0] if grads[0] is not None else torch.zeros_like(logprobs)
+    grad_ent = grads[1] if ent is not None else None
+    return grad_lp.float().contiguous(), None if grad_ent is None else grad_ent.float().contiguous(), loss.detach(), aux
+
+
+class FusedLinearLoss(torch.autograd.Function):
+    """Differentiable w.r.t. ``hidden`` and ``weight``; see the module docstring for the schedule."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,  # [..., H]
+        weight: torch.Tensor,  # [V_local, H]
+        target: torch.Tensor,  # [...]
+        loss_fn: LossFn,
+        aux_out: _Aux,
+        tp_group: ProcessGroup | None,
+        inv_temperature: float,
+        with_entropy: bool,
+        ignore_index: int,
+        plan: ChunkPlan,
+        accumulate_into_main_grad: bool,
+        check_inputs: bool,
+    ):
+        v_local, hidden_size = weight.shape
+        h = hidden.reshape(-1, hidden_size).contiguous()
+        w = weight.contiguous()
+        t = target.reshape(-1).to(torch.int64).contiguous()
+        n = h.shape[0]
+        vocab_start = group_rank(tp_group) * v_local
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+
+        logprobs = torch.zeros(n, dtype=torch.float32, device=h.device)
+        entropy = torch.zeros(n, dtype=torch.float32, device=h.device) if with_entropy else None
+        grad_h = torch.empty_like(h) if need_hidden else None
+        grad_w = None
+        if need_weight:
+            fp32_fits = v_local * hidden_size * 4 <= WEIGHT_GRAD_FP32_BYTES
+            grad_w = torch.zeros(w.shape, dtype=torch.float32 if fp32_fits else w.dtype, device=w.device)
+        chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
+        stats_buffer = new_stats_buffer(min(plan.forward_rows, max(n, 1)), h.device)
+
+        loss = aux = None
+        for r0 in range(0, max(n, 1), plan.forward_rows):
+            r1 = min(r0 + plan.forward_rows, n)
+            rows = r1 - r0
+            x = _chunk_view(chunk, rows, v_local)
+            stats = stats_buffer[: rows + 1]  # row `rows` carries V_local (see new_stats_buffer)
+
+            # --- 1. the chunk's logits and their shard statistics ---
+            torch.mm(h[r0:r1], w.t(), out=x)
+            shard_statistics(
+                x, t[r0:r1], stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy
+            )
+            # --- 2. the TP merge (one all-gather of the chunk's statistics) ---
+            merged = gather_and_merge(
+                stats, t[r0:r1], tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
+                with_entropy=with_entropy, check_inputs=check_inputs,
+            )
+            logprobs[r0:r1] = merged.logprobs
+            if entropy is not None:
+                entropy[r0:r1] = merged.entropy
+
+            # --- 3. the coefficients d loss / d logp, d loss / d entropy of the chunk's rows ---
+            grad_lp, grad_ent, loss, aux = _coefficients(loss_fn, logprobs, entropy, target.shape)
+            if rows == 0 or not (need_hidden or need_weight):
+                continue
+
+            # --- 4. the chunk's logits gradient, in place ---
+            logprob_backward(
+                x, x, t[r0:r1], merged.row_max, merged.log_sum,
+                merged.entropy if grad_ent is not None else None,
+                grad_lp[r0:r1], grad_ent[r0:r1] if grad_ent is not None else None,
+                vocab_start=vocab_start, ignore_index=ignore_index, inv_temperature=inv_temperature,
+            )
+            # --- 5. hidden gradient of the chunk's rows (whole local vocabulary: written once) ---
+            if grad_h is not None:
+                _matmul_into(grad_h[r0:r1], x, w, accumulate=False)
+            # --- 6. weight gradient, summed over row chunks ---
+            if grad_w is not None:
+                _matmul_into(grad_w, x.t(), h[r0:r1], accumulate=r0 > 0)
+
+        ctx.save_for_backward(grad_h, grad_w)
+        # Like Megatron's linear layer: main_grad is kept on ctx, not saved (DDP writes into it).
+        ctx.main_grad = weight.main_grad if accumulate_into_main_grad else None
+        ctx.weight = weight if accumulate_into_main_grad else None
+        ctx.hidden_shape = hidden.shape
+        ctx.weight_dtype = weight.dtype
+        aux_out.value = aux
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        not_differentiable = (None,) * 10
+        g = grad_loss.float()
+        grad_hidden = grad_weight = None
+        # --- 1. the hidden gradient, scaled by the upstream gradient ---
+        if grad_h is not None:
+            grad_hidden = grad_h.mul_(g.to(grad_h.dtype) if grad_h.dtype != torch.float32 else g).view(ctx.hidden_shape)
+        # --- 2. the weight gradient: scaled, or added into main_grad ---
+        if grad_w is not None:
+            if ctx.main_grad is not None:
+                ctx.main_grad.addcmul_(grad_w, g.to(ctx.main_grad.dtype))
+                grad_weight = main_grad_placeholder(ctx.weight, ctx.weight_dtype)
+            elif grad_w.dtype == ctx.weight_dtype:
+                grad_weight = grad_w.mul_(g.to(grad_w.dtype))
+            else:
+                grad_weight = (grad_w.mul_(g)).to(ctx.weight_dtype)
+        return (grad_hidden, grad_weight, *not_differentiable)
+
+
+def fused_linear_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    tp_group: ProcessGroup | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    accumulate_into_main_grad: bool = False,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, Any]:
+    """``loss_fn(log-probs, entropy)`` of ``log softmax(hidden @ weightᵀ / T)[target]``, its gradient made in forward.
+
+    Args:
+        hidden, weight, target, tp_group, temperature, ignore_index, accumulate_into_main_grad,
+        check_inputs: as in :func:`~mp_grpo.fused_linear_logprobs`.
+        loss_fn: ``(logprobs [...] fp32, entropy [...] fp32 or None) -> (0-dim loss, aux)``, token-separable
+            (see the module docstring); called once per forward chunk.
+        with_entropy: pass the entropy to ``loss_fn`` (else None).
+        chunk_tokens: rows per forward chunk; None: the largest within ``LOSS_LOGITS_CHUNK_BYTES``.
+
+    Returns:
+        ``(loss, aux)``: the loss (0-dim, differentiable w.r.t. ``hidden`` and ``weight``) and ``loss_fn``'s
+        aux of its last call (every row filled in).
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (logprobs, entropy) -> (loss, aux), got {type(loss_fn).__name__}")
+    check_hidden_weight_and_target(hidden, weight, target)
+    check_runs_here(hidden, "hidden")
+    inv_temperature = check_temperature(temperature)
+    chunk_tokens = check_chunk_size(chunk_tokens, "chunk_tokens")
+    if accumulate_into_main_grad:
+        check_main_grad(weight)
+    plan = plan_chunks(
+        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype, chunk_tokens=chunk_tokens,
+        logits_chunk_bytes=LOSS_LOGITS_CHUNK_BYTES,
+    )
+    aux = _Aux()
+    loss = FusedLinearLoss.apply(
+        hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
+        bool(accumulate_into_main_grad), bool(check_inputs),
+    )
+    return loss, aux.value
