@@ -12,7 +12,7 @@ Schedule
 2. Model: GPTModel (megatron-core, Float16Module for bf16, DDP, Megatron's Adam) on GPUs. On CPU,
    where megatron-core 0.16's GPTModel and ``forward_backward_func`` need CUDA, the CPU stand-in
    (megatron-core's VocabParallelEmbedding + ColumnParallelLinear), a DDP emulation and
-   :func:`mp_grpo.megatron.cpu_schedule.forward_backward_cpu` (megatron-core's own ``forward_step``,
+   :func:`mp_grpo.train.cpu_schedule.forward_backward_cpu` (megatron-core's own ``forward_step``,
    ``backward_step`` and ``finalize_model_grads``) — the same loss contract; the job says so.
 3. Every ``updates_per_rollout`` steps, a rollout batch: synthetic prompts and completions, rewards,
    group-normalized advantages (the same global batch on every rank; each DP rank takes its rows),
@@ -56,7 +56,7 @@ from mp_grpo.collectives import all_reduce_sum  # noqa: E402
 from mp_grpo.config.job import JobConfig, ParamsDtype, load_job_config  # noqa: E402
 from mp_grpo.loss.metrics import reduce_metrics  # noqa: E402
 from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch  # noqa: E402
-from mp_grpo.megatron.synthetic import synthesize_rollouts  # noqa: E402
+from mp_grpo.train.synthetic import synthesize_rollouts  # noqa: E402
 
 COLUMNS = [  # (header, metric name(s): the first present is shown, format)
     ("step", None, "{:>4d}"),
@@ -124,9 +124,9 @@ class Trainer:
         else:
             from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
-            from mp_grpo.megatron.cpu_ddp import CpuDistributedDataParallel
-            from mp_grpo.megatron.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
-            from mp_grpo.megatron.cpu_schedule import forward_backward_cpu
+            from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
+            from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
+            from mp_grpo.train.cpu_schedule import forward_backward_cpu
 
             config = cpu_model_config(
                 hidden_size=cfg.model.hidden_size, tensor_model_parallel_size=groups.tp_size,
@@ -152,7 +152,7 @@ class Trainer:
             self.description = (
                 "CPU: megatron-core 0.16's GPTModel and forward_backward_func need CUDA, so this run uses the CPU "
                 "stand-in (megatron-core VocabParallelEmbedding + ColumnParallelLinear, fp32) and "
-                "mp_grpo.megatron.cpu_schedule (megatron-core's forward_step / backward_step / finalize_model_grads "
+                "mp_grpo.train.cpu_schedule (megatron-core's forward_step / backward_step / finalize_model_grads "
                 "in a CPU loop, Megatron DDP's reduction emulated) — the same loss contract as on GPUs"
             )
 
