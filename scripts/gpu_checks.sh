@@ -28,7 +28,7 @@ case "$what" in
     python3 -m pytest tests/gpu/test_megatron_gpt.py tests/gpu/test_megatron_fused_output.py -v -s -p no:cacheprovider 2>&1 \
       | tee "$out/gpu_tests.log" | grep -E "PASS|FAIL|SKIP|passed|failed|Error" | tail -40
     for path in logits fused; do
-      torchrun --standalone --nproc_per_node 2 scripts/grpo_step.py --config configs/grpo_step.yaml \
+      torchrun --standalone --nproc_per_node 2 scripts/grpo_step.py --config gpu parallel.tensor_model_parallel_size=2 train.steps=6 \
         model.output_path=$path 2>&1 | tee "$out/grpo_step_$path.log" | grep -v -i warn | tail -12
     done
     ;;
