@@ -71,3 +71,37 @@ def all_gather_object_sizes(value: int, group: ProcessGroup | None) -> list[int]
     out: list[int | None] = [None] * world
     dist.all_gather_object(out, value, group=group)
     return [int(v) for v in out]  # type: ignore[arg-type]
+
+
+def broadcast_from_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``x`` of the last rank of ``group`` on every rank (e.g. the last pipeline stage's results).
+
+    One broadcast; every rank passes a tensor of the same shape and dtype (its values are ignored except
+    on the last rank). Returns a new tensor.
+    """
+    world = group_size(group)
+    out = x.clone()
+    if world == 1:
+        return out
+    dist.broadcast(out, src=dist.get_global_rank(group, world - 1), group=group)
+    return out
+
+
+def all_reduce_argmax(value: torch.Tensor, index: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Per element, the ``index`` of the largest ``value`` over ``group`` (ties: the smallest index).
+
+    One all-reduce (MAX) of one int64 tensor: ``value`` (float32) is mapped to an order-preserving int32
+    key in the high 32 bits and ``index`` (0 ≤ index < 2³²) is stored complemented in the low 32 bits,
+    so the maximum of the packed words is the (value, index) pair with the largest value and, among
+    equal values, the smallest index. The float32 values' order is exact (NaN is not allowed).
+    """
+    if value.dtype != torch.float32 or index.dtype != torch.int64 or value.shape != index.shape:
+        raise ValueError(f"value must be float32 and index int64 of the same shape, got {value.dtype} "
+                         f"{tuple(value.shape)} and {index.dtype} {tuple(index.shape)}")
+    if group_size(group) == 1:
+        return index.clone()
+    bits = value.contiguous().view(torch.int32).to(torch.int64)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: flip the magnitude bits
+    packed = (key << 32) | (0xFFFFFFFF - index)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return 0xFFFFFFFF - (packed & 0xFFFFFFFF)

@@ -1,4 +1,4 @@
-"""Typed schema of the main job (``scripts/grpo_step.py``): model, parallel layout, training, rollouts, loss.
+"""Typed schema of the main job (``python -m mp_grpo.train``, ``scripts/grpo_step.py``): model, parallel layout, training, rollouts, loss.
 
 One dataclass per section, loaded through :func:`mp_grpo.config.load_config` (``OmegaConf.structured``),
 so an unknown key, a wrong type or a bad enum value fails at load time; each section checks its
@@ -192,6 +192,58 @@ class RolloutConfig:
         _fraction("rollout.tool_mask_fraction", self.tool_mask_fraction, closed_high=False)
 
 
+class EngineDtype(str, Enum):
+    """Weight and activation dtype of the rollout engine's copy of the policy (``engine.dtype``)."""
+
+    BF16 = "bf16"
+    """bfloat16 weights and activations: a different numerics path from the fp32 trainer, as vLLM / SGLang."""
+    FP32 = "fp32"
+    """float32: the trainer's numerics (rollout and trainer log-probs agree to reduction order)."""
+
+
+@dataclass
+class EngineConfig:
+    """``engine``: the rollout engine of the learning job (:mod:`mp_grpo.train.rollout`) and its mismatch knobs.
+
+    With ``dtype = fp32`` and every knob at 0 its log-probs equal the trainer's to fp32 reduction order.
+    """
+
+    dtype: EngineDtype = EngineDtype.BF16
+    """bf16 | fp32: the engine's copy of the weights (the trainer's are fp32 on CPU)."""
+    logit_noise_std: float = 0.0
+    """Mismatch knob: N(0, std²) noise added to the engine's logits before sampling (keyed like the sampler's,
+    so layout-invariant); its log-probs are those of the noisy logits."""
+    weight_lag: int = 0
+    """Mismatch knob: the engine samples with the trainer's weights of ``weight_lag`` optimizer steps ago
+    (off-policy staleness, as asynchronous RL)."""
+
+    def __post_init__(self) -> None:
+        if not self.logit_noise_std >= 0.0:
+            raise ConfigError(f"engine.logit_noise_std: got {self.logit_noise_std}; allowed: a float ≥ 0")
+        if not isinstance(self.weight_lag, int) or self.weight_lag < 0:
+            raise ConfigError(f"engine.weight_lag: got {self.weight_lag!r}; allowed: an integer ≥ 0")
+
+
+@dataclass
+class TaskConfig:
+    """``task``: the verifiable task of the learning job (:mod:`mp_grpo.train.task`).
+
+    Successor counting: the prompt is random tokens; a correct completion continues it with
+    ``last + 1, last + 2, …`` (mod ``modulus``). Reward = fraction of completion tokens equal to the
+    previous token + 1 (mod ``modulus``) — an exact checker with partial credit.
+    """
+
+    completion_length: int = 8
+    """Tokens the engine samples per completion (no end-of-sequence token: every completion has this length)."""
+    modulus: int | None = None
+    """Counting is modulo this (prompt tokens are drawn from [0, modulus)); None = the vocabulary size."""
+
+    def __post_init__(self) -> None:
+        _positive("task.completion_length", self.completion_length)
+        if self.modulus is not None:
+            _positive("task.modulus", self.modulus)
+
+
 @dataclass
 class OutputConfig:
     """``output``: what the job writes."""
@@ -200,6 +252,8 @@ class OutputConfig:
     """Path of the JSON log (config, layout, per-step metrics), written by rank 0."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
+    plot: str | None = "out/grpo_step.png"
+    """Path of the PNG of reward, loss, grad norm, vllm-kl and IS statistics per step (rank 0); None = none."""
 
 
 @dataclass
@@ -213,7 +267,12 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimizer steps and micro-batches."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Synthetic rollouts."""
+    """Rollout batch shape: group size, prompt lengths, sampling temperature (the noise-reward fields
+    ``mismatch_std``, ``tool_mask_fraction``, completion lengths are used by :mod:`mp_grpo.train.synthetic` only)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine and its mismatch knobs."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The verifiable task."""
     loss_preset: str | None = None
     """Name of a loss preset in ``configs/presets`` (e.g. ``mismatch_safe``) used as the base of ``loss``."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -229,10 +288,13 @@ class JobConfig:
         if self.model.num_attention_heads % tp:
             raise ConfigError(f"model.num_attention_heads: {self.model.num_attention_heads} is not a multiple of "
                               f"parallel.tensor_model_parallel_size {tp}; allowed: a multiple of {tp}")
-        longest = self.rollout.prompt_max_length + self.rollout.completion_max_length
+        longest = self.rollout.prompt_max_length + self.task.completion_length
         if longest > self.model.max_sequence_length:
             raise ConfigError(f"model.max_sequence_length: {self.model.max_sequence_length} is shorter than the longest "
-                              f"rollout (prompt_max_length + completion_max_length = {longest}); allowed: ≥ {longest}")
+                              f"rollout (rollout.prompt_max_length + task.completion_length = {longest}); allowed: ≥ {longest}")
+        if self.task.modulus is not None and self.task.modulus > self.model.vocab_size:
+            raise ConfigError(f"task.modulus: {self.task.modulus} exceeds model.vocab_size {self.model.vocab_size}; "
+                              "allowed: ≤ the vocabulary size")
 
 
 def load_job_config(source: str | Path | DictConfig | dict, overrides: Sequence[str] | None = None) -> JobConfig:

@@ -7,9 +7,8 @@
 - :mod:`.rollouts`, :mod:`.micro_batch`: token-aligned rollout fields → this rank's shifted, packed, CP-split micro-batch.
 - :mod:`.context_parallel`, :mod:`.packed`: Megatron's 2·CP chunk layout and THD packing.
 - :mod:`.groups`: the process groups (from ``megatron.core.parallel_state`` unless given).
-- :mod:`.cpu_model`, :mod:`.cpu_ddp`, :mod:`.cpu_schedule`: GPTModel, DDP and the schedule's loss contract on
-  CPU, where megatron-core 0.16's own ones need CUDA.
-- :mod:`.synthetic`: the main job's synthetic rollout engine.
+
+The CPU stand-ins (model, DDP, schedule) and the main job live in :mod:`mp_grpo.train`.
 """
 
 from mp_grpo.config.job import OutputPath

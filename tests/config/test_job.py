@@ -9,10 +9,10 @@ import pytest
 from mp_grpo.config import ConfigError, Objective, RatioLevel
 from mp_grpo.config.job import JobConfig, OutputPath, ParamsDtype, SequenceFormat, load_job_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "mp_grpo" / "train" / "configs"
 
 
-@pytest.mark.parametrize("name", ["grpo_step.yaml", "grpo_step_cpu.yaml"])
+@pytest.mark.parametrize("name", ["grpo_gpu.yaml", "grpo_cpu.yaml"])
 def test_shipped_configs_load(name: str) -> None:
     cfg = load_job_config(CONFIGS / name)
     assert isinstance(cfg, JobConfig)
@@ -20,7 +20,7 @@ def test_shipped_configs_load(name: str) -> None:
 
 
 def test_cpu_config_and_overrides() -> None:
-    cfg = load_job_config(CONFIGS / "grpo_step_cpu.yaml", ["train.steps=1", "parallel.sequence_format=padded"])
+    cfg = load_job_config(CONFIGS / "grpo_cpu.yaml", ["train.steps=1", "parallel.sequence_format=padded"])
     assert cfg.train.steps == 1 and cfg.parallel.sequence_format == SequenceFormat.PADDED
     assert cfg.model.params_dtype == ParamsDtype.FP32
     assert cfg.loss.policy.eps_high == 0.28 and cfg.loss.rollout_correction.weight_level == RatioLevel.TOKEN

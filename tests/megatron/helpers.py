@@ -13,10 +13,10 @@ from mp_grpo.collectives import group_size
 from mp_grpo.config import LossConfig, load_config
 from mp_grpo.config.job import RolloutConfig
 from mp_grpo.loss.grpo_loss import GRPOLoss
-from mp_grpo.megatron.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
+from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
 from mp_grpo.megatron.micro_batch import prepare_micro_batch
 from mp_grpo.megatron.rollouts import Rollouts
-from mp_grpo.megatron.synthetic import synthesize_rollouts
+from mp_grpo.train.synthetic import synthesize_rollouts
 from mp_grpo.ops import vocab_parallel_logprobs
 
 VOCAB = 64

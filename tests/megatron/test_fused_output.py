@@ -84,9 +84,9 @@ def _step(groups, rollouts, weights, v: Variant, path: OutputPath):
     from megatron.core.transformer.module import Float16Module
 
     from mp_grpo.loss.metrics import reduce_metrics
-    from mp_grpo.megatron.cpu_ddp import CpuDistributedDataParallel
-    from mp_grpo.megatron.cpu_model import CpuGPTStandIn, cpu_model_config
-    from mp_grpo.megatron.cpu_schedule import forward_backward_cpu
+    from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
+    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
+    from mp_grpo.train.cpu_schedule import forward_backward_cpu
 
     config = cpu_model_config(hidden_size=H.HIDDEN, tensor_model_parallel_size=groups.tp_size,
                               calculate_per_token_loss=v.per_token)
@@ -181,7 +181,7 @@ def _check_errors(groups, rollouts, weights) -> None:
     """What the fused path refuses, with errors that say why; the output layer's forward is always restored."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from mp_grpo.megatron.cpu_model import CpuGPTStandIn, cpu_model_config
+    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
     from mp_grpo.megatron.fused_output import call_for_hidden_states
 
     config = cpu_model_config(hidden_size=H.HIDDEN, tensor_model_parallel_size=groups.tp_size)

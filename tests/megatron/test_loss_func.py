@@ -2,7 +2,7 @@
 
 Each case runs 4 ranks under torchrun (gloo) — TP=2×DP=2, CP=2×DP=2, TP=2×CP=2 — with megatron-core's
 real ``parallel_state``, tensor-parallel layers (the CPU stand-in for GPTModel), ``schedules.forward_step`` /
-``backward_step`` and ``finalize_model_grads`` (see ``mp_grpo/megatron/cpu_schedule.py``). For every variant — padded or
+``backward_step`` and ``finalize_model_grads`` (see ``mp_grpo/train/cpu_schedule.py``). For every variant — padded or
 packed, ``calculate_per_token_loss`` on or off, DDP averaging in the collective or summing — the
 parameter gradients after one step must equal the gradient of the whole batch computed in one call
 on one process (``tests/megatron/helpers.reference``), and the reduced loss must equal that call's loss.
@@ -41,9 +41,9 @@ def _parallel_step(groups, rollouts, weights, fmt, per_token, avg, config_name):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
-    from mp_grpo.megatron.cpu_ddp import CpuDistributedDataParallel
-    from mp_grpo.megatron.cpu_model import CpuGPTStandIn, cpu_model_config
-    from mp_grpo.megatron.cpu_schedule import forward_backward_cpu
+    from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
+    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
+    from mp_grpo.train.cpu_schedule import forward_backward_cpu
     from mp_grpo.loss.metrics import reduce_metrics
 
     config = cpu_model_config(hidden_size=H.HIDDEN, tensor_model_parallel_size=groups.tp_size,
@@ -102,7 +102,7 @@ def case_layouts(tp: int, cp: int) -> None:
 
 def _check_tp_mismatch(groups, rollouts, weights, solo) -> None:
     """Logits of an unsharded model used with a TP group of 2: the adapter names the TP group."""
-    from mp_grpo.megatron.cpu_model import CpuGPTStandIn, cpu_model_config
+    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
 
     model = CpuGPTStandIn(cpu_model_config(hidden_size=H.HIDDEN), vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=solo)
     model.load_full_weights(weights)

@@ -1,4 +1,4 @@
-"""CpuDistributedDataParallel (mp_grpo/megatron/cpu_ddp.py) on one rank.
+"""CpuDistributedDataParallel (mp_grpo/train/cpu_ddp.py) on one rank.
 
 Its reduction over several ranks (both average_in_collective settings, with and without per-token loss) is
 exercised under torchrun by test_loss_func.py.
@@ -10,8 +10,8 @@ import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 
-from mp_grpo.megatron.cpu_ddp import CpuDistributedDataParallel
-from mp_grpo.megatron.cpu_model import cpu_model_config
+from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
+from mp_grpo.train.cpu_model import cpu_model_config
 
 
 def test_single_rank_sync_and_scaling() -> None:

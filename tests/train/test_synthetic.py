@@ -1,4 +1,4 @@
-"""The main job's synthetic rollout engine (mp_grpo/megatron/synthetic.py)."""
+"""The main job's synthetic rollout engine (mp_grpo/train/synthetic.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mp_grpo.config.job import RolloutConfig
-from mp_grpo.megatron.synthetic import synthesize_rollouts
+from mp_grpo.train.synthetic import synthesize_rollouts
 
 
 def test_groups_masks_and_advantages() -> None:

@@ -1,0 +1,275 @@
+"""The learning job: on-policy GRPO on a verifiable task through Megatron's schedule and MegatronGRPO.
+
+:func:`run` is the API (``python -m mp_grpo.train`` adds the table, progress bar, JSON log and plot):
+``records = run(load_job_config(path, overrides))`` returns one dict per optimizer step.
+
+Schedule of :func:`run`
+
+1. Distributed setup (gloo on CPU, NCCL on GPUs; a world of one when not launched by torchrun) and
+   megatron-core's ``parallel_state`` with the config's TP and CP; DP = world / (TP·CP).
+2. :class:`Trainer`: GPTModel + Megatron DDP + Megatron's Adam through ``forward_backward_func`` on
+   GPUs; on CPU, where megatron-core 0.16's GPTModel and schedule need CUDA, the CPU stand-in
+   (megatron-core tensor-parallel layers, no attention), a Megatron-DDP emulation and megatron-core's
+   own ``forward_step`` / ``backward_step`` / ``finalize_model_grads`` — the same loss contract. The
+   :class:`~mp_grpo.train.rollout.RolloutEngine` gets its own copy of the model in its dtype.
+3. Every ``train.updates_per_rollout`` steps, a rollout batch of N = DP · M · micro_batch_size sequences
+   (N / G prompts, G completions each): prompts keyed by (seed, rollout index); the engine (weights
+   synced from the trainer, possibly lagging) samples the completions — every DP replica samples the
+   whole batch (keyed noise: the same tokens on every layout) and keeps its rows; exact rewards;
+   group-normalized advantages; this rank's micro-batches; old log-probs (and entropies) from the
+   trainer's forward-only pass (:func:`mp_grpo.megatron.forward_only.forward_logprobs`); reference
+   log-probs from the initial weights when the loss has a KL term.
+4. The optimizer step: the GlobalBatch, ``forward_backward_func`` with MegatronGRPO's
+   ``forward_step_func``, metrics reduced over DP×CP, gradient clipping and the step (skipped when the
+   mismatch monitor says so).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from mp_grpo.collectives import all_reduce_sum
+from mp_grpo.config.job import JobConfig, ParamsDtype
+from mp_grpo.loss.metrics import reduce_metrics
+from mp_grpo.megatron import MegatronGRPO, ParallelGroups, Rollouts, prepare_micro_batch
+from mp_grpo.megatron.forward_only import forward_logprobs
+from mp_grpo.train.rollout import RolloutEngine
+from mp_grpo.train.task import group_advantages, make_prompts, successor_reward
+
+ADVANTAGE_STD_EPS = 1e-6
+"""Added to a group's reward standard deviation: a group whose rewards are all equal gets advantage 0
+instead of 0/0 (TRL's and verl's GRPO use the same kind of epsilon)."""
+
+CPU_DESCRIPTION = (
+    "CPU: megatron-core 0.16's GPTModel and forward_backward_func need CUDA, so this run uses the CPU "
+    "stand-in (megatron-core VocabParallelEmbedding + ColumnParallelLinear, fp32, no attention) and "
+    "mp_grpo.train.cpu_schedule (megatron-core's forward_step / backward_step / finalize_model_grads "
+    "in a CPU loop, Megatron DDP's reduction emulated) — the same loss contract as on GPUs"
+)
+
+
+# --------------------------------------------------------------------------------------------- 1. setup
+def setup_distributed() -> torch.device:
+    """Initialize torch.distributed if needed (NCCL on GPUs, gloo on CPU); returns this rank's device."""
+    on_gpu = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python -m mp_grpo.train`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+
+def check_layout(cfg: JobConfig, on_gpu: bool) -> int:
+    """DP size of the config's layout on this world; a clear error when it does not fit."""
+    world, tp, cp = dist.get_world_size(), cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
+    if world % (tp * cp):
+        raise ValueError(f"parallel: world size {world} is not a multiple of TP·CP = {tp}·{cp}; launch {tp * cp}·DP processes")
+    if not on_gpu and cfg.parallel.sequence_parallel:
+        raise ValueError("parallel.sequence_parallel: megatron-core's sequence-parallel mappings need CUDA; set it false on CPU")
+    dp = world // (tp * cp)
+    n = dp * cfg.train.num_microbatches * cfg.train.micro_batch_size
+    if n % cfg.rollout.group_size:
+        raise ValueError(f"rollout.group_size: {cfg.rollout.group_size} does not divide the global batch DP·M·micro_batch_size = {n}")
+    return dp
+
+
+# --------------------------------------------------------------------------------------------- 2. model
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The innermost model under DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+class Trainer:
+    """The policy, its optimizer step, the forward_backward function and the engine's model (GPU or CPU)."""
+
+    def __init__(self, cfg: JobConfig, groups: ParallelGroups, on_gpu: bool) -> None:
+        self.cfg, self.groups, self.on_gpu = cfg, groups, on_gpu
+        self.model_kwargs: dict = {}
+        self.reference = None
+        needs_reference = cfg.loss.kl.coef != 0.0
+        if on_gpu:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            from mp_grpo.megatron.gpt import build_gpt_for_training, build_gpt_model, megatron_optimizer
+
+            built = build_gpt_for_training(cfg.model, cfg.parallel)
+            bf16 = cfg.model.params_dtype == ParamsDtype.BF16
+            self.model = built.model
+            self.optimizer = megatron_optimizer(self.model, lr=cfg.train.lr, clip_grad=cfg.train.clip_grad, bf16=bf16)
+            self.forward_backward = get_forward_backward_func()
+            self.model_kwargs = {"fp32_output": False} if bf16 else {}
+            fp32_model = replace(cfg.model, params_dtype=ParamsDtype.FP32)
+            self.engine_model = build_gpt_model(fp32_model, cfg.parallel)[0]
+            if needs_reference:
+                self.reference = build_gpt_model(cfg.model, cfg.parallel)[0].eval()
+            self.description = (f"GPU: megatron-core GPTModel ({built.layer_spec} layer spec, {cfg.model.params_dtype.value}), "
+                                "DistributedDataParallel, forward_backward_func, Megatron Adam")
+        else:
+            from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+
+            from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
+            from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
+            from mp_grpo.train.cpu_schedule import forward_backward_cpu
+
+            config = cpu_model_config(
+                hidden_size=cfg.model.hidden_size, tensor_model_parallel_size=groups.tp_size,
+                context_parallel_size=groups.cp_size, calculate_per_token_loss=cfg.parallel.calculate_per_token_loss,
+            )
+            config.finalize_model_grads_func = finalize_model_grads
+            weights = random_full_weights(config, vocab_size=cfg.model.vocab_size,
+                                          max_sequence_length=cfg.model.max_sequence_length, seed=cfg.model.init_seed)
+
+            def stand_in() -> CpuGPTStandIn:
+                m = CpuGPTStandIn(config, vocab_size=cfg.model.vocab_size,
+                                  max_sequence_length=cfg.model.max_sequence_length, tp_group=groups.tp)
+                m.load_full_weights(weights)
+                return m
+
+            module = stand_in()
+            ddp_config = DistributedDataParallelConfig(average_in_collective=cfg.parallel.average_in_collective)
+            self.model = CpuDistributedDataParallel(config, ddp_config, module, dp_cp_group=groups.dp_cp)
+            self.optimizer = torch.optim.Adam(module.parameters(), lr=cfg.train.lr)
+            self.forward_backward = partial(_cpu_forward_backward, forward_backward_cpu, groups)
+            self.engine_model = stand_in()
+            if needs_reference:
+                self.reference = stand_in().eval()
+            self.description = CPU_DESCRIPTION
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The innermost policy model (the weights the engine copies)."""
+        return _unwrap(self.model)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """Clip, step; returns the gradient norm (before clipping)."""
+        if self.on_gpu:
+            _, grad_norm, _ = self.optimizer.step()
+            return math.nan if grad_norm is None else float(grad_norm)  # None: an fp16 overflow skipped the step
+        params = [p for p in self.model.module.parameters() if p.grad is not None]
+        sharded = sum(((p.grad.float() ** 2).sum() for p in params if getattr(p, "tensor_model_parallel", False)), torch.zeros(()))
+        replicated = sum(((p.grad.float() ** 2).sum() for p in params if not getattr(p, "tensor_model_parallel", False)), torch.zeros(()))
+        norm = float((all_reduce_sum(sharded, self.groups.tp) + replicated).sqrt())
+        if norm > self.cfg.train.clip_grad:
+            for p in params:
+                p.grad.mul_(self.cfg.train.clip_grad / norm)
+        self.optimizer.step()
+        return norm
+
+
+def _cpu_forward_backward(fbf, groups, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False, **_unused):
+    return fbf(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+               num_microbatches=num_microbatches, groups=groups, forward_only=forward_only)
+
+
+# --------------------------------------------------------------------------------------------- 3. rollouts
+def rollout_batch(cfg: JobConfig, rollout_index: int, trainer: Trainer, engine: RolloutEngine, grpo: MegatronGRPO,
+                  device: torch.device) -> tuple[list, list | None, dict]:
+    """This rank's micro-batches of a fresh on-policy rollout batch, their entropies, and batch statistics."""
+    from megatron.core import parallel_state as ps
+
+    groups, m, mbs, g = trainer.groups, cfg.train.num_microbatches, cfg.train.micro_batch_size, cfg.rollout.group_size
+    n = groups.dp_size * m * mbs
+    modulus = cfg.task.modulus or cfg.model.vocab_size
+    prompts, prompt_len = make_prompts(num_prompts=n // g, min_length=cfg.rollout.prompt_min_length,
+                                       max_length=cfg.rollout.prompt_max_length, modulus=modulus,
+                                       seed=cfg.train.seed, step=rollout_index)
+    prompts, prompt_len = prompts.repeat_interleave(g, 0).to(device), prompt_len.repeat_interleave(g).to(device)
+    gen = engine.generate(prompts, prompt_len, completion_length=cfg.task.completion_length, step=rollout_index,
+                          sequence_ids=torch.arange(n, device=device))
+    rewards = successor_reward(gen.tokens, prompt_len, cfg.task.completion_length, modulus)
+    advantages = group_advantages(rewards, g, ADVANTAGE_STD_EPS)
+    everything = Rollouts(tokens=gen.tokens, lengths=gen.lengths, loss_mask=gen.completion_mask, advantages=advantages,
+                          rollout_logprobs=gen.rollout_logprobs)
+    first = ps.get_data_parallel_rank() * m * mbs
+    sp = groups.tp_size if cfg.parallel.sequence_parallel else 1
+    micro = [prepare_micro_batch(everything.select(slice(first + i * mbs, first + (i + 1) * mbs)),
+                                 sequence_format=cfg.parallel.sequence_format, cp_group=groups.cp,
+                                 sequence_parallel_size=sp).to(device) for i in range(m)]
+    old = forward_logprobs(grpo, trainer.forward_backward, trainer.model, micro, model_kwargs=trainer.model_kwargs)
+    micro = [mb.with_logprobs(old_logprobs=lp, rollout_logprobs=mb.rollout_logprobs) for mb, lp in zip(micro, old.logprobs)]
+    if trainer.reference is not None:
+        ref = forward_logprobs(grpo, trainer.forward_backward, trainer.reference, micro, model_kwargs=trainer.model_kwargs)
+        micro = [replace(mb, ref_logprobs=lp) for mb, lp in zip(micro, ref.logprobs)]
+    stats = dict(reward=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
+                 solved=float((rewards == 1.0).float().mean()), completions=gen.tokens.cpu(), rewards=rewards.cpu())
+    return micro, old.entropy, stats
+
+
+# --------------------------------------------------------------------------------------------- the loop
+def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_start: Callable[[dict], None] | None = None) -> list[dict]:
+    """Train ``cfg.train.steps`` GRPO steps; one record per step (see the module docstring).
+
+    Record keys: ``step``, ``reward`` (mean over the rollout batch the step trained on), ``reward_std``,
+    ``solved`` (fraction of completions with reward 1), ``metrics`` (MegatronGRPO's, reduced over DP×CP:
+    ``loss``, ``mismatch/k3`` = vllm-kl, ``is_weight/...``, ``ratio/...``, ...), ``grad_norm`` (NaN when
+    skipped), ``skipped``, ``seconds``, ``completions`` (``[N, S]`` token ids of the rollout batch, CPU),
+    ``rewards`` (``[N]``). ``on_start(info)`` gets the description and layout, ``on_step(record)`` each record.
+    Call it on every rank (torchrun) or in a plain process (a world of one).
+    """
+    from megatron.core import parallel_state as ps
+
+    # --- 1. distributed setup ---
+    device = setup_distributed()
+    on_gpu = device.type == "cuda"
+    dp = check_layout(cfg, on_gpu)
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+                                 context_parallel_size=cfg.parallel.context_parallel_size)
+    try:
+        groups = ParallelGroups.from_parallel_state()
+        # --- 2. trainer and engine ---
+        trainer = Trainer(cfg, groups, on_gpu)
+        engine = RolloutEngine(trainer.engine_model, cfg.engine, temperature=cfg.rollout.temperature, seed=cfg.train.seed,
+                               tp_group=groups.tp)
+        grpo = MegatronGRPO(cfg.loss, temperature=cfg.rollout.temperature, num_microbatches=cfg.train.num_microbatches,
+                            calculate_per_token_loss=cfg.parallel.calculate_per_token_loss, groups=groups,
+                            vocab_size=cfg.model.vocab_size, output_path=cfg.model.output_path)
+        if on_start is not None:
+            on_start(dict(description=trainer.description, layout=dict(
+                world=dist.get_world_size(), tp=groups.tp_size, cp=groups.cp_size, dp=dp, backend=dist.get_backend(),
+                sequence_format=cfg.parallel.sequence_format.value, output_path=cfg.model.output_path.value,
+                global_batch=dp * cfg.train.num_microbatches * cfg.train.micro_batch_size)))
+        records: list[dict] = []
+        micro = entropies = stats = None
+        for step in range(cfg.train.steps):
+            start = time.perf_counter()
+            # --- 3. a rollout batch from the current (or lagging) weights ---
+            if step % cfg.train.updates_per_rollout == 0:
+                engine.sync_weights(trainer.policy)
+                micro, entropies, stats = rollout_batch(cfg, step // cfg.train.updates_per_rollout, trainer, engine, grpo, device)
+            # --- 4. one optimizer step ---
+            batch = grpo.global_batch(micro, step=step, entropies=entropies)
+            trainer.zero_grad()
+            losses = trainer.forward_backward(
+                forward_step_func=grpo.forward_step_func(batch, step=step, model_kwargs=trainer.model_kwargs),
+                data_iterator=iter(micro), model=trainer.model, num_microbatches=cfg.train.num_microbatches,
+                seq_length=max(int(mb.input_ids.shape[1]) for mb in micro), micro_batch_size=cfg.train.micro_batch_size,
+                forward_only=False,
+            )
+            metrics = reduce_metrics(losses, groups.dp_cp)
+            skipped = batch.skip_step()
+            grad_norm = math.nan if skipped else trainer.optimizer_step()
+            record = dict(step=step, metrics=metrics, grad_norm=grad_norm, skipped=skipped,
+                          seconds=time.perf_counter() - start, **stats)
+            records.append(record)
+            if on_step is not None:
+                on_step(record)
+        return records
+    finally:
+        ps.destroy_model_parallel()

@@ -1,0 +1,136 @@
+"""The rollout engine: samples completions from its own copy of the policy, with a controllable mismatch.
+
+It stands in for vLLM / SGLang: its own copy of the weights in its own dtype (bf16 by default, while
+the trainer is fp32 on CPU), its own log-prob arithmetic (plain torch, not mp_grpo's kernel), and
+knobs that widen the gap (:class:`~mp_grpo.config.job.EngineConfig`): noise on its logits, weights
+that lag the trainer's by some optimizer steps. The log-probs it returns are the ``rollout_logprobs``
+that mp_grpo's rollout correction, OPSM and mismatch monitor consume. With ``dtype = fp32`` and every
+knob at 0 they equal the trainer's to fp32 reduction order.
+
+Schedule of :meth:`RolloutEngine.generate` (every TP rank of a replica calls it with the same prompts)
+
+1. Buffer ``[N, P_max + L]``: the prompts, right-padded.
+2. For each of the L completion tokens (full recompute, no KV cache — fine at these sizes): the engine
+   model's vocab-parallel logits of the whole buffer; at each row's last filled position, fp32 logits
+   (+ keyed N(0, std²) noise) / temperature = z.
+3. Sample from softmax(z) with :func:`~mp_grpo.train.sampler.gumbel_max_sample` (one all-reduce over
+   TP), write the token.
+4. Its log-prob log softmax(z)[token] over the sharded vocabulary: all-reduce MAX of the shard maxima,
+   all-reduce SUM of the shards' sums of exp, all-reduce SUM of the owning shard's z[token].
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum, group_rank
+from mp_grpo.config.job import EngineConfig, EngineDtype
+from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal
+
+_DTYPES = {EngineDtype.BF16: torch.bfloat16, EngineDtype.FP32: torch.float32}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One batch of completions, token-aligned like :class:`~mp_grpo.megatron.Rollouts`."""
+
+    tokens: torch.Tensor
+    """``[N, S]`` int64 prompt then completion, right-padded with 0."""
+    lengths: torch.Tensor
+    """``[N]`` prompt + completion lengths."""
+    completion_mask: torch.Tensor
+    """``[N, S]`` bool: the sampled tokens."""
+    rollout_logprobs: torch.Tensor
+    """``[N, S]`` float32: the engine's log-prob of each sampled token (0 elsewhere)."""
+
+
+class RolloutEngine:
+    """Samples completions with its own copy of the policy; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        *,
+        temperature: float,
+        seed: int,
+        tp_group: ProcessGroup | None,
+        forward: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """
+        Args:
+            model: the engine's own model instance (same architecture and TP sharding as the trainer's);
+                its weights are replaced by :meth:`sync_weights`.
+            config: dtype and mismatch knobs.
+            temperature: sampling temperature (the trainer's log-probs use the same).
+            seed: the run's seed (sampling noise is keyed by it).
+            tp_group: the group the vocabulary is split over.
+            forward: ``(model, input_ids, position_ids) -> [N, S, V_local]`` logits; default ``model(ids, pos, None)``.
+        """
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        self.model = model.to(self.dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.temperature = float(temperature)
+        self.seed = int(seed)
+        self.tp_group = tp_group
+        self.forward = forward or (lambda m, ids, pos: m(ids, pos, None))
+        self._history: deque[dict[str, torch.Tensor]] = deque(maxlen=config.weight_lag + 1)
+
+    @torch.no_grad()
+    def sync_weights(self, trainer_model: torch.nn.Module) -> None:
+        """Record the trainer's current weights; load those of ``weight_lag`` syncs ago (or the oldest kept)."""
+        self._history.append({k: v.detach().clone() for k, v in trainer_model.state_dict().items() if torch.is_tensor(v)})
+        state = self._history[0]
+        own = self.model.state_dict()
+        for name, value in own.items():
+            if torch.is_tensor(value) and name in state:
+                value.copy_(state[name].to(value.dtype))
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: torch.Tensor, prompt_lengths: torch.Tensor, *, completion_length: int, step: int,
+        sequence_ids: torch.Tensor,
+    ) -> Generation:
+        """``completion_length`` tokens after each prompt; ``sequence_ids`` key the sampling noise per row."""
+        n, p_max = prompts.shape
+        device = prompts.device
+        # --- 1. the buffer ---
+        width = p_max + completion_length
+        tokens = torch.zeros(n, width, dtype=torch.int64, device=device)
+        tokens[:, :p_max] = prompts
+        logprobs = torch.zeros(n, width, dtype=torch.float32, device=device)
+        positions = torch.arange(width, device=device).unsqueeze(0).expand(n, width)
+        rows = torch.arange(n, device=device)
+        for k in range(completion_length):
+            # --- 2. logits at each row's last filled position ---
+            pos = prompt_lengths + k  # position of the token being sampled
+            logits = self.forward(self.model, tokens, positions)[rows, pos - 1].float()
+            v_local = logits.shape[1]
+            vocab_start = group_rank(self.tp_group) * v_local
+            ids = torch.arange(vocab_start, vocab_start + v_local, device=device)
+            if self.config.logit_noise_std > 0.0:
+                noise = keyed_normal(self.seed, step, sequence_ids.unsqueeze(1), pos.unsqueeze(1), ids)
+                logits = logits + (self.config.logit_noise_std * noise).float()
+            z = logits / self.temperature
+            # --- 3. sample ---
+            token = gumbel_max_sample(z, vocab_start=vocab_start, seed=self.seed, step=step, sequence=sequence_ids,
+                                      position=pos, tp_group=self.tp_group)
+            tokens[rows, pos] = token
+            # --- 4. its log-prob over the sharded vocabulary ---
+            zmax = all_reduce_max(z.max(dim=1).values, self.tp_group)
+            sumexp = all_reduce_sum(torch.exp(z - zmax.unsqueeze(1)).sum(dim=1), self.tp_group)
+            local = token - vocab_start
+            owned = (local >= 0) & (local < v_local)
+            picked = z.gather(1, torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)).squeeze(1)
+            picked = all_reduce_sum(torch.where(owned, picked, torch.zeros_like(picked)), self.tp_group)
+            logprobs[rows, pos] = picked - zmax - torch.log(sumexp)
+        lengths = prompt_lengths + completion_length
+        col = torch.arange(width, device=device).unsqueeze(0)
+        mask = (col >= prompt_lengths.unsqueeze(1)) & (col < lengths.unsqueeze(1))
+        return Generation(tokens=tokens, lengths=lengths, completion_mask=mask, rollout_logprobs=logprobs)

@@ -1,0 +1,111 @@
+"""The rollout engine (mp_grpo/train/rollout.py) on one process: its log-probs against the trainer's and float64.
+
+Knob at zero with fp32 weights: the engine's log-probs equal the float64 reference (and so the trainer's)
+to fp32 precision; bf16 weights: to bf16 precision, not exactly; logit noise and lagging weights move
+them further. Completions are keyed: the same rows sampled in another batch order are the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mp_grpo.config.job import EngineConfig, EngineDtype
+from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
+from mp_grpo.train.rollout import RolloutEngine
+from mp_grpo.train.task import make_prompts, successor_reward
+from tests.reference import logprobs_reference
+from tests.tolerances import assert_close
+
+VOCAB, HIDDEN, MAX_LEN, T = 32, 16, 16, 0.8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def solo_world(tmp_path_factory):
+    """A gloo world of one (megatron-core's layers want a TP group object), torn down after the module."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model(seed: int = 2) -> CpuGPTStandIn:
+    import torch.distributed as dist
+
+    config = cpu_model_config(hidden_size=HIDDEN)
+    m = CpuGPTStandIn(config, vocab_size=VOCAB, max_sequence_length=MAX_LEN, tp_group=dist.group.WORLD)
+    m.load_full_weights(random_full_weights(config, vocab_size=VOCAB, max_sequence_length=MAX_LEN, seed=seed))
+    return m
+
+
+def _generate(engine_config: EngineConfig, trainer: CpuGPTStandIn, order=None):
+    engine = RolloutEngine(_model(seed=99), engine_config, temperature=T, seed=5, tp_group=None)
+    engine.sync_weights(trainer)
+    prompts, lengths = make_prompts(num_prompts=12, min_length=2, max_length=5, modulus=VOCAB, seed=5, step=1)
+    ids = torch.arange(12) if order is None else order
+    return engine.generate(prompts[ids], lengths[ids], completion_length=6, step=1, sequence_ids=ids), lengths[ids]
+
+
+def _reference_logprobs(trainer: CpuGPTStandIn, gen) -> torch.Tensor:
+    with torch.no_grad():
+        logits = trainer(gen.tokens, torch.arange(gen.tokens.shape[1]).expand_as(gen.tokens))
+    # the logit at s - 1 scores the token at s
+    target = torch.where(gen.completion_mask[:, 1:], gen.tokens[:, 1:], torch.full_like(gen.tokens[:, 1:], -100))
+    lp, _ = logprobs_reference(logits[:, :-1], target, temperature=T)
+    return torch.cat([torch.zeros(lp.shape[0], 1, dtype=lp.dtype), lp], dim=1)
+
+
+def test_fp32_engine_matches_the_trainer_to_fp32() -> None:
+    trainer = _model()
+    gen, lengths = _generate(EngineConfig(dtype=EngineDtype.FP32), trainer)
+    assert gen.completion_mask.sum(1).tolist() == [6] * 12
+    assert bool((gen.tokens[:, :-1].max() < VOCAB))
+    ref = _reference_logprobs(trainer, gen)
+    assert_close(gen.rollout_logprobs, ref, torch.float32, msg="fp32 engine vs float64 reference")
+    assert bool((gen.rollout_logprobs[~gen.completion_mask] == 0).all())
+    rewards = successor_reward(gen.tokens, lengths, 6, VOCAB)
+    assert rewards.shape == (12,) and bool(((rewards >= 0) & (rewards <= 1)).all())
+
+
+def test_bf16_engine_and_knobs_move_the_logprobs() -> None:
+    trainer = _model()
+    fp32, _ = _generate(EngineConfig(dtype=EngineDtype.FP32), trainer)
+    bf16, _ = _generate(EngineConfig(dtype=EngineDtype.BF16), trainer)
+    mask = bf16.completion_mask
+    ref = _reference_logprobs(trainer, bf16)
+    assert_close(bf16.rollout_logprobs, ref, torch.bfloat16, msg="bf16 engine vs float64 reference")
+    gap_bf16 = float((bf16.rollout_logprobs - ref)[mask].abs().max())
+    assert gap_bf16 > 1e-4, "bf16 weights should give a different numerics path"
+    noisy, _ = _generate(EngineConfig(dtype=EngineDtype.FP32, logit_noise_std=1.0), trainer)
+    gap_noise = float((noisy.rollout_logprobs - _reference_logprobs(trainer, noisy))[noisy.completion_mask].abs().mean())
+    assert gap_noise > 0.1
+    assert not torch.equal(noisy.tokens, fp32.tokens)
+
+
+def test_lagging_weights() -> None:
+    engine = RolloutEngine(_model(seed=99), EngineConfig(dtype=EngineDtype.FP32, weight_lag=1), temperature=T, seed=5, tp_group=None)
+    first, second = _model(seed=2), _model(seed=3)
+    engine.sync_weights(first)
+    engine.sync_weights(second)  # lag 1: still the first model's weights
+    assert torch.equal(engine.model.mix.weight, first.mix.weight)
+    engine.sync_weights(second)
+    assert torch.equal(engine.model.mix.weight, second.mix.weight)
+
+
+def test_completions_do_not_depend_on_batch_order() -> None:
+    trainer = _model()
+    gen, _ = _generate(EngineConfig(dtype=EngineDtype.FP32), trainer)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    shuffled, _ = _generate(EngineConfig(dtype=EngineDtype.FP32), trainer, order=order)
+    assert torch.equal(shuffled.tokens, gen.tokens[order])
+
+
+def test_engine_config_errors_name_the_key() -> None:
+    from mp_grpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="engine.logit_noise_std"):
+        EngineConfig(logit_noise_std=-1.0)
+    with pytest.raises(ConfigError, match="engine.weight_lag"):
+        EngineConfig(weight_lag=-1)

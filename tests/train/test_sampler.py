@@ -1,0 +1,90 @@
+"""The keyed vocab-parallel Gumbel-max sampler (mp_grpo/train/sampler.py) and its collective.
+
+Draws are a function of (seed, step, sequence, position, token id) only: the same on any slicing of
+the vocabulary or the batch; the sample follows softmax(logits); TP = 2 (gloo) samples exactly the
+tokens TP = 1 samples, through one all-reduce of packed (score, id) words.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from mp_grpo.collectives import all_reduce_argmax
+from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, keyed_uniform
+from tests.distributed import torchrun, worker_main
+
+
+def test_keyed_uniform_is_a_function_of_its_key() -> None:
+    seq, pos, tok = torch.arange(6).view(6, 1), torch.arange(6).view(6, 1) + 3, torch.arange(40)
+    full = keyed_uniform(7, 2, seq, pos, tok)
+    assert full.dtype == torch.float64 and full.shape == (6, 40)
+    assert bool(((full > 0) & (full < 1)).all())
+    # a vocabulary shard and a batch slice see the same numbers
+    assert torch.equal(keyed_uniform(7, 2, seq, pos, tok[20:]), full[:, 20:])
+    assert torch.equal(keyed_uniform(7, 2, seq[3:], pos[3:], tok), full[3:])
+    # every key coordinate matters
+    for other in (keyed_uniform(8, 2, seq, pos, tok), keyed_uniform(7, 3, seq, pos, tok),
+                  keyed_uniform(7, 2, seq + 1, pos, tok), keyed_uniform(7, 2, seq, pos + 1, tok)):
+        assert not torch.equal(other, full)
+
+
+def test_keyed_uniform_and_normal_statistics() -> None:
+    seq, pos, tok = torch.arange(200).view(200, 1), torch.zeros(200, 1, dtype=torch.int64), torch.arange(500)
+    u = keyed_uniform(0, 0, seq, pos, tok).flatten()
+    n = u.numel()  # 1e5 draws: the mean's standard error is 0.29 / sqrt(n) ≈ 9e-4
+    assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    hist = torch.histc(u, bins=10, min=0, max=1) / n
+    assert float((hist - 0.1).abs().max()) < 0.005
+    z = keyed_normal(0, 0, seq, pos, tok).flatten()
+    assert abs(float(z.mean())) < 5 / math.sqrt(n) and abs(float(z.std()) - 1) < 0.01
+
+
+def test_gumbel_max_follows_softmax() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 3.0])
+    n = 40000
+    tokens = gumbel_max_sample(logits.expand(n, -1).contiguous(), vocab_start=0, seed=1, step=0,
+                               sequence=torch.arange(n), position=torch.zeros(n, dtype=torch.int64), tp_group=None)
+    freq = torch.bincount(tokens, minlength=6).double() / n
+    p = torch.softmax(logits.double(), 0)
+    sigma = (p * (1 - p) / n).sqrt()
+    assert bool(((freq - p).abs() < 5 * sigma).all()), f"{freq} vs {p}"
+
+
+def test_bad_shapes_are_named() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="logits must be"):
+        gumbel_max_sample(torch.zeros(3), vocab_start=0, seed=0, step=0, sequence=torch.arange(3),
+                          position=torch.arange(3), tp_group=None)
+    with pytest.raises(ValueError, match="value must be float32"):
+        all_reduce_argmax(torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.int64), None)
+
+
+def case_tp2() -> None:
+    """Each rank holds half the vocabulary: the samples equal the full-vocabulary ones; ties go to the smaller id."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(5)
+    n, v = 257, 64
+    logits = torch.randn(n, v, generator=gen) * 3
+    seq, pos = torch.arange(n) * 7, torch.arange(n) % 11
+    full = gumbel_max_sample(logits, vocab_start=0, seed=3, step=4, sequence=seq, position=pos, tp_group=None)
+    shard = v // world
+    split = gumbel_max_sample(logits[:, rank * shard:(rank + 1) * shard].contiguous(), vocab_start=rank * shard,
+                              seed=3, step=4, sequence=seq, position=pos, tp_group=dist.group.WORLD)
+    assert torch.equal(split, full), f"{int((split != full).sum())} of {n} samples differ"
+    # the merge alone: equal best values on both ranks -> the smaller global id, negative values ordered
+    value = torch.tensor([1.5, -2.0, -0.0, float("-inf")])
+    index = torch.tensor([10, 3, 7, 1]) + rank * 100
+    merged = all_reduce_argmax(value if rank == 0 else torch.tensor([1.5, -1.0, 0.0, -1e30]), index, dist.group.WORLD)
+    assert merged.tolist() == [10, 103, 107, 101], merged.tolist()
+
+
+def test_tp2_samples_equal_tp1() -> None:
+    torchrun(__file__, "case_tp2", nproc=2)
+
+
+if __name__ == "__main__":
+    worker_main({"case_tp2": case_tp2})
