@@ -37,10 +37,15 @@ def _run_d() -> tuple[dict, str] | None:
     return None if result is None else (result, training.table(result))
 
 
+def _plot_d(result: dict, path: Path) -> None:
+    from mp_grpo.train.mismatch_lab import training
+    training.plot(result, path)
+
+
 EXPERIMENTS = {"a": ("is_correction", _run_a, report.plot_is_correction),
                "b": ("normalizer", _run_b, report.plot_normalizer),
                "c": ("nan_guard", _run_c, None),
-               "d": ("training", _run_d, None)}
+               "d": ("training", _run_d, _plot_d)}
 """Letter → (output name, runner, plotter or None)."""
 
 
@@ -67,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{name}.md").write_text(table + "\n")
         if plotter is not None:
             plotter(result, args.out / f"{name}.png")
-        elif letter == "d":
-            from mp_grpo.train.mismatch_lab import training
-            training.plot(result, args.out / f"{name}.png")
         print(f"\n({letter}) {name} — {result['seconds']} s, written to {args.out}/{name}.*\n{table}", flush=True)
     return 0
 
