@@ -1,0 +1,80 @@
+"""``python -m mp_grpo.train.mismatch_lab``: run the lab's experiments and write their results.
+
+Schedule
+    1. Parse the experiments to run and the output folder.
+    2. For each experiment: run it, print its markdown table, write ``<out>/<name>.json``, ``<out>/<name>.md``
+       and (a, b, d) ``<out>/<name>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, report
+
+
+def _run_a() -> tuple[dict, str]:
+    result = is_correction.run()
+    return result, report.is_correction_table(result)
+
+
+def _run_b() -> tuple[dict, str]:
+    result = normalizer.run()
+    return result, report.normalizer_table(result)
+
+
+def _run_c() -> tuple[dict, str]:
+    result = nan_guard.run()
+    return result, report.nan_guard_table(result)
+
+
+def _run_d() -> tuple[dict, str] | None:
+    from mp_grpo.train.mismatch_lab import training
+    result = training.run()
+    return None if result is None else (result, training.table(result))
+
+
+def _plot_d(result: dict, path: Path) -> None:
+    from mp_grpo.train.mismatch_lab import training
+    training.plot(result, path)
+
+
+EXPERIMENTS = {"a": ("is_correction", _run_a, report.plot_is_correction),
+               "b": ("normalizer", _run_b, report.plot_normalizer),
+               "c": ("nan_guard", _run_c, None),
+               "d": ("training", _run_d, _plot_d)}
+"""Letter → (output name, runner, plotter or None)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    # --- 1. arguments ---
+    parser = argparse.ArgumentParser(prog="python -m mp_grpo.train.mismatch_lab", description=__doc__.splitlines()[0])
+    parser.add_argument("--experiments", nargs="+", choices=sorted(EXPERIMENTS), default=sorted(EXPERIMENTS),
+                        help="which experiments to run (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("docs/mismatch"), help="output folder")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    # --- 2. experiments ---
+    for letter in args.experiments:
+        name, runner, plotter = EXPERIMENTS[letter]
+        start = time.perf_counter()
+        out = runner()
+        if out is None:
+            print(f"({letter}) {name}: skipped (see the message above)", flush=True)
+            continue
+        result, table = out
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        result["command"] = "python -m mp_grpo.train.mismatch_lab " + " ".join(sys.argv[1:] if argv is None else argv)
+        report.write_json(result, args.out / f"{name}.json")
+        (args.out / f"{name}.md").write_text(table + "\n")
+        if plotter is not None:
+            plotter(result, args.out / f"{name}.png")
+        print(f"\n({letter}) {name} — {result['seconds']} s, written to {args.out}/{name}.*\n{table}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
