@@ -22,9 +22,14 @@ first steps only)
        quantile needs the values.
 A host synchronization happens only in step 5 (variable sizes); the counts stay on the device.
 
-**Wrong-step protection.** A GlobalBatch records the token shapes of its micro-batches (GRPOLoss
-rejects a micro-batch of any other shape) and optionally the caller's ``step`` id
-(:meth:`check_step` raises for another id); a batch built for another LossConfig is rejected.
+**Wrong-step protection.** A GlobalBatch knows exactly which loss masks it was built from — by
+identity, not by shape: it holds a reference to each mask (so their memory cannot be reused by other
+tensors while the batch lives) and records each one's storage address, shape, strides, device and
+in-place version counter. GRPOLoss rejects (:meth:`check_micro_batch`) a loss mask that is not one of
+them — a mask of another step with the same shapes included — or one modified in place since, with no
+host synchronization. A view taken the same way from the same tensor (``mask[rows]``) is the same mask.
+A batch records the caller's ``step`` id (:meth:`check_step` raises for another id), and a batch built
+for another LossConfig is rejected.
 
 Every rank of ``group`` must call the constructor (it makes collectives), with its own micro-batches.
 Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes them.
@@ -64,6 +69,10 @@ class GlobalBatch:
     """0-dim float64: (rank, micro-batch) pairs of the step over the group."""
     micro_batch_shapes: tuple[tuple[int, ...], ...]
     """Token shapes of this rank's micro-batches, in order."""
+    masks: tuple[torch.Tensor, ...] = ()
+    """The loss masks the batch was built from (held, so their storage cannot be reused while it lives)."""
+    mask_versions: tuple[int, ...] = ()
+    """Each mask's in-place version counter when the batch was built."""
     step: int | None = None
     """The caller's optimizer-step id, if given (see :meth:`check_step`)."""
     config: LossConfig | None = None
@@ -218,7 +227,8 @@ class GlobalBatch:
 
         return cls(
             valid_tokens=n_tokens, valid_sequences=n_valid_seqs, all_sequences=n_all_seqs, num_micro_batches=n_mbs,
-            micro_batch_shapes=tuple(shapes), step=step, config=config, weight_mean=weight_mean,
+            micro_batch_shapes=tuple(shapes), masks=tuple(masks), mask_versions=tuple(m._version for m in masks),
+            step=step, config=config, weight_mean=weight_mean,
             entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip,
         )
 
@@ -238,13 +248,35 @@ class GlobalBatch:
         if self.step != step:
             raise StaleGlobalBatchError(f"this GlobalBatch belongs to step {self.step}, not to step {step}")
 
-    def check_micro_batch(self, token_shape: torch.Size, name: str = "loss_mask") -> None:
-        """Raise :class:`StaleGlobalBatchError` unless ``token_shape`` is the shape of one of its micro-batches."""
-        if tuple(token_shape) not in self.micro_batch_shapes:
-            raise StaleGlobalBatchError(
-                f"{name} has shape {tuple(token_shape)}, but the GlobalBatch was built from micro-batches of shapes "
-                f"{list(self.micro_batch_shapes)}: a GlobalBatch from another step?"
-            )
+    def check_micro_batch(self, loss_mask: torch.Tensor, name: str = "loss_mask") -> None:
+        """Raise :class:`StaleGlobalBatchError` unless ``loss_mask`` is one of the masks the batch was built from.
+
+        Identity, not content (no host read): the same storage, shape, strides and device as one of them, and
+        not modified in place since the batch was built.
+        """
+        if not isinstance(loss_mask, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(loss_mask).__name__}")
+        if loss_mask.device != self.valid_tokens.device:
+            raise ValueError(f"batch.valid_tokens is on {self.valid_tokens.device} but {name} is on {loss_mask.device}: "
+                             "build the GlobalBatch from masks on the tokens' device")
+        for mask, version in zip(self.masks, self.mask_versions):
+            if _same_tensor(mask, loss_mask):
+                if loss_mask._version != version:
+                    raise StaleGlobalBatchError(
+                        f"{name} was modified in place after the GlobalBatch was built from it: its counts are stale; "
+                        "build the GlobalBatch after the micro-batches are final"
+                    )
+                return
+        if tuple(loss_mask.shape) not in self.micro_batch_shapes:
+            why = (f"it has shape {tuple(loss_mask.shape)}, the batch's micro-batches have shapes "
+                   f"{list(self.micro_batch_shapes)}")
+        else:
+            why = "it has the shape of one of them but is another tensor"
+        raise StaleGlobalBatchError(
+            f"{name} is not one of the loss masks this GlobalBatch was built from ({why}): a GlobalBatch from another "
+            "step, or micro-batches rebuilt or moved (MicroBatch.to) after the batch? Build the GlobalBatch from the "
+            "very micro-batches the step runs"
+        )
 
     def check_config(self, config: LossConfig) -> None:
         """Raise unless this batch holds the step-level quantities ``config`` needs, computed for ``config``."""
@@ -263,6 +295,14 @@ class GlobalBatch:
                 )
         elif self.config is not config and self.config != config:  # identity first: this runs every micro-batch
             raise StaleGlobalBatchError("batch: this GlobalBatch was built for a different LossConfig")
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements of the same storage (``a is b``, or a view taken the same way)."""
+    return a is b or (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.numel() > 0 and a.data_ptr() == b.data_ptr()
+    )
 
 
 def _not_a_list(name: str, value: object) -> list:
