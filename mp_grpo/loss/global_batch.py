@@ -25,9 +25,11 @@ A host synchronization happens only in step 5 (variable sizes); the counts stay 
 **Wrong-step protection.** A GlobalBatch knows exactly which loss masks it was built from — by
 identity, not by shape: it holds a reference to each mask (so their memory cannot be reused by other
 tensors while the batch lives) and records each one's storage address, shape, strides, device and
-in-place version counter. GRPOLoss rejects (:meth:`check_micro_batch`) a loss mask that is not one of
-them — a mask of another step with the same shapes included — or one modified in place since, with no
-host synchronization. A view taken the same way from the same tensor (``mask[rows]``) is the same mask.
+in-place version counter. GRPOLoss (:meth:`check_micro_batch`) accepts the same tensor (or a view taken
+the same way, ``mask[rows]``) unless it was modified in place since; another tensor must have the
+content of one of them (a copy), compared on the device and reported through the deferred error ledger
+(``mp_grpo.ops.checks``: at once on the CPU, at the step's next sync point on a GPU). A mask of another
+step with the same shapes is rejected.
 A batch records the caller's ``step`` id (:meth:`check_step` raises for another id), and a batch built
 for another LossConfig is rejected.
 
@@ -49,6 +51,7 @@ from mp_grpo.loss.entropy import entropy_threshold
 from mp_grpo.loss.mismatch import k3
 from mp_grpo.loss.rollout_correction import level_log_ratio, token_log_ratio, truncated_weight
 from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
+from mp_grpo.ops.checks import check_errors, record_errors
 
 
 class StaleGlobalBatchError(ValueError):
@@ -238,7 +241,11 @@ class GlobalBatch:
         return self.all_sequences if count_empty else self.valid_sequences
 
     def skip_step(self) -> bool:
-        """Whether the mismatch monitor skipped this step (one host read): then skip ``optimizer.step()`` too."""
+        """Whether the mismatch monitor skipped this step (one host read): then skip ``optimizer.step()`` too.
+
+        Also raises any input error recorded on the device during the step (:func:`mp_grpo.check_errors`).
+        """
+        check_errors()
         return bool(self.skip) if self.skip is not None else False
 
     def check_step(self, step: int) -> None:
@@ -251,8 +258,9 @@ class GlobalBatch:
     def check_micro_batch(self, loss_mask: torch.Tensor, name: str = "loss_mask") -> None:
         """Raise :class:`StaleGlobalBatchError` unless ``loss_mask`` is one of the masks the batch was built from.
 
-        Identity, not content (no host read): the same storage, shape, strides and device as one of them, and
-        not modified in place since the batch was built.
+        The same tensor (storage, shape, strides, device; not modified in place since) passes at once. Another
+        tensor of one of their shapes must equal one of them: compared on the device, raised at once on the
+        CPU and at the next :func:`mp_grpo.check_errors` on a GPU (no host read here).
         """
         if not isinstance(loss_mask, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(loss_mask).__name__}")
@@ -267,15 +275,22 @@ class GlobalBatch:
                         "build the GlobalBatch after the micro-batches are final"
                     )
                 return
-        if tuple(loss_mask.shape) not in self.micro_batch_shapes:
-            why = (f"it has shape {tuple(loss_mask.shape)}, the batch's micro-batches have shapes "
-                   f"{list(self.micro_batch_shapes)}")
-        else:
-            why = "it has the shape of one of them but is another tensor"
-        raise StaleGlobalBatchError(
-            f"{name} is not one of the loss masks this GlobalBatch was built from ({why}): a GlobalBatch from another "
-            "step, or micro-batches rebuilt or moved (MicroBatch.to) after the batch? Build the GlobalBatch from the "
-            "very micro-batches the step runs"
+        same_shape = [m for m in self.masks if m.shape == loss_mask.shape]
+        if not same_shape:
+            raise StaleGlobalBatchError(
+                f"{name} is not one of the loss masks this GlobalBatch was built from: it has shape "
+                f"{tuple(loss_mask.shape)}, the batch's micro-batches have shapes {list(self.micro_batch_shapes)} "
+                "(a GlobalBatch from another step?)"
+            )
+        # Another tensor of a known shape (a copy, e.g. an indexed selection made again): it must equal one of
+        # them. Compared on the device; on a GPU the verdict waits for mp_grpo.check_errors() (no host read).
+        equal = torch.stack([(m == loss_mask).all() for m in same_shape]).any()
+        record_errors(
+            "stale GlobalBatch", (~equal).to(torch.int64),
+            lambda _: (f"{name} is not one of the loss masks this GlobalBatch was built from (another tensor of shape "
+                       f"{tuple(loss_mask.shape)} with other content): a GlobalBatch from another step, or micro-batches "
+                       "rebuilt after the batch? Build the GlobalBatch from the very micro-batches the step runs"),
+            StaleGlobalBatchError,
         )
 
     def check_config(self, config: LossConfig) -> None:
