@@ -22,9 +22,16 @@ first steps only)
        quantile needs the values.
 A host synchronization happens only in step 5 (variable sizes); the counts stay on the device.
 
-**Wrong-step protection.** A GlobalBatch records the token shapes of its micro-batches (GRPOLoss
-rejects a micro-batch of any other shape) and optionally the caller's ``step`` id
-(:meth:`check_step` raises for another id); a batch built for another LossConfig is rejected.
+**Wrong-step protection.** A GlobalBatch knows exactly which loss masks it was built from — by
+identity, not by shape: it holds a reference to each mask (so their memory cannot be reused by other
+tensors while the batch lives) and records each one's storage address, shape, strides, device and
+in-place version counter. GRPOLoss (:meth:`check_micro_batch`) accepts the same tensor (or a view taken
+the same way, ``mask[rows]``) unless it was modified in place since; another tensor must have the
+content of one of them (a copy), compared on the device and reported through the deferred error ledger
+(``mp_grpo.ops.checks``: at once on the CPU, at the step's next sync point on a GPU). A mask of another
+step with the same shapes is rejected.
+A batch records the caller's ``step`` id (:meth:`check_step` raises for another id), and a batch built
+for another LossConfig is rejected.
 
 Every rank of ``group`` must call the constructor (it makes collectives), with its own micro-batches.
 Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes them.
@@ -44,6 +51,7 @@ from mp_grpo.loss.entropy import entropy_threshold
 from mp_grpo.loss.mismatch import k3
 from mp_grpo.loss.rollout_correction import level_log_ratio, token_log_ratio, truncated_weight
 from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
+from mp_grpo.ops.checks import check_errors, record_errors
 
 
 class StaleGlobalBatchError(ValueError):
@@ -64,6 +72,10 @@ class GlobalBatch:
     """0-dim float64: (rank, micro-batch) pairs of the step over the group."""
     micro_batch_shapes: tuple[tuple[int, ...], ...]
     """Token shapes of this rank's micro-batches, in order."""
+    masks: tuple[torch.Tensor, ...] = ()
+    """The loss masks the batch was built from (held, so their storage cannot be reused while it lives)."""
+    mask_versions: tuple[int, ...] = ()
+    """Each mask's in-place version counter when the batch was built."""
     step: int | None = None
     """The caller's optimizer-step id, if given (see :meth:`check_step`)."""
     config: LossConfig | None = None
@@ -218,7 +230,8 @@ class GlobalBatch:
 
         return cls(
             valid_tokens=n_tokens, valid_sequences=n_valid_seqs, all_sequences=n_all_seqs, num_micro_batches=n_mbs,
-            micro_batch_shapes=tuple(shapes), step=step, config=config, weight_mean=weight_mean,
+            micro_batch_shapes=tuple(shapes), masks=tuple(masks), mask_versions=tuple(m._version for m in masks),
+            step=step, config=config, weight_mean=weight_mean,
             entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip,
         )
 
@@ -228,7 +241,11 @@ class GlobalBatch:
         return self.all_sequences if count_empty else self.valid_sequences
 
     def skip_step(self) -> bool:
-        """Whether the mismatch monitor skipped this step (one host read): then skip ``optimizer.step()`` too."""
+        """Whether the mismatch monitor skipped this step (one host read): then skip ``optimizer.step()`` too.
+
+        Also raises any input error recorded on the device during the step (:func:`mp_grpo.check_errors`).
+        """
+        check_errors()
         return bool(self.skip) if self.skip is not None else False
 
     def check_step(self, step: int) -> None:
@@ -238,13 +255,43 @@ class GlobalBatch:
         if self.step != step:
             raise StaleGlobalBatchError(f"this GlobalBatch belongs to step {self.step}, not to step {step}")
 
-    def check_micro_batch(self, token_shape: torch.Size, name: str = "loss_mask") -> None:
-        """Raise :class:`StaleGlobalBatchError` unless ``token_shape`` is the shape of one of its micro-batches."""
-        if tuple(token_shape) not in self.micro_batch_shapes:
+    def check_micro_batch(self, loss_mask: torch.Tensor, name: str = "loss_mask") -> None:
+        """Raise :class:`StaleGlobalBatchError` unless ``loss_mask`` is one of the masks the batch was built from.
+
+        The same tensor (storage, shape, strides, device; not modified in place since) passes at once. Another
+        tensor of one of their shapes must equal one of them: compared on the device, raised at once on the
+        CPU and at the next :func:`mp_grpo.check_errors` on a GPU (no host read here).
+        """
+        if not isinstance(loss_mask, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(loss_mask).__name__}")
+        if loss_mask.device != self.valid_tokens.device:
+            raise ValueError(f"batch.valid_tokens is on {self.valid_tokens.device} but {name} is on {loss_mask.device}: "
+                             "build the GlobalBatch from masks on the tokens' device")
+        for mask, version in zip(self.masks, self.mask_versions):
+            if _same_tensor(mask, loss_mask):
+                if loss_mask._version != version:
+                    raise StaleGlobalBatchError(
+                        f"{name} was modified in place after the GlobalBatch was built from it: its counts are stale; "
+                        "build the GlobalBatch after the micro-batches are final"
+                    )
+                return
+        same_shape = [m for m in self.masks if m.shape == loss_mask.shape]
+        if not same_shape:
             raise StaleGlobalBatchError(
-                f"{name} has shape {tuple(token_shape)}, but the GlobalBatch was built from micro-batches of shapes "
-                f"{list(self.micro_batch_shapes)}: a GlobalBatch from another step?"
+                f"{name} is not one of the loss masks this GlobalBatch was built from: it has shape "
+                f"{tuple(loss_mask.shape)}, the batch's micro-batches have shapes {list(self.micro_batch_shapes)} "
+                "(a GlobalBatch from another step?)"
             )
+        # Another tensor of a known shape (a copy, e.g. an indexed selection made again): it must equal one of
+        # them. Compared on the device; on a GPU the verdict waits for mp_grpo.check_errors() (no host read).
+        equal = torch.stack([(m == loss_mask).all() for m in same_shape]).any()
+        record_errors(
+            "stale GlobalBatch", (~equal).to(torch.int64),
+            lambda _: (f"{name} is not one of the loss masks this GlobalBatch was built from (another tensor of shape "
+                       f"{tuple(loss_mask.shape)} with other content): a GlobalBatch from another step, or micro-batches "
+                       "rebuilt after the batch? Build the GlobalBatch from the very micro-batches the step runs"),
+            StaleGlobalBatchError,
+        )
 
     def check_config(self, config: LossConfig) -> None:
         """Raise unless this batch holds the step-level quantities ``config`` needs, computed for ``config``."""
@@ -263,6 +310,14 @@ class GlobalBatch:
                 )
         elif self.config is not config and self.config != config:  # identity first: this runs every micro-batch
             raise StaleGlobalBatchError("batch: this GlobalBatch was built for a different LossConfig")
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements of the same storage (``a is b``, or a view taken the same way)."""
+    return a is b or (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        and a.numel() > 0 and a.data_ptr() == b.data_ptr()
+    )
 
 
 def _not_a_list(name: str, value: object) -> list:

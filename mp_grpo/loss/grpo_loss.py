@@ -190,7 +190,7 @@ class GRPOLoss:
         elif not isinstance(batch, GlobalBatch):
             raise TypeError(f"batch must be a GlobalBatch or None, got {type(batch).__name__}")
         else:
-            batch.check_micro_batch(token_shape)
+            batch.check_micro_batch(loss_mask)
             batch.check_config(cfg)
         if fused:  # steps 3–6 in the fused kernels
             return self._fused(  # type: ignore[misc]

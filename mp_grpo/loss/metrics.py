@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum
+from mp_grpo.ops.checks import check_errors
 
 MIN_SUFFIX = "/min"
 MAX_SUFFIX = "/max"
@@ -93,7 +94,8 @@ def reduce_metrics(
     # --- 2. one sum and one max over the group ---
     pairs = all_reduce_sum(pairs, group)
     extremes = all_reduce_max(extremes, group)
-    # --- 3. one host read ---
+    # --- 3. one host read (where input errors recorded on the device during the step are raised too) ---
+    check_errors()
     pair_values, extreme_values = pairs.tolist(), extremes.tolist()
     out: dict[str, float] = {}
     for n, (total, count) in zip(means, pair_values):

@@ -65,8 +65,8 @@ class MegatronGRPO:
         config: LossConfig,
         *,
         temperature: float,
-        num_microbatches: int,
         calculate_per_token_loss: bool,
+        num_microbatches: int | None = None,
         groups: ParallelGroups | None = None,
         vocab_size: int | None = None,
         with_entropy: bool = True,
@@ -77,8 +77,11 @@ class MegatronGRPO:
             config: the loss.
             temperature: the rollout engine's sampling temperature; the trainer's log-probs are taken at
                 the same temperature (logits / T), so ratios compare like with like.
-            num_microbatches: M, as passed to ``forward_backward_func``.
-            calculate_per_token_loss: the model config's ``calculate_per_token_loss``.
+            calculate_per_token_loss: the model config's ``calculate_per_token_loss``; checked against the
+                model's config at every ``forward_step`` (a disagreement would scale the gradients wrongly).
+            num_microbatches: M, as passed to ``forward_backward_func``, when it is the same every step (checked
+                by :meth:`global_batch`); None (dynamic batching): each step's M is the number of micro-batches
+                its GlobalBatch was built from on this rank — pass that same number to ``forward_backward_func``.
             groups: process groups; None takes them from ``megatron.core.parallel_state``.
             vocab_size: the model's (padded) vocabulary size; None reads ``vocab_size`` from the model.
             with_entropy: compute the policy entropy for the metrics even when the loss does not need it
@@ -96,11 +99,13 @@ class MegatronGRPO:
         self.loss = GRPOLoss(config)
         self.temperature = float(temperature)
         self.groups = resolve_groups(groups)
-        self.scaling = MegatronScaling(
-            calculate_per_token_loss=bool(calculate_per_token_loss),
-            num_microbatches=num_microbatches,
-            dp_size=self.groups.dp_size,
-        )
+        if not isinstance(calculate_per_token_loss, bool):
+            raise TypeError(f"calculate_per_token_loss must be a bool (the model config's), got {calculate_per_token_loss!r}")
+        if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
+                                             or num_microbatches < 1):
+            raise ValueError(f"num_microbatches must be None or an int ≥ 1, got {num_microbatches!r}")
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.num_microbatches = num_microbatches
         self.vocab_size = vocab_size
         self.with_entropy = with_entropy or config.needs_entropy
 
@@ -118,10 +123,12 @@ class MegatronGRPO:
         old and rollout log-probs are taken from the micro-batches when the config needs them.
         """
         micro_batches = list(micro_batches)
-        if len(micro_batches) != self.scaling.num_microbatches:
+        if not micro_batches:
+            raise ValueError("micro_batches must hold this rank's micro-batches of the step (at least one)")
+        if self.num_microbatches is not None and len(micro_batches) != self.num_microbatches:
             raise ValueError(
                 f"micro_batches holds {len(micro_batches)} micro-batches but num_microbatches is "
-                f"{self.scaling.num_microbatches}"
+                f"{self.num_microbatches}"
             )
         masks = [mb.loss_mask for mb in micro_batches]
         layouts = [mb.sequences for mb in micro_batches]
@@ -161,8 +168,31 @@ class MegatronGRPO:
         batch.check_step(step)
         batch.check_config(self.config)
         extra = dict(model_kwargs or {})
+        checked_models: set[int] = set()
 
-        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+        def forward_step(
+            data_iterator: Iterator[MicroBatch],
+            model: torch.nn.Module,
+            checkpoint_activations_microbatch: bool | None = None,
+            *,
+            return_schedule_plan: bool = False,
+        ):
+            # Megatron's schedules pass these two in some modes; refuse them with the reason, not a TypeError.
+            if return_schedule_plan:
+                raise NotImplementedError(
+                    "return_schedule_plan=True: the combined 1F1B schedule of overlap_moe_expert_parallel_comm "
+                    "needs a GPTModel schedule plan, which MegatronGRPO's forward_step does not build; turn "
+                    "overlap_moe_expert_parallel_comm off"
+                )
+            if checkpoint_activations_microbatch is not None:
+                raise NotImplementedError(
+                    "checkpoint_activations_microbatch: megatron-core's GPTModel has no per-micro-batch activation "
+                    "checkpointing switch (the schedule passes one with num_microbatches_with_partial_activation_"
+                    "checkpoints); unset that option and use the model config's recompute_* settings"
+                )
+            if id(model) not in checked_models:
+                self.check_model_config(model)
+                checked_models.add(id(model))
             mb = next(data_iterator)
             if not isinstance(mb, MicroBatch):
                 raise TypeError(f"the data iterator must yield MicroBatch objects, got {type(mb).__name__}")
@@ -172,6 +202,40 @@ class MegatronGRPO:
             )
 
         return forward_step
+
+    def check_model_config(self, model: torch.nn.Module) -> None:
+        """Raise if ``model``'s config disagrees with what this adapter's scaling and paths assume.
+
+        ``calculate_per_token_loss`` decides the loss contract (a 3-tuple with a token count and Megatron's
+        division by the global count, or a 2-tuple with its ×CP/M): a mismatch scales every gradient wrongly
+        and silently, so it is compared here. Multi-token prediction (``mtp_num_layers``) needs labels inside
+        GPTModel, which neither output path passes. Models without a Megatron config are not checked.
+        """
+        from megatron.core.utils import get_attr_wrapped_model
+
+        try:
+            config = get_attr_wrapped_model(model, "config")
+        except RuntimeError:
+            return
+        model_flag = getattr(config, "calculate_per_token_loss", None)
+        if model_flag is not None and bool(model_flag) != self.calculate_per_token_loss:
+            raise ValueError(
+                f"calculate_per_token_loss: MegatronGRPO was built with {self.calculate_per_token_loss} but the "
+                f"model config has {bool(model_flag)}; the gradients would be scaled wrongly (pass "
+                "calculate_per_token_loss=model_config.calculate_per_token_loss)"
+            )
+        cp = getattr(config, "context_parallel_size", None)
+        if cp is not None and int(cp) != self.groups.cp_size:
+            raise ValueError(
+                f"groups.cp: the model config has context_parallel_size={cp} but the CP group has "
+                f"{self.groups.cp_size} ranks"
+            )
+        if getattr(config, "mtp_num_layers", None):
+            raise ValueError(
+                f"mtp_num_layers={config.mtp_num_layers}: multi-token prediction computes its loss inside GPTModel "
+                "from labels, which MegatronGRPO does not pass (it reads the logits or the hidden states of the "
+                "main head); build the model with mtp_num_layers=None for GRPO training"
+            )
 
     def call_model(
         self, model: torch.nn.Module, mb: MicroBatch, *, model_kwargs: Mapping[str, object] | None = None
@@ -301,8 +365,10 @@ class MegatronGRPO:
             # --- 3. this micro-batch's share of the step objective ---
             share, metrics = share_of(logprobs, entropy)
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
-        loss = self.scaling.megatron_loss(share, batch.valid_tokens)
-        if self.scaling.calculate_per_token_loss:
+        scaling = MegatronScaling(calculate_per_token_loss=self.calculate_per_token_loss,
+                                  num_microbatches=len(batch.micro_batch_shapes), dp_size=self.groups.dp_size)
+        loss = scaling.megatron_loss(share, batch.valid_tokens)
+        if self.calculate_per_token_loss:
             # This rank's valid tokens: summed over micro-batches and DP×CP, the GlobalBatch's valid_tokens.
             num_tokens = mb.sequences.valid_tokens(mb.loss_mask).sum().to(device=loss.device, dtype=torch.int)
             return loss, num_tokens, metrics

@@ -92,13 +92,19 @@ class MicroBatch:
     """How further token-aligned fields are cut the same way (:meth:`TokenLayout.target_field`)."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        """A copy with every tensor (``packed_seq_params``' boundaries included) on ``device``."""
+        """A copy with every tensor on ``device``: ``packed_seq_params``' boundaries and the loss layout's
+        ``cu_seqlens`` included, so that nothing in the micro-batch loop copies from the host (one blocking
+        host-to-device copy per packed micro-batch otherwise). Build the step's GlobalBatch afterwards, from
+        the moved micro-batches."""
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
         params = self.packed_seq_params
         if params is not None:
             params = replace(params, **{f.name: getattr(params, f.name).to(device) for f in fields(params)
                                         if isinstance(getattr(params, f.name), torch.Tensor)})
-        return replace(self, packed_seq_params=params, **moved)
+        sequences = self.sequences
+        if isinstance(sequences, PackedSequences):
+            sequences = PackedSequences(sequences.cu_seqlens.to(device), cp_group=sequences.cp_group)
+        return replace(self, packed_seq_params=params, sequences=sequences, **moved)
 
     def with_logprobs(
         self, *, old_logprobs: torch.Tensor | None = None, rollout_logprobs: torch.Tensor | None = None

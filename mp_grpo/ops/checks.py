@@ -1,8 +1,78 @@
-"""Argument checks shared by the log-prob ops. Each error names the argument at fault."""
+"""Argument checks shared by the log-prob ops, and the deferred error ledger. Each error names the argument at fault.
+
+**Checks that never synchronize** (:func:`record_errors`, :func:`check_errors`). Some input errors can only
+be seen on the device — a target id outside the vocabulary, vocabulary shards of unequal size across the
+TP group (counted by the log-prob merge kernel), a loss mask whose content differs from the one the step's
+GlobalBatch counted. Reading such a count on the host costs a synchronization per call. Instead:
+
+* on the CPU the count is read at once (a CPU read is free) and the error raised immediately;
+* on a GPU the count is added, in place and asynchronously, into a per-(kind, device) accumulator of
+  this ledger — no host read; the outputs concerned are NaN meanwhile, so nothing is silently wrong —
+  and :func:`check_errors` reads every accumulator with one host read per device and raises the first
+  error, naming the argument. ``mp_grpo.reduce_metrics`` and ``GlobalBatch.skip_step`` call it (sync
+  points a step already has); call ``mp_grpo.check_errors()`` yourself anywhere else, e.g. after a
+  forward-only pass.
+
+:func:`deferred_checks` makes the CPU defer too (tests of the mechanism).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
+
+_ledger: dict[tuple[str, torch.device], tuple[torch.Tensor, Callable[[int], str], type[Exception]]] = {}
+_defer_on_cpu = False
+
+
+def record_errors(
+    kind: str, count: torch.Tensor, message: Callable[[int], str], error: type[Exception] = ValueError
+) -> None:
+    """Raise ``error(message(n))`` if the 0-dim integer ``count`` n is nonzero — at once on the CPU, at the
+    next :func:`check_errors` on a GPU (``count`` is then accumulated on the device without a host read)."""
+    if count.device.type == "cpu" and not _defer_on_cpu:
+        n = int(count)
+        if n:
+            raise error(message(n))
+        return
+    key = (kind, count.device)
+    held = _ledger.get(key)
+    if held is None:
+        _ledger[key] = (count.detach().reshape(()).to(torch.int64).clone(), message, error)
+    else:
+        held[0].add_(count.detach().reshape(()))
+        _ledger[key] = (held[0], message, error)  # the latest call's message (its shapes) describes the error
+
+
+def check_errors() -> None:
+    """Raise the first error recorded by :func:`record_errors` since the last check (one host read per device)."""
+    if not _ledger:
+        return
+    held = list(_ledger.items())
+    _ledger.clear()
+    by_device: dict[torch.device, list[int]] = {}
+    for i, ((_, device), _) in enumerate(held):
+        by_device.setdefault(device, []).append(i)
+    counts = [0] * len(held)
+    for device, idx in by_device.items():
+        for i, n in zip(idx, torch.stack([held[i][1][0] for i in idx]).tolist()):
+            counts[i] = int(n)
+    for ((kind, _), (_, message, error)), n in zip(held, counts):
+        if n:
+            raise error(f"{message(n)} [recorded on the device since the last mp_grpo.check_errors(): {kind}]")
+
+
+@contextlib.contextmanager
+def deferred_checks() -> Iterator[None]:
+    """Defer CPU errors to :func:`check_errors` as on a GPU (to test the mechanism without one)."""
+    global _defer_on_cpu
+    before, _defer_on_cpu = _defer_on_cpu, True
+    try:
+        yield
+    finally:
+        _defer_on_cpu = before
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,18 +120,18 @@ def check_runs_here(x: torch.Tensor, name: str) -> None:
 
 
 def raise_on_kernel_errors(errors: torch.Tensor, *, v_global: int, ignore_index: int, shard_sizes: torch.Tensor) -> None:
-    """Turn the merge kernel's error counters into exceptions (the op's one host read)."""
-    bad_targets, shard_mismatches = errors.tolist()
-    if shard_mismatches:
+    """The merge kernel's error counters, through :func:`record_errors`: raised at once on the CPU, at the next
+    :func:`check_errors` on a GPU (no host read here)."""
+    def shards(n: int) -> str:
         sizes = [int(v) for v in shard_sizes.tolist()]
-        raise ValueError(
-            f"logits: the vocabulary shards differ in size across the tensor-parallel group (V_local per rank: "
-            f"{sizes}); every rank must hold an equal, contiguous shard (Megatron's layout)"
-        )
-    if bad_targets:
-        raise ValueError(
-            f"target has {bad_targets} token id(s) outside [0, {v_global}) that are not ignore_index ({ignore_index})"
-        )
+        return (f"logits: the vocabulary shards differ in size across the tensor-parallel group (V_local per rank: "
+                f"{sizes}); every rank must hold an equal, contiguous shard (Megatron's layout)")
+
+    def targets(n: int) -> str:
+        return f"target has {n} token id(s) outside [0, {v_global}) that are not ignore_index ({ignore_index})"
+
+    record_errors("unequal vocabulary shards", errors[1], shards)
+    record_errors("target id outside the vocabulary", errors[0], targets)
 
 
 def check_hidden_weight_and_target(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> None:

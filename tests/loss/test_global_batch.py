@@ -11,6 +11,7 @@ import torch
 from mp_grpo.config import LossConfig, load_config
 from mp_grpo.loss import GlobalBatch, GRPOLoss, PackedSequences, StaleGlobalBatchError
 from mp_grpo.loss.mismatch import k3
+from mp_grpo.ops.checks import check_errors, deferred_checks
 from tests.loss.helpers import make_batch
 
 LENGTHS = [4, 0, 2, 5]
@@ -131,3 +132,30 @@ def test_from_rollouts_errors() -> None:
                                   rollout_logprobs=[torch.zeros(2, 3)])
     with pytest.raises(TypeError, match="config"):
         GlobalBatch.from_rollouts({}, masks)  # type: ignore[arg-type]
+
+
+def test_loss_rejects_masks_the_batch_was_not_built_from() -> None:
+    """Identity, not shape: masks of another step with the same shapes, and a mask changed in place, are refused."""
+    batch = make_batch(4, LENGTHS, 6)
+    other = make_batch(5, [3, 1, 2, 5], 6)  # another step: same shapes, other masks
+    gb = GlobalBatch.from_masks(_parts(other, "loss_mask"))
+    loss_fn = GRPOLoss(LossConfig())
+    part = {k: v[:2] if v.dim() == 1 else v[:2, :5] for k, v in batch.items()}
+    with pytest.raises(StaleGlobalBatchError, match="another tensor"):
+        loss_fn(part["logprobs"], part["old_logprobs"], part["advantages"], part["loss_mask"], batch=gb)
+    # A copy of one of its masks (equal content, another tensor) is accepted; on a GPU the comparison is deferred.
+    loss_fn(part["logprobs"], part["old_logprobs"], part["advantages"], other["loss_mask"][:2, :5].clone(), batch=gb)
+    with deferred_checks():
+        loss_fn(part["logprobs"], part["old_logprobs"], part["advantages"], part["loss_mask"], batch=gb)
+    with pytest.raises(StaleGlobalBatchError, match="another tensor"):
+        check_errors()
+    check_errors()  # the ledger is cleared once raised
+    # The masks it was built from — the same tensors, or views taken the same way — are accepted.
+    own = GlobalBatch.from_masks(_parts(batch, "loss_mask"))
+    loss, _ = loss_fn(part["logprobs"], part["old_logprobs"], part["advantages"], batch["loss_mask"][:2, :5], batch=own)
+    assert torch.isfinite(loss)
+    # A mask modified in place after the batch was built: its counts are stale.
+    batch["loss_mask"][3, 0] = ~batch["loss_mask"][3, 0]
+    with pytest.raises(StaleGlobalBatchError, match="modified in place"):
+        loss_fn(batch["logprobs"][2:], batch["old_logprobs"][2:], batch["advantages"][2:], batch["loss_mask"][2:],
+                batch=own)

@@ -78,3 +78,15 @@ def test_with_logprobs_checks_the_shape() -> None:
     updated = mb.with_logprobs(rollout_logprobs=torch.zeros_like(mb.targets, dtype=torch.float32))
     assert torch.equal(updated.rollout_logprobs, torch.zeros_like(mb.targets, dtype=torch.float32))
     assert updated.old_logprobs is mb.old_logprobs
+
+
+def test_to_moves_the_packed_boundaries_of_the_loss_layout() -> None:
+    """No host-to-device copy of cu_seqlens inside the loop: MicroBatch.to moves the loss layout's too."""
+    from mp_grpo.loss.sequence import PackedSequences
+    from tests.megatron import helpers as H
+
+    mb = prepare_micro_batch(H.make_rollouts(4, seed=2), sequence_format="packed")
+    moved = mb.to("meta")
+    assert isinstance(moved.sequences, PackedSequences)
+    assert moved.sequences.cu_seqlens.device.type == "meta"
+    assert moved.packed_seq_params.cu_seqlens_q.device.type == "meta"

@@ -1,0 +1,44 @@
+"""The deferred error ledger (mp_grpo/ops/checks.py): bad input is a named error, at once on CPU, at the
+next sync point (``mp_grpo.check_errors``, ``reduce_metrics``) without a host read on a GPU.
+
+The GPU side (no synchronization in a Megatron step) is tests/gpu/test_megatron_no_sync.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mp_grpo
+from mp_grpo.loss.metrics import reduce_metrics
+from mp_grpo.ops.checks import deferred_checks
+
+
+def _bad_target():
+    logits = torch.randn(3, 8)
+    target = torch.tensor([1, 9, -100])  # 9 is outside [0, 8)
+    return logits, target
+
+
+def test_bad_token_id_is_a_named_error_at_once_on_cpu() -> None:
+    logits, target = _bad_target()
+    with pytest.raises(ValueError, match=r"target has 1 token id\(s\) outside \[0, 8\)"):
+        mp_grpo.vocab_parallel_logprobs(logits, target)
+    mp_grpo.check_errors()  # nothing left pending
+
+
+def test_deferred_error_is_raised_at_the_next_check() -> None:
+    logits, target = _bad_target()
+    with deferred_checks():
+        out = mp_grpo.vocab_parallel_logprobs(logits, target)  # no host read: the error waits
+        assert torch.isnan(out[1]) and not torch.isnan(out[0])
+        mp_grpo.vocab_parallel_logprobs(logits, target)  # counts accumulate
+        with pytest.raises(ValueError, match=r"target has 2 token id\(s\)") as info:
+            mp_grpo.check_errors()
+        assert "check_errors" in str(info.value)
+        mp_grpo.check_errors()  # cleared once raised
+        # reduce_metrics is a sync point a step already has: it raises pending errors too
+        mp_grpo.vocab_parallel_logprobs(logits, target)
+        with pytest.raises(ValueError, match="target has 1"):
+            reduce_metrics([{"x/mean": torch.tensor([1.0, 1.0], dtype=torch.float64)}])
+    good = mp_grpo.vocab_parallel_logprobs(logits, torch.tensor([1, 2, -100]))
+    assert torch.isfinite(good).all()
