@@ -283,8 +283,14 @@ def sampling_filter_keep_reference(
     if (p := _per_row_param(top_p, rows, torch.float64)) is not None:
         zk = torch.where(keep, z, neg_inf)
         prob = torch.softmax(zk, dim=-1)
-        larger = zk.unsqueeze(1) > zk.unsqueeze(2)  # [row, j, i]: z_i > z_j
-        mass_above = torch.where(larger, prob.unsqueeze(1), torch.zeros((), dtype=torch.float64)).sum(-1)
+        # Mass of the tokens with a strictly larger logit: in descending order, the sum of the
+        # probabilities before the first member of j's tie group (count of larger logits = V minus
+        # the count of logits <= z_j).
+        ascending = zk.sort(dim=-1).values
+        n_larger = vocab - torch.searchsorted(ascending, zk, right=True)
+        desc_prob = prob.gather(1, zk.sort(dim=-1, descending=True).indices)
+        mass_before = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), desc_prob.cumsum(-1)], dim=-1)
+        mass_above = mass_before.gather(1, n_larger)
         keep &= ~(p < 1).unsqueeze(1) | (mass_above < p.unsqueeze(1))
     return keep.reshape(shape)
 

@@ -70,9 +70,15 @@ class SamplingFilter:
     min_p: float | torch.Tensor | None = None
     """Keep the tokens with probability >= min_p * the largest probability. In [0, 1]; 0 keeps all."""
 
-    @property
-    def is_active(self) -> bool:
-        return any(v is not None for v in (self.top_k, self.top_p, self.min_p))
+    def without_noops(self, vocab_size: int) -> SamplingFilter | None:
+        """The same filter without the Python-number fields that keep everything (top_p = 1,
+        top_k >= vocab_size, min_p = 0); None when nothing is left (the op then runs unfiltered)."""
+        top_k = None if isinstance(self.top_k, int) and self.top_k >= vocab_size else self.top_k
+        top_p = None if isinstance(self.top_p, (int, float)) and self.top_p >= 1.0 else self.top_p
+        min_p = None if isinstance(self.min_p, (int, float)) and self.min_p == 0.0 else self.min_p
+        if top_k is None and top_p is None and min_p is None:
+            return None
+        return SamplingFilter(top_k=top_k, top_p=top_p, min_p=min_p)
 
 
 def _per_row(value, name: str, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

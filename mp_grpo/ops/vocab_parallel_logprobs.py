@@ -31,7 +31,7 @@ from typing import Literal, overload
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, group_rank
+from mp_grpo.collectives import ProcessGroup, group_rank, group_size
 from mp_grpo.ops.checks import (
     check_logits_and_target,
     check_runs_here,
@@ -206,8 +206,8 @@ def vocab_parallel_logprobs(
     inv_temperature = check_temperature(temperature)
     if sampling_filter is not None:
         check_sampling_filter(sampling_filter, target.shape, logits.device, check_tensors=bool(check_inputs))
-        if not sampling_filter.is_active:
-            sampling_filter = None
+        # Fields that keep everything (top_p = 1, top_k >= V, min_p = 0) cost nothing.
+        sampling_filter = sampling_filter.without_noops(logits.shape[-1] * group_size(tp_group))
     return VocabParallelLogProbs.apply(
         logits, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), bool(inplace_backward),
         bool(check_inputs), sampling_filter,

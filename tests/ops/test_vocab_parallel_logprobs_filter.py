@@ -93,6 +93,10 @@ def test_off_values_equal_the_unfiltered_op_bitwise():
     off = SamplingFilter(top_k=40, top_p=1.0, min_p=0.0)
     lp, ent = vocab_parallel_logprobs(logits, target, with_entropy=True, sampling_filter=off)
     assert torch.equal(lp, plain) and torch.equal(ent, plain_ent)
+    # Per-row tensors that switch every row off run the threshold path with -inf: still the same bits.
+    off_rows = SamplingFilter(top_k=torch.zeros(6, dtype=torch.long), top_p=torch.ones(6), min_p=torch.zeros(6))
+    lp, ent = vocab_parallel_logprobs(logits, target, with_entropy=True, sampling_filter=off_rows)
+    assert torch.equal(lp, plain) and torch.equal(ent, plain_ent)
 
 
 def _vllm_style_keep(z: torch.Tensor, k: int | None, p: float | None) -> torch.Tensor:
