@@ -553,3 +553,76 @@ def nemo_rl_clipped_pg_loss_reference(
             kl = kl.clamp(-kl_output_clamp_value, kl_output_clamp_value)
         loss = loss + reference_policy_kl_penalty * reduce(kl)
     return loss
+
+
+# --------------------------------------------------------------------------------------------
+# A rollout's sampling filter replayed (mp_grpo.ops.sampling_filter), vLLM's convention
+# --------------------------------------------------------------------------------------------
+def _per_row_param(value, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).to(dtype)
+    return torch.full((rows,), value, dtype=dtype)
+
+
+def sampling_filter_keep_reference(
+    logits: torch.Tensor, *, top_k=None, top_p=None, min_p=None, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[..., V]`` bool: the tokens vLLM's sampler may draw, in float64 from the definitions.
+
+    Order temperature, min-p, top-k, top-p. min-p keeps z_j - max z >= log(min_p); top-k keeps
+    z_j >= the k-th largest (ties kept; k <= 0 or k >= V: off); top-p, on the distribution left,
+    keeps j iff the mass of tokens with a strictly larger logit is < p (a tie group is kept whole;
+    p >= 1: off). Per-row parameters may be tensors of ``logits.shape[:-1]``.
+    """
+    shape = logits.shape
+    z = logits.double().reshape(-1, shape[-1]) / temperature
+    rows, vocab = z.shape
+    keep = torch.ones_like(z, dtype=torch.bool)
+    neg_inf = torch.tensor(float("-inf"), dtype=torch.float64)
+    z_max = z.max(dim=-1, keepdim=True).values
+    if (mp := _per_row_param(min_p, rows, torch.float64)) is not None:
+        keep &= (z - z_max) >= torch.log(mp).unsqueeze(1)
+    if (k := _per_row_param(top_k, rows, torch.int64)) is not None:
+        active = (k > 0) & (k < vocab)
+        ordered = torch.where(keep, z, neg_inf).sort(dim=-1, descending=True).values
+        kth = ordered.gather(1, (k.clamp(1, vocab) - 1).unsqueeze(1))
+        keep &= ~active.unsqueeze(1) | (z >= kth)
+    if (p := _per_row_param(top_p, rows, torch.float64)) is not None:
+        zk = torch.where(keep, z, neg_inf)
+        prob = torch.softmax(zk, dim=-1)
+        # Mass of the tokens with a strictly larger logit: in descending order, the sum of the
+        # probabilities before the first member of j's tie group (count of larger logits = V minus
+        # the count of logits <= z_j).
+        ascending = zk.sort(dim=-1).values
+        n_larger = vocab - torch.searchsorted(ascending, zk, right=True)
+        desc_prob = prob.gather(1, zk.sort(dim=-1, descending=True).indices)
+        mass_before = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), desc_prob.cumsum(-1)], dim=-1)
+        mass_above = mass_before.gather(1, n_larger)
+        keep &= ~(p < 1).unsqueeze(1) | (mass_above < p.unsqueeze(1))
+    return keep.reshape(shape)
+
+
+def filtered_logprobs_reference(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logprobs_reference`` of the filtered, renormalized distribution (``sampling_filter_keep_reference``).
+
+    A target outside the kept set gets log-prob -inf, detached (no gradient flows from it).
+    """
+    keep = sampling_filter_keep_reference(logits.detach(), top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+    masked = torch.where(keep, logits.double(), torch.tensor(float("-inf"), dtype=torch.float64))
+    logprobs, entropy = logprobs_reference(masked, target, temperature=temperature, ignore_index=ignore_index)
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, torch.zeros_like(target))
+    target_kept = keep.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1) | ~valid
+    logprobs = torch.where(target_kept, logprobs, torch.tensor(float("-inf"), dtype=torch.float64))
+    return logprobs, entropy

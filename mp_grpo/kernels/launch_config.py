@@ -22,13 +22,21 @@ class LogprobLaunchConfig:
     backward_warps: int
     merge_block_n: int
     """Rows per program of the merge kernel."""
+    filter_block_v: int
+    """Columns per loop step of the top-p search kernel (a [filter_block_v, 16] one-hot sum per step)."""
+    filter_warps: int
 
 
 def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
-    """Launch parameters for a shard of ``v_local`` columns."""
+    """Launch parameters for a shard of ``v_local`` columns.
+
+    Depends on ``v_local`` (and interpreter vs GPU) only, never on the number of rows: the per-row
+    reduction order is fixed by these block sizes, which is what makes the log-probs batch-invariant
+    (docs/kernel.md, "Batch invariance").
+    """
     if knobs.runtime.interpret:
         block = min(triton.next_power_of_2(v_local), 64)
-        return LogprobLaunchConfig(block, 1, block, 1, 16)
+        return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1)
     # H200 sweep, N = 16384, bf16 (docs/benchmarks/logprob_sweep.json): 4096 columns with 4 warps
     # was fastest or within 1 % of it for both kernels at V_local = 151936 and 18992.
     block = min(triton.next_power_of_2(v_local), 4096)
@@ -38,4 +46,7 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         backward_block_v=block,
         backward_warps=4,
         merge_block_n=256,
+        # Not swept yet: the one-hot [BLOCK_V, 16] sum keeps the block small.
+        filter_block_v=min(triton.next_power_of_2(v_local), 1024),
+        filter_warps=8,
     )

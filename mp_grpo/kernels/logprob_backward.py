@@ -8,6 +8,10 @@ terms saved by forward; log p_j = (z_j - M) - log S keeps precision for logits n
 
 so  grad_logits_j = (g_lp ([j == target] - p_j) - g_H p_j (log p_j + H)) / T.
 
+With HAS_THRESHOLD (a sampling filter) the columns whose raw logit is below ``threshold[row]`` have
+p = 0 and get no gradient; M, log S and H then describe the filtered, renormalized distribution.
+The host zeroes g_lp of rows whose target lies outside the kept set (their log-prob is the constant -inf).
+
 Every quantity that couples the shards (M, S, H) was merged in forward, so backward needs no
 collective. Each program handles BLOCK_V columns of one row: it reads them once and writes their
 gradient once, in the gradient buffer's dtype (which may be the logits buffer itself).
@@ -28,6 +32,7 @@ def logprob_backward_kernel(
     entropy_ptr,  # [N] fp32 entropy (only with HAS_ENTROPY_GRAD)
     grad_logprob_ptr,  # [N] fp32 upstream gradient of the log-probs
     grad_entropy_ptr,  # [N] fp32 upstream gradient of the entropy (only with HAS_ENTROPY_GRAD)
+    threshold_ptr,  # [N] fp32 raw-logit threshold of the kept set (only with HAS_THRESHOLD)
     # shapes
     V_local,
     vocab_start,
@@ -39,6 +44,7 @@ def logprob_backward_kernel(
     inv_temperature,  # fp32, 1 / temperature
     # meta-parameters
     HAS_ENTROPY_GRAD: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -54,6 +60,8 @@ def logprob_backward_kernel(
 
     # --- 2. probabilities of this block, recomputed from the logits ---
     z = tl.load(x_ptr + row * stride_x_row + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
+    if HAS_THRESHOLD:
+        z = tl.where(z >= tl.load(threshold_ptr + row), z, float("-inf"))
     log_p = (z * inv_temperature - row_max) - log_sum
     p = tl.exp(log_p)
     grad = tl.where(cols == target - vocab_start, g_logprob, 0.0) - g_logprob * p

@@ -8,6 +8,10 @@ One program reads one row of this rank's logits shard exactly once and writes fo
         u   = sum_j exp(z_j - m) * (z_j - m)         (only with HAS_ENTROPY; else 0)
         z_t = z[target - vocab_start] if this shard owns the target, else 0
 
+With HAS_THRESHOLD (a sampling filter, ``mp_grpo/ops/sampling_filter.py``) only the columns whose raw
+logit is >= ``threshold[row]`` count (the others are treated as -inf), and a target below the threshold
+writes z_t = -inf, so that its merged log-prob is -inf.
+
 ``u`` is what the entropy needs: H = log S - U / S after the statistics of all shards are merged
 (see ``logprob_merge.py``).
 
@@ -35,6 +39,7 @@ def logprob_stats_kernel(
     x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16; last dim contiguous
     target_ptr,  # [N] int64 global token ids
     stats_ptr,  # [N_total + 1, 4] fp32 out: rows row_start .. row_start + n; row N_total = size row
+    threshold_ptr,  # [N] fp32 raw-logit threshold of the kept set (only with HAS_THRESHOLD)
     # shapes
     n,  # rows of x in this launch (the grid is max(n, 1))
     row_start,  # first stats row written by this launch (chunked callers)
@@ -48,6 +53,7 @@ def logprob_stats_kernel(
     inv_temperature,  # fp32, 1 / temperature
     # meta-parameters
     HAS_ENTROPY: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -62,6 +68,10 @@ def logprob_stats_kernel(
     owns_target = has_row & (local_target >= 0) & (local_target < V_local)
     x_target = tl.load(x_row_ptr + local_target, mask=owns_target, other=0.0).to(tl.float32)
     z_target = tl.where(owns_target, x_target * inv_temperature, 0.0)
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row, mask=has_row, other=float("-inf"))
+        # A target outside the kept set has probability 0: z_t = -inf makes the merged log-prob -inf.
+        z_target = tl.where(owns_target & (x_target < threshold), float("-inf"), z_target)
 
     # --- 2. one pass over the row: online max (raw units), sum of 2^t and (entropy) sum of 2^t * t ---
     # t = (x - m) * scale is z - m/T in log2 units; s, u are relative to the running maximum m.
@@ -71,6 +81,8 @@ def logprob_stats_kernel(
     for start in range(0, v_end, BLOCK_V):
         cols = start + offs
         x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf")).to(tl.float32)
+        if HAS_THRESHOLD:
+            x = tl.where(x >= threshold, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
         shift = (m - m_new) * scale  # <= 0: rescales what was summed so far
         alpha = tl.exp2(shift)

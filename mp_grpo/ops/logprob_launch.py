@@ -15,6 +15,7 @@ import triton
 from mp_grpo.collectives import ProcessGroup, all_gather_stacked
 from mp_grpo.kernels import (
     logprob_backward_kernel,
+    logprob_filter_bins_kernel,
     logprob_launch_config,
     logprob_merge_kernel,
     logprob_stats_kernel,
@@ -44,17 +45,21 @@ def shard_statistics(
     vocab_start: int,
     inv_temperature: float,
     with_entropy: bool,
+    threshold: torch.Tensor | None = None,  # [n] fp32 raw-logit threshold of a sampling filter
 ) -> None:
     """Write the statistics of ``logits`` into ``stats[row_start : row_start + n]`` (one read of the
-    logits) and the shard size into ``stats[N]``. Chunked callers pass their chunk's ``row_start``."""
+    logits) and the shard size into ``stats[N]``. Chunked callers pass their chunk's ``row_start``.
+    With ``threshold`` only the columns whose logit is >= it count (a sampling filter's kept set)."""
     n, v_local = logits.shape
     cfg = logprob_launch_config(v_local)
     logprob_stats_kernel[(max(n, 1),)](
         logits, target, stats,
+        threshold if threshold is not None else stats,  # unused placeholder pointer without a filter
         n, row_start, stats.shape[0] - 1, v_local, vocab_start,
         logits.stride(0), stats.stride(0),
         inv_temperature,
         HAS_ENTROPY=with_entropy,
+        HAS_THRESHOLD=threshold is not None,
         BLOCK_V=cfg.stats_block_v,
         num_warps=cfg.stats_warps,
     )
@@ -150,8 +155,10 @@ def logprob_backward(
     vocab_start: int,
     ignore_index: int,
     inv_temperature: float,
+    threshold: torch.Tensor | None = None,  # [n] fp32 raw-logit threshold of a sampling filter
 ) -> None:
-    """Write d(loss)/d(logits) into ``grad_logits`` (one read, one write of the shard)."""
+    """Write d(loss)/d(logits) into ``grad_logits`` (one read, one write of the shard); with
+    ``threshold`` the columns below it get no gradient."""
     n, v_local = logits.shape
     if n == 0:
         return
@@ -162,10 +169,43 @@ def logprob_backward(
         entropy if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
         grad_logprobs,
         grad_entropy if has_entropy_grad else grad_logprobs,  # unused placeholder pointer
+        threshold if threshold is not None else grad_logprobs,  # unused placeholder pointer without a filter
         v_local, vocab_start, ignore_index,
         logits.stride(0), grad_logits.stride(0),
         inv_temperature,
         HAS_ENTROPY_GRAD=has_entropy_grad,
+        HAS_THRESHOLD=threshold is not None,
         BLOCK_V=cfg.backward_block_v,
         num_warps=cfg.backward_warps,
     )
+
+
+FILTER_BINS = 16
+"""Sub-ranges per round of the top-p search: 4 key bits per round (see ``kernels/logprob_filter.py``)."""
+
+
+def filter_bin_masses(
+    logits: torch.Tensor,  # [n, V_local], last dim contiguous
+    threshold: torch.Tensor,  # [n] fp32
+    row_max: torch.Tensor,  # [n] fp32 raw-logit maximum over the whole vocabulary
+    key_lo: torch.Tensor,  # [n] int64
+    *,
+    shift: int,
+    inv_temperature: float,
+) -> torch.Tensor:
+    """``[n, 16]`` fp32: this shard's mass exp(z - M) of kept columns per key sub-range (one read)."""
+    n, v_local = logits.shape
+    bins = torch.empty(n, FILTER_BINS, dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return bins
+    cfg = logprob_launch_config(v_local)
+    logprob_filter_bins_kernel[(n,)](
+        logits, threshold, row_max, key_lo, bins,
+        v_local,
+        logits.stride(0), bins.stride(0),
+        inv_temperature, shift,
+        BINS=FILTER_BINS,
+        BLOCK_V=cfg.filter_block_v,
+        num_warps=cfg.filter_warps,
+    )
+    return bins

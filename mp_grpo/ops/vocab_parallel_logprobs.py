@@ -3,6 +3,11 @@
 Schedule of :class:`VocabParallelLogProbs` (``N`` rows, ``V_local`` columns on each of ``TP`` ranks)
 
 Forward
+    0. Only with a ``sampling_filter``: ``filter_threshold`` (``ops/sampling_filter.py``) reduces the
+       filter to one raw-logit threshold per row — top-k: one all-gather of ``[N, min(k_max, V_local)]``
+       fp32 (else one all-reduce-max of ``[N]`` fp32); top-p: 4 (bf16) / 5 (fp16) / 8 (fp32) rounds of
+       one read of the shard and one all-reduce of ``[N, 16]`` fp32. Steps 1–3 and backward then
+       count only the kept columns (logit >= threshold): the filtered, renormalized distribution.
     1. ``logprob_stats_kernel``: one pass over this rank's shard writes per-row (max, sum-exp,
        sum-exp·z, target logit) — 16 bytes a row; the logits are read once.
     2. One collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped
@@ -26,11 +31,17 @@ from typing import Literal, overload
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, group_rank
+from mp_grpo.collectives import ProcessGroup, group_rank, group_size
 from mp_grpo.ops.checks import (
     check_logits_and_target,
     check_runs_here,
     check_temperature,
+)
+from mp_grpo.ops.sampling_filter import (
+    SamplingFilter,
+    check_sampling_filter,
+    filter_threshold,
+    raise_on_targets_outside_filter,
 )
 from mp_grpo.ops.logprob_launch import (
     flat_upstream_grads,
@@ -55,6 +66,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
         ignore_index: int,
         inplace_backward: bool,
         check_inputs: bool,
+        sampling_filter: SamplingFilter | None,
     ):
         ctx.set_materialize_grads(False)
         v_local = logits.shape[-1]
@@ -65,9 +77,19 @@ class VocabParallelLogProbs(torch.autograd.Function):
         n = x.shape[0]
         vocab_start = group_rank(tp_group) * v_local
 
+        # --- 0. the sampling filter's per-row threshold (only with a filter) ---
+        threshold = None
+        if sampling_filter is not None:
+            threshold = filter_threshold(
+                x, sampling_filter, target.shape, tp_group=tp_group, inv_temperature=inv_temperature
+            )
+
         # --- 1. statistics of this rank's shard (one read of the logits) ---
         stats = new_stats_buffer(n, x.device)
-        shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy)
+        shard_statistics(
+            x, t, stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
+            threshold=threshold,
+        )
 
         # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
         #          log-prob, entropy, logZ = M + log S; raise on bad input ---
@@ -76,7 +98,13 @@ class VocabParallelLogProbs(torch.autograd.Function):
             check_inputs=check_inputs,
         )
 
-        ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy)
+        outside = None
+        if threshold is not None:
+            # A target outside the kept set has log-prob -inf (its stats row wrote z_t = -inf).
+            outside = torch.isneginf(merged.logprobs) & (t != ignore_index)
+            if check_inputs:
+                raise_on_targets_outside_filter(outside)
+        ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy, threshold, outside)
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
         ctx.inv_temperature = inv_temperature
@@ -89,31 +117,35 @@ class VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
-        x, t, row_max, log_sum, entropy = ctx.saved_tensors
+        x, t, row_max, log_sum, entropy, threshold, outside = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         grad_logprobs, grad_entropy = flat_upstream_grads(grad_logprobs, grad_entropy, row_max.shape[0], row_max.device)
+        if outside is not None:
+            # The log-prob of a target outside the kept set is the constant -inf: no gradient from it.
+            grad_logprobs = torch.where(outside, 0.0, grad_logprobs)
 
         # --- 1. one pass: recompute p from the logits and logZ, write the gradient ---
         grad_x = x if ctx.inplace_backward else torch.empty_like(x)
         logprob_backward(
             x, grad_x, t, row_max, log_sum, entropy if grad_entropy is not None else None, grad_logprobs, grad_entropy,
             vocab_start=ctx.vocab_start, ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature,
+            threshold=threshold,
         )
-        return grad_x.view(ctx.logits_shape), None, None, None, None, None, None, None
+        return grad_x.view(ctx.logits_shape), None, None, None, None, None, None, None, None
 
 
 @overload
 def vocab_parallel_logprobs(
     logits: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ..., temperature: float = ...,
     with_entropy: Literal[False] = ..., ignore_index: int = ..., inplace_backward: bool = ...,
-    check_inputs: bool = ...,
+    check_inputs: bool = ..., sampling_filter: SamplingFilter | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def vocab_parallel_logprobs(
     logits: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ..., temperature: float = ...,
     with_entropy: Literal[True], ignore_index: int = ..., inplace_backward: bool = ...,
-    check_inputs: bool = ...,
+    check_inputs: bool = ..., sampling_filter: SamplingFilter | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -127,6 +159,7 @@ def vocab_parallel_logprobs(
     ignore_index: int = -100,
     inplace_backward: bool = False,
     check_inputs: bool = True,
+    sampling_filter: SamplingFilter | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(logits / temperature)[target]`` over the whole vocabulary, shape ``target.shape``.
 
@@ -151,16 +184,31 @@ def vocab_parallel_logprobs(
             With ``False`` there is no synchronization, and bad input is still never silently
             wrong: a bad target's log-prob is NaN, and unequal shards make every output NaN.
 
+        sampling_filter: replay the rollout's ``SamplingFilter(top_k=, top_p=, min_p=)`` (vLLM's
+            convention, ties at the threshold kept; ``ops/sampling_filter.py``): the log-probs, entropy
+            and gradient are those of the filtered, renormalized distribution. A target outside the
+            kept set raises ``ValueError`` with ``check_inputs`` (one more host read); otherwise its
+            log-prob is -inf and no gradient flows from it — count them with
+            ``mp_grpo.ops.sampling_filter.count_outside_filter(logprobs, target, ignore_index)``.
+            Collectives added: see the module docstring (step 0).
+
     Returns:
         fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``. The
         return type follows the literal value of ``with_entropy`` (see the overloads).
 
-    One all-gather of a ``[N + 1, 4]`` fp32 tensor per call.
+    One all-gather of a ``[N + 1, 4]`` fp32 tensor per call (plus the filter's, module docstring step 0).
+
+    Batch invariance: a row's log-prob, entropy and gradient are bitwise identical whatever the number
+    of rows, their position and the leading shape (docs/kernel.md, "Batch invariance").
     """
     check_logits_and_target(logits, target)
     check_runs_here(logits, "logits")
     inv_temperature = check_temperature(temperature)
+    if sampling_filter is not None:
+        check_sampling_filter(sampling_filter, target.shape, logits.device, check_tensors=bool(check_inputs))
+        # Fields that keep everything (top_p = 1, top_k >= V, min_p = 0) cost nothing.
+        sampling_filter = sampling_filter.without_noops(logits.shape[-1] * group_size(tp_group))
     return VocabParallelLogProbs.apply(
         logits, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), bool(inplace_backward),
-        bool(check_inputs),
+        bool(check_inputs), sampling_filter,
     )
