@@ -16,12 +16,12 @@ token reads a per-sequence sum of log-probs of the current policy:
 from __future__ import annotations
 
 from mp_grpo.config.loss import LossConfig, RatioLevel
-from mp_grpo.loss.objectives import needs_sequence_mean
+from mp_grpo.loss.objectives import needs_sequence_sum
 
 
 def token_separable(config: LossConfig) -> bool:
     """True when every token's gradient depends only on its own log-prob and entropy (see the module docstring)."""
-    if needs_sequence_mean(config.policy) or config.opsm.delta is not None:
+    if needs_sequence_sum(config.policy) or config.opsm.delta is not None:
         return False
     rc = config.rollout_correction
     sequence_levels = (RatioLevel.SEQUENCE, RatioLevel.GEOMETRIC)

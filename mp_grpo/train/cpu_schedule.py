@@ -11,7 +11,7 @@ is exactly the one a GPU run gets:
    ``schedules.backward_step``.
 2. ``config.finalize_model_grads_func`` (megatron-core's ``finalize_model_grads``) with the summed
    token count when ``config.calculate_per_token_loss``: DDP reduction over DP×CP (through
-   :class:`~mp_grpo.megatron.cpu_ddp.CpuDistributedDataParallel`), sequence-parallel parameter
+   :class:`~mp_grpo.train.cpu_ddp.CpuDistributedDataParallel`), sequence-parallel parameter
    all-reduce over TP, division by the global token count.
 
 Pipeline parallelism is not covered (p2p communication needs CUDA); the model is one stage.

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from mp_grpo.loss.global_batch import StaleGlobalBatchError
 from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
-from mp_grpo.megatron.cpu_model import CpuGPTStandIn, cpu_model_config
-from mp_grpo.megatron.cpu_schedule import forward_backward_cpu
+from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
+from mp_grpo.train.cpu_schedule import forward_backward_cpu
 from tests.megatron import helpers as H
 from tests.tolerances import assert_close
 
