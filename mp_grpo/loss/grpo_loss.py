@@ -4,14 +4,17 @@ Schedule of :meth:`GRPOLoss.__call__`
     1. Check the inputs (shapes, dtypes, what the config needs); host-side only.
     2. The step's :class:`~mp_grpo.GlobalBatch`: the one given (checked against this micro-batch and the
        config), or — with ``batch=None`` — one built from this call alone (with its CP peers).
+       With ``nll.positive_coef`` and ``batch=None``, the positive examples' token count likewise.
     3. Token stage: masked positions are replaced by 0 *before* any arithmetic (``torch.where``, so inf /
        NaN there never reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the
        rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence.
     4. Per-sequence sums of those columns over whole sequences (one all-reduce over the CP group under
        context parallelism, differentiable with a sum backward), broadcast back to the tokens.
     5. Combine stage: the objective's term; × the IS weight; zeroed where rejected (rollout correction,
-       OPSM, top-entropy); + coef·KL and − bonus·entropy on every valid token; zero when the step is
-       skipped; divided by the aggregation's global divisor and summed → this micro-batch's share.
+       OPSM, top-entropy); + coef·KL and − bonus·entropy on every valid token (the bonus only on the selected
+       ones with ``bonus_on_selected``); each divided by its aggregation's global divisor (``mode`` for the
+       term, ``regularizer`` for KL / entropy); + the VAPO NLL on positive examples over their step count;
+       zero when the step is skipped; summed → this micro-batch's share.
     6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`).
 
 No host synchronization happens in steps 3–6; with ``batch=None`` step 2 makes collectives (and one
