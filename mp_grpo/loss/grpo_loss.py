@@ -186,13 +186,6 @@ class GRPOLoss:
                              f"from AdaptiveEntropyCoefficient.applied); entropy.adaptive is {cfg.entropy.adaptive}")
         token_shape = logprobs.shape
         positive_mask = _positive_tokens(cfg, layout, token_shape, positive, logprobs.device)
-        if positive_mask is not None and positive_tokens is None:
-            if batch is not None:
-                raise ValueError("positive_tokens must be given with a batch: the step's count of valid tokens of "
-                                 "positive examples, GlobalBatch.from_masks([...], group=...).valid_tokens")
-            positive_tokens = GlobalBatch.from_masks(
-                [torch.where(positive_mask, loss_mask, torch.zeros_like(loss_mask))], group=layout.cp_group,
-                layouts=[layout]).valid_tokens
         fused = self._use_fused(logprobs, layout)
         if kl_logprobs is not None and fused:
             if self.backend == LossBackend.TRITON:
@@ -200,6 +193,13 @@ class GRPOLoss:
                                  "LossBackend.AUTO or LossBackend.TORCH")
             fused = False  # AUTO: the torch path
         # --- 2. the step's account ---
+        if positive_mask is not None and positive_tokens is None:
+            if batch is not None:
+                raise ValueError("positive_tokens must be given with a batch: the step's count of valid tokens of "
+                                 "positive examples, GlobalBatch.from_masks([...], group=...).valid_tokens")
+            positive_tokens = GlobalBatch.from_masks(
+                [torch.where(positive_mask, loss_mask, torch.zeros_like(loss_mask))], group=layout.cp_group,
+                layouts=[layout]).valid_tokens
         if batch is None:
             old_for_batch = logprobs.detach() if old_logprobs is None else old_logprobs
             batch = GlobalBatch.from_rollouts(
