@@ -200,8 +200,12 @@ def grpo_objective_reference(
     entropy: torch.Tensor | None = None,
     kl_logprobs: torch.Tensor | None = None,
     entropy_coef: float | None = None,
+    positive: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The objective J of a whole step given as one padded batch ``[B, T]``, in float64.
+
+    ``positive`` ``[B]``: positive examples for ``nll.positive_coef`` (VAPO: coef · mean over their valid tokens of
+    −log π_θ).
 
     ``kl_logprobs``: the log-probs the KL is taken of (None: ``logprobs``); ``entropy_coef``: the bonus
     coefficient (None: ``entropy.bonus_coef``)."""
@@ -257,6 +261,12 @@ def grpo_objective_reference(
         threshold = torch.quantile(all_ent, 1.0 - cfg.entropy.top_quantile)
 
     total = _zero_on_graph(lp_all, valid)
+    nll_coef = cfg.nll.positive_coef
+    if nll_coef != 0.0:
+        pos_rows = [b for b in nonempty if bool(positive[b])]
+        n_pos = sum(lps[b].numel() for b in pos_rows)
+        if n_pos:
+            total = total + nll_coef * sum(-lps[b].sum() for b in pos_rows) / n_pos
     for b in nonempty:
         lp, old, adv = lps[b], olds[b], advs[b]
         n = lp.numel()
@@ -520,6 +530,8 @@ def nemo_rl_clipped_pg_loss_reference(
     reference_policy_kl_type: str = "k3",
     kl_input_clamp_value: float | None = 20.0,
     kl_output_clamp_value: float | None = 10.0,
+    positive_example_nll_weight: float = 0.0,
+    rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NeMo-RL ``ClippedPGLossFn`` (NVIDIA-NeMo/RL 7ea279a, nemo_rl/algorithms/loss/loss_functions.py, and
     ``calculate_kl`` in nemo_rl/algorithms/utils.py) with ``use_on_policy_kl_approximation: false`` (the KL
@@ -552,6 +564,11 @@ def nemo_rl_clipped_pg_loss_reference(
         if kl_output_clamp_value is not None:
             kl = kl.clamp(-kl_output_clamp_value, kl_output_clamp_value)
         loss = loss + reference_policy_kl_penalty * reduce(kl)
+    if positive_example_nll_weight > 0 and rewards is not None:  # VAPO
+        correct_mask = m * (rewards > 0).double().unsqueeze(-1)
+        correct_valid_toks = correct_mask.sum()
+        if correct_valid_toks > 0:
+            loss = loss + positive_example_nll_weight * (-lp * correct_mask).sum() / correct_valid_toks
     return loss
 
 

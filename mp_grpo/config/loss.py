@@ -363,6 +363,18 @@ class EntropyConfig:
 
 
 @dataclass
+class NLLConfig:
+    """``nll``: supervised term on positive examples (VAPO)."""
+
+    positive_coef: float = 0.0
+    """NeMo-RL ``positive_example_nll_weight`` (VAPO, arXiv 2504.05118): add positive_coef × the mean of
+    −log π_θ over the step's valid tokens of positive sequences (reward > 0; the ``positive=`` input). 0 = off."""
+
+    def __post_init__(self) -> None:
+        _check_float("nll.positive_coef", self.positive_coef, nullable=False, low=0.0)
+
+
+@dataclass
 class MismatchConfig:
     """``mismatch``: training–inference mismatch monitor."""
 
@@ -392,6 +404,8 @@ class LossConfig:
     """Entropy bonus and top-entropy selection."""
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     """Training–inference mismatch monitor."""
+    nll: NLLConfig = field(default_factory=NLLConfig)
+    """Positive-example NLL (VAPO)."""
 
     def __post_init__(self) -> None:
         rc = self.rollout_correction

@@ -4,14 +4,17 @@ Schedule of :meth:`GRPOLoss.__call__`
     1. Check the inputs (shapes, dtypes, what the config needs); host-side only.
     2. The step's :class:`~mp_grpo.GlobalBatch`: the one given (checked against this micro-batch and the
        config), or — with ``batch=None`` — one built from this call alone (with its CP peers).
+       With ``nll.positive_coef`` and ``batch=None``, the positive examples' token count likewise.
     3. Token stage: masked positions are replaced by 0 *before* any arithmetic (``torch.where``, so inf /
        NaN there never reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the
        rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence.
     4. Per-sequence sums of those columns over whole sequences (one all-reduce over the CP group under
        context parallelism, differentiable with a sum backward), broadcast back to the tokens.
     5. Combine stage: the objective's term; × the IS weight; zeroed where rejected (rollout correction,
-       OPSM, top-entropy); + coef·KL and − bonus·entropy on every valid token; zero when the step is
-       skipped; divided by the aggregation's global divisor and summed → this micro-batch's share.
+       OPSM, top-entropy); + coef·KL and − bonus·entropy on every valid token (the bonus only on the selected
+       ones with ``bonus_on_selected``); each divided by its aggregation's global divisor (``mode`` for the
+       term, ``regularizer`` for KL / entropy); + the VAPO NLL on positive examples over their step count;
+       zero when the step is skipped; summed → this micro-batch's share.
     6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`).
 
 No host synchronization happens in steps 3–6; with ``batch=None`` step 2 makes collectives (and one
@@ -40,7 +43,7 @@ import torch
 from mp_grpo.config.loss import GSPOGradient, LossConfig, Objective, RatioLevel
 from mp_grpo.loss import metrics as M
 from mp_grpo.loss.aggregation import token_divisor
-from mp_grpo.loss.clamps import symmetric_clamp
+from mp_grpo.loss.clamps import COUNT_FLOOR, symmetric_clamp
 from mp_grpo.loss.entropy import high_entropy
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.kl import kl_penalty
@@ -85,6 +88,8 @@ def fused_unsupported(config: LossConfig) -> str | None:
         missing.append("entropy.bonus_on_selected=true")
     if ent.adaptive:
         missing.append("entropy.adaptive=true")
+    if config.nll.positive_coef != 0.0:
+        missing.append(f"nll.positive_coef={config.nll.positive_coef}")
     return ", ".join(missing) if missing else None
 
 
@@ -140,6 +145,8 @@ class GRPOLoss:
         layout: SequenceLayout | None = None,
         kl_logprobs: torch.Tensor | None = None,
         entropy_coef: float | torch.Tensor | None = None,
+        positive: torch.Tensor | None = None,
+        positive_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
 
@@ -159,6 +166,11 @@ class GRPOLoss:
                 None: ``logprobs``. The KL's ``score_function`` weight uses them too; the policy term never.
             entropy_coef: the step's entropy-bonus coefficient with ``entropy.adaptive`` (required then, and
                 only allowed then): :attr:`AdaptiveEntropyCoefficient.applied`.
+            positive: with ``nll.positive_coef``: nonzero for positive examples (NeMo-RL: reward > 0), per
+                sequence ``[S]`` or per token.
+            positive_tokens: with ``nll.positive_coef`` and a ``batch``: the step's count of valid tokens of
+                positive examples, ``GlobalBatch.from_masks([mask · positive per token, ...], group=...)
+                .valid_tokens``; with ``batch=None`` it is counted from this call (and its CP peers).
         """
         cfg = self.config
         # --- 1. check the inputs ---
@@ -173,6 +185,7 @@ class GRPOLoss:
             raise ValueError("entropy_coef must be given exactly when entropy.adaptive is true (the step's coefficient "
                              f"from AdaptiveEntropyCoefficient.applied); entropy.adaptive is {cfg.entropy.adaptive}")
         token_shape = logprobs.shape
+        positive_mask = _positive_tokens(cfg, layout, token_shape, positive, logprobs.device)
         fused = self._use_fused(logprobs, layout)
         if kl_logprobs is not None and fused:
             if self.backend == LossBackend.TRITON:
@@ -180,6 +193,13 @@ class GRPOLoss:
                                  "LossBackend.AUTO or LossBackend.TORCH")
             fused = False  # AUTO: the torch path
         # --- 2. the step's account ---
+        if positive_mask is not None and positive_tokens is None:
+            if batch is not None:
+                raise ValueError("positive_tokens must be given with a batch: the step's count of valid tokens of "
+                                 "positive examples, GlobalBatch.from_masks([...], group=...).valid_tokens")
+            positive_tokens = GlobalBatch.from_masks(
+                [torch.where(positive_mask, loss_mask, torch.zeros_like(loss_mask))], group=layout.cp_group,
+                layouts=[layout]).valid_tokens
         if batch is None:
             old_for_batch = logprobs.detach() if old_logprobs is None else old_logprobs
             batch = GlobalBatch.from_rollouts(
@@ -202,7 +222,8 @@ class GRPOLoss:
             advantages = layout.broadcast(advantages, token_shape)
         # --- 3. token stage ---
         tokens = self._token_stage(
-            logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy, kl_logprobs
+            logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy, kl_logprobs,
+            positive_mask,
         )
         # --- 4. per-sequence sums over whole sequences, broadcast back ---
         seq_sums = layout.seq_sum(tokens.seq_columns, token_shape)
@@ -213,6 +234,7 @@ class GRPOLoss:
             micro_batches=batch.num_micro_batches, weight_mean=batch.weight_mean,
             entropy_threshold=batch.entropy_threshold, skip=batch.skip,
             entropy_coef=cfg.entropy.bonus_coef if entropy_coef is None else entropy_coef,
+            positive_tokens=positive_tokens,
         )
         return self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
 
@@ -266,6 +288,8 @@ class _Tokens(NamedTuple):
     entropy: torch.Tensor | None
     kl_logprobs: torch.Tensor
     """The log-probs the KL is taken of (``logprobs`` unless ``kl_logprobs`` was given)."""
+    positive: torch.Tensor | None
+    """Bool: valid tokens of positive examples (``nll.positive_coef`` only)."""
     seq_columns: torch.Tensor
     """``[*tokens, k]``: valid count, then (per config) the objective's sequence input, d, the OPSM divergence,
     ℓ for a sequence-level KL bias correction."""
@@ -282,6 +306,8 @@ class _StepValues(NamedTuple):
     skip: torch.Tensor | None
     entropy_coef: float | torch.Tensor
     """The entropy-bonus coefficient of this step (``bonus_coef``, or the adaptive one)."""
+    positive_tokens: torch.Tensor | None
+    """The step's valid tokens of positive examples (``nll.positive_coef`` only)."""
 
 
 def _token_stage(
@@ -294,6 +320,7 @@ def _token_stage(
     ref_logprobs: torch.Tensor | None,
     entropy: torch.Tensor | None,
     kl_logprobs: torch.Tensor | None,
+    positive: torch.Tensor | None,
 ) -> _Tokens:
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
@@ -334,6 +361,7 @@ def _token_stage(
         ref=None if ref_logprobs is None else clean(ref_logprobs).detach(),
         entropy=None if entropy is None else clean(entropy),
         kl_logprobs=lp if kl_logprobs is None else clean(kl_logprobs),
+        positive=None if positive is None else valid & positive,
         seq_columns=torch.stack(columns, dim=-1),
     )
 
@@ -417,6 +445,9 @@ def _combine_stage(
     else:
         reg_divisor = token_divisor(agg.regularizer, agg.norm_constant, tokens_, sequences_, seq_count)
         contribution = policy / divisor + regularizer / reg_divisor
+    if t.positive is not None:  # VAPO: coef · mean over the step's positive tokens of −log π_θ
+        nll_divisor = step.positive_tokens.to(lp.dtype).clamp(min=COUNT_FLOOR)  # type: ignore[union-attr]
+        contribution = contribution + cfg.nll.positive_coef * torch.where(t.positive, -lp, zero) / nll_divisor
     if step.skip is not None:
         contribution = torch.where(step.skip, zero, contribution)
     share = torch.where(valid, contribution, zero).sum()
@@ -453,6 +484,8 @@ def _combine_stage(
             out["mismatch/skipped"] = torch.stack([step.skip.to(torch.float64), torch.ones_like(step.tokens)])
         if kl is not None:
             out["kl"] = M.mean_entry(kl, valid)
+        if t.positive is not None:
+            out["nll/positive"] = M.mean_entry(-lp, t.positive)
         if t.entropy is not None:
             out["entropy"] = M.mean_entry(t.entropy, valid)
             if cfg.entropy.adaptive and keep_ent is not None:  # what the controller reads (TRL's measure)
@@ -506,6 +539,30 @@ def _check_inputs(
         )
     if advantages.device != device:
         raise ValueError(f"advantages is on {advantages.device} but logprobs is on {device}")
+
+
+def _positive_tokens(
+    cfg: LossConfig, layout: SequenceLayout, shape: torch.Size, positive: torch.Tensor | None,
+    layout_device: torch.device,
+) -> torch.Tensor | None:
+    """Bool token mask of the positive examples (``nll.positive_coef`` only); checks ``positive``."""
+    if cfg.nll.positive_coef == 0.0:
+        if positive is not None:
+            raise ValueError("positive is only used by nll.positive_coef != 0")
+        return None
+    if positive is None:
+        raise ValueError("positive must be given: the config's nll.positive_coef needs it")
+    if not isinstance(positive, torch.Tensor):
+        raise TypeError(f"positive must be a tensor, got {type(positive).__name__}")
+    if positive.device != layout_device:
+        raise ValueError(f"positive is on {positive.device} but logprobs is on {layout_device}")
+    num_sequences = layout.num_sequences(shape)
+    if positive.shape == torch.Size([num_sequences]):
+        positive = layout.broadcast(positive.to(torch.float64), shape)
+    elif positive.shape != shape:
+        raise ValueError(f"positive has shape {tuple(positive.shape)}; expected one per sequence [{num_sequences}] "
+                         f"or one per token {tuple(shape)}")
+    return positive != 0
 
 
 def _kind(x: object) -> str:

@@ -190,3 +190,48 @@ def test_config_errors_name_the_key() -> None:
     for key, overrides in cases.items():
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, overrides)
+
+
+def test_positive_example_nll_matches_reference_and_splits() -> None:
+    """VAPO's NLL: one call (count from the call) = the reference = two micro-batches with a GlobalBatch and
+    the step's positive-token count; masked positions get no gradient."""
+    from mp_grpo.loss import GlobalBatch
+
+    cfg = load_config(None, ["nll.positive_coef=0.3", "aggregation.mode=seq_mean_token_mean", "kl.coef=0.05"])
+    assert fused_unsupported(cfg) is not None
+    batch = make_batch(13, LENGTHS, T)
+    positive = torch.tensor([True, False, True, True, False, True])
+    lp, _ = _leaves(batch)
+    args = (batch["old_logprobs"], batch["advantages"], batch["loss_mask"])
+    kwargs = dict(ref_logprobs=batch["ref_logprobs"])
+    loss, metrics = GRPOLoss(cfg)(lp, *args, positive=positive, **kwargs)
+    (loss * 0.7).backward()
+    r_lp, _ = _leaves(batch)
+    j = grpo_objective_reference(cfg, r_lp, *args, positive=positive, **kwargs)
+    (j * 0.7).backward()
+    assert_close(loss, j, torch.float64, "loss")
+    assert_close(lp.grad, r_lp.grad, torch.float64, "d/dlogprobs")
+    assert (lp.grad[~batch["loss_mask"]] == 0).all()
+    assert "nll/positive" in metrics
+    # split into two micro-batches
+    mask = batch["loss_mask"]
+    halves = [slice(0, 3), slice(3, 6)]
+    gb = GlobalBatch.from_masks([mask[h] for h in halves])
+    pos_tok = positive.unsqueeze(1).expand_as(mask)
+    count = GlobalBatch.from_masks([(mask & pos_tok)[h] for h in halves]).valid_tokens
+    total = torch.zeros((), dtype=torch.float64)
+    split_lp, _ = _leaves(batch)
+    for h in halves:
+        share, _ = GRPOLoss(cfg)(split_lp[h], batch["old_logprobs"][h], batch["advantages"][h], mask[h],
+                                 ref_logprobs=batch["ref_logprobs"][h], positive=positive[h], batch=gb,
+                                 positive_tokens=count)
+        total = total + share
+    (total * 0.7).backward()
+    assert_close(total, j, torch.float64, "sum of shares")
+    assert_close(split_lp.grad, r_lp.grad, torch.float64, "split d/dlogprobs")
+    with pytest.raises(ValueError, match="positive_tokens must be given"):
+        GRPOLoss(cfg)(split_lp[halves[0]], batch["old_logprobs"][halves[0]], batch["advantages"][halves[0]],
+                      mask[halves[0]], ref_logprobs=batch["ref_logprobs"][halves[0]], positive=positive[halves[0]],
+                      batch=gb)
+    with pytest.raises(ValueError, match="positive must be given"):
+        GRPOLoss(cfg)(lp.detach(), *args, **kwargs)

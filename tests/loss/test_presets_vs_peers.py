@@ -127,13 +127,13 @@ def test_clamps_bind_beyond_them(case: str) -> None:
     assert not torch.allclose(loss, want, rtol=1e-6)
 
 
-def _ours_per_token(cfg, batch, *, rollout=False, kl_logprobs=None, is_weight=None):
+def _ours_per_token(cfg, batch, *, rollout=False, kl_logprobs=None, positive=None):
     lp = batch["logprobs"].clone().requires_grad_()
     ent = batch["entropy"].clone().requires_grad_()
     kl_lp = None if kl_logprobs is None else kl_logprobs.clone().requires_grad_()
     loss, _ = GRPOLoss(cfg)(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
                             rollout_logprobs=batch["rollout_logprobs"] if rollout else None,
-                            ref_logprobs=batch["ref_logprobs"], entropy=ent, kl_logprobs=kl_lp)
+                            ref_logprobs=batch["ref_logprobs"], entropy=ent, kl_logprobs=kl_lp, positive=positive)
     loss.backward()
     grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in (lp, ent) + (() if kl_lp is None else (kl_lp,))]
     return loss.detach(), grads
@@ -196,7 +196,8 @@ def test_preset_matches_verl(case: str, far: bool) -> None:
 
 @pytest.mark.parametrize("far", [False, True], ids=["realistic", "beyond_clamps"])
 @pytest.mark.parametrize("unfiltered", [False, True], ids=["filtered_none", "kl_logprobs"])
-def test_nemo_rl_preset_matches_nemo_rl(far: bool, unfiltered: bool) -> None:
+@pytest.mark.parametrize("vapo", [False, True], ids=["", "positive_nll"])
+def test_nemo_rl_preset_matches_nemo_rl(far: bool, unfiltered: bool, vapo: bool) -> None:
     """Beyond the clamps: the PPO log-ratio far beyond ±20 (NeMo-RL does not clamp it:
     policy.log_ratio_clamp=null); the KL input stays inside its clamp (where it binds NeMo-RL detaches the
     score-function weight and mp_grpo does not — a stated difference)."""
@@ -206,14 +207,17 @@ def test_nemo_rl_preset_matches_nemo_rl(far: bool, unfiltered: bool) -> None:
         shift = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 25
         batch["old_logprobs"] = torch.where(mask, batch["old_logprobs"] + shift, batch["old_logprobs"])
     kl_lp = torch.where(mask, batch["logprobs"] + 0.2, batch["logprobs"]) if unfiltered else None
-    cfg = load_config(preset_path("nemo_rl_grpo"), ["policy.log_ratio_clamp=null"] if far else [])
-    loss, grads = _ours_per_token(cfg, batch, kl_logprobs=kl_lp)
+    rewards = torch.tensor([1.0, -0.5, 0.0, 2.0, 0.3, -1.0], dtype=torch.float64)
+    overrides = (["policy.log_ratio_clamp=null"] if far else []) + (["nll.positive_coef=0.1"] if vapo else [])
+    cfg = load_config(preset_path("nemo_rl_grpo"), overrides)
+    loss, grads = _ours_per_token(cfg, batch, kl_logprobs=kl_lp, positive=rewards > 0 if vapo else None)
     lp = batch["logprobs"].clone().requires_grad_()
     unf = None if kl_lp is None else kl_lp.clone().requires_grad_()
     adv = batch["advantages"].unsqueeze(1).expand_as(lp)
     want = nemo_rl_clipped_pg_loss_reference(lp, batch["old_logprobs"], adv, mask,
                                              reference_policy_logprobs=batch["ref_logprobs"],
-                                             curr_logprobs_unfiltered=unf, reference_policy_kl_penalty=0.01)
+                                             curr_logprobs_unfiltered=unf, reference_policy_kl_penalty=0.01,
+                                             positive_example_nll_weight=0.1 if vapo else 0.0, rewards=rewards)
     want.backward()
     assert torch.isfinite(want)
     assert_close(loss, want, torch.float64, "loss")
