@@ -1,4 +1,4 @@
-"""Benchmark: output layer + token log-probs, fused (no logits) vs. the unfused paths, side by side.
+"""Benchmark: output layer + token log-probs (+ the GRPO loss), fused (no logits) vs. the unfused paths, side by side.
 
 Single GPU (default)::
 
@@ -13,13 +13,19 @@ Single GPU (default)::
     any unfused output layer; its extra peak is the logits;
   - torch: matmul + log_softmax(fp32) + gather;
   - mp_grpo logits path: matmul + ``vocab_parallel_logprobs(inplace_backward=True)``;
-  - mp_grpo ``fused_linear_logprobs`` (no entropy, with entropy, and accumulating the weight gradient
-    into an fp32 ``main_grad`` as under Megatron's gradient-accumulation fusion);
+  - mp_grpo logits path + GRPOLoss (PPO clip, on-policy, 8 padded sequences);
+  - mp_grpo ``fused_linear_loss`` + the same GRPOLoss: the loss's gradient made in forward (also into an
+    fp32 ``main_grad``, and with the per-token op's 512 MiB chunks for comparison);
+  - mp_grpo ``fused_linear_logprobs`` (also into an fp32 ``main_grad`` as under Megatron's
+    gradient-accumulation fusion), alone and + GRPOLoss (PPO clip, and GSPO: sequence-level objectives
+    take this recompute path);
   - Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (chunked, torch.compile; computes its loss and
     gradients in forward), skipped and said so when liger-kernel is not installed.
 
-  Before timing, the fused op is checked against the float64 reference of ``tests/reference.py`` at
-  a small size. Results: ``fused.json``, ``fused.md`` (table + targets) and ``fused.png``.
+  Before timing, both fused ops are checked against the float64 reference of ``tests/reference.py`` at
+  a small size. Results: ``fused.json``, ``fused.md`` (table + issue 18's targets) and ``fused.png``;
+  with ``--profile`` also ``fused_profile_<V>.txt`` (kernel times of one forward+backward of the
+  with-loss op).
 
 Tensor parallel (two GPUs, NCCL)::
 
@@ -429,8 +435,10 @@ def write_single_gpu_report(result: dict, out: Path) -> None:
         f"N = {result['tokens']} tokens, H = {result['hidden']}, bf16, one GPU (torch {result['torch']}). "
         "Median of triton.testing.do_bench. Extra peak: peak of one forward+backward beyond the memory allocated "
         "before it (inputs and the previous step's gradients, which each step frees and allocates again). "
-        "mp_grpo rows run with `check_inputs=False`. Liger computes a DAPO loss and its gradients in forward; its "
-        "forward and forward+backward are therefore alike. Command: `python scripts/bench_fused.py --out docs/benchmarks`.",
+        "mp_grpo rows run with `check_inputs=False`. Liger and `fused_linear_loss` compute the loss's gradients in "
+        "forward: their forward and forward+backward are therefore alike. Loss rows: GRPOLoss (PPO clip, or GSPO) on "
+        "8 padded sequences, on-policy (every token has a gradient). Command: "
+        "`python scripts/bench_fused.py --profile --out docs/benchmarks`.",
         "",
         "| implementation | V | fwd ms | fwd+bwd ms | fwd+bwd / bare matmul | extra peak GiB | Liger fwd+bwd / this |",
         "|---|---|---|---|---|---|---|",

@@ -72,7 +72,7 @@ Megatron gradient-accumulation fusion (``accumulate_into_main_grad=True``)
     ``grad_added_to_main_grad`` (Megatron's DDP sets it), it is set to True and a placeholder gradient
     is returned so that DDP's backward hook runs on the main thread; otherwise None. The placeholder
     is zeros (Megatron leaves it uninitialized unless ``weight.zero_out_wgrad``), one zero element
-    allocated once and expanded: the hook ignores it — or, under ``zero_out_wgrad`` (tied embeddings),
+    allocated once and expanded (autograd materializes it as ``weight.grad``): the hook ignores it — or, under ``zero_out_wgrad`` (tied embeddings),
     adds it plus the embedding lookup's gradient into ``main_grad`` — and anything else that reads
     ``weight.grad`` sees a correct "nothing beyond main_grad".
 
@@ -217,8 +217,11 @@ def main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
     Zeros, as Megatron's linear layer makes them under ``weight.zero_out_wgrad`` (tied embeddings: the
     embedding lookup's gradient is added to it, and DDP's hook adds the sum into ``main_grad``), but
-    allocated once: a single zero element expanded to ``weight.shape`` (stride 0). Autograd copies it
-    into a tensor of its own only where it must keep it as ``weight.grad``; nothing writes into it."""
+    allocated once: a single zero element expanded to ``weight.shape`` (stride 0), so the op itself
+    allocates and fills nothing per call. Autograd's AccumulateGrad still materializes it when it becomes
+    ``weight.grad`` (a stride-0 tensor breaks the gradient layout contract: one ``V_local × H`` allocation
+    from the caching allocator and one write, the cost the fresh ``torch.zeros`` had); Megatron's DDP hook
+    then drops that ``.grad``. Nothing ever writes into the cached element."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True

@@ -157,6 +157,20 @@ def test_placeholder_is_allocated_once():
     p1, p2 = main_grad_placeholder(w, torch.float32), main_grad_placeholder(w, torch.float32)
     assert p1.shape == w.shape and p1.eq(0).all() and w.grad_added_to_main_grad is True
     assert p1.data_ptr() == p2.data_ptr() and p1.stride() == (0, 0), "one zero element, expanded"
+    # AccumulateGrad materializes it as .grad (dense strides, zeros); the cached element stays zero.
+    h = torch.randn(3, 4, requires_grad=True)
+    loss, _ = fused_linear_loss(h, w, torch.tensor([1, 2, 3]), lambda lp, ent: (lp.sum(), None),
+                                accumulate_into_main_grad=False)
+    loss.backward()
+    w.grad_added_to_main_grad = False
+    w.main_grad = torch.zeros(7, 4)
+    w.grad = None
+    loss, _ = fused_linear_loss(h, w, torch.tensor([1, 2, 3]), lambda lp, ent: (lp.sum(), None),
+                                accumulate_into_main_grad=True)
+    emb = torch.nn.functional.embedding(torch.tensor([0, 0]), w)
+    torch.autograd.backward([loss, emb], [torch.tensor(1.0), torch.ones(2, 4)])
+    assert w.grad[0].eq(2).all() and w.grad[1:].eq(0).all(), "placeholder zeros + the lookup's gradient"
+    assert main_grad_placeholder(w, torch.float32).eq(0).all(), "the cached zero was written into"
 
 
 def test_bad_loss_fn():
