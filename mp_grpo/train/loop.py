@@ -144,8 +144,8 @@ class Trainer:
             self.optimizer = torch.optim.Adam(module.parameters(), lr=cfg.train.lr)
             self.forward_backward = partial(_cpu_forward_backward, forward_backward_cpu, groups)
             self.engine_model = stand_in()
-            if needs_reference:
-                self.reference = stand_in().eval()
+            if needs_reference:  # under the DDP emulation too: the CPU schedule calls model.no_sync()
+                self.reference = CpuDistributedDataParallel(config, ddp_config, stand_in().eval(), dp_cp_group=groups.dp_cp)
             self.description = CPU_DESCRIPTION
 
     @property
