@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(json.dumps(log, indent=2))
         print(f"wrote {path}", flush=True)
         if cfg.output.plot:
-            plot_records(records, cfg.output.plot, title=info.get("description", "")[:60])
+            where = info.get("description", "").split(":")[0]  # CPU | GPU
+            plot_records(records, cfg.output.plot, title=f"mp_grpo: on-policy GRPO, successor counting ({where}, layout {info.get('layout')})")
             print(f"wrote {cfg.output.plot}", flush=True)
     dist.destroy_process_group()
 

@@ -144,8 +144,8 @@ class Trainer:
             self.optimizer = torch.optim.Adam(module.parameters(), lr=cfg.train.lr)
             self.forward_backward = partial(_cpu_forward_backward, forward_backward_cpu, groups)
             self.engine_model = stand_in()
-            if needs_reference:
-                self.reference = stand_in().eval()
+            if needs_reference:  # under the DDP emulation too: the CPU schedule calls model.no_sync()
+                self.reference = CpuDistributedDataParallel(config, ddp_config, stand_in().eval(), dp_cp_group=groups.dp_cp)
             self.description = CPU_DESCRIPTION
 
     @property
@@ -195,8 +195,9 @@ def rollout_batch(cfg: JobConfig, rollout_index: int, trainer: Trainer, engine: 
                           sequence_ids=torch.arange(n, device=device))
     rewards = successor_reward(gen.tokens, prompt_len, cfg.task.completion_length, modulus)
     advantages = group_advantages(rewards, g, ADVANTAGE_STD_EPS)
-    everything = Rollouts(tokens=gen.tokens, lengths=gen.lengths, loss_mask=gen.completion_mask, advantages=advantages,
-                          rollout_logprobs=gen.rollout_logprobs)
+    # Token-aligned fields on the CPU (micro-batch preparation is host-side); each micro-batch then moves to the device.
+    everything = Rollouts(tokens=gen.tokens.cpu(), lengths=gen.lengths.cpu(), loss_mask=gen.completion_mask.cpu(),
+                          advantages=advantages.cpu(), rollout_logprobs=gen.rollout_logprobs.cpu())
     first = ps.get_data_parallel_rank() * m * mbs
     sp = groups.tp_size if cfg.parallel.sequence_parallel else 1
     micro = [prepare_micro_batch(everything.select(slice(first + i * mbs, first + (i + 1) * mbs)),

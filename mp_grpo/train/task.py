@@ -8,8 +8,8 @@ policy's improvement shows. A uniformly random policy over a vocabulary of V sco
 
 Why this task: the CPU stand-in model has no attention (each position sees its own token and
 position), and this task needs nothing more — the best next token is a function of the current one —
-so a model of a few thousand parameters learns it in a few dozen GRPO steps on a 2-core CPU, from a
-starting reward near 1/V. Rewards are computed from token ids only: identical on every layout.
+so a model of a few thousand parameters goes from a reward near 1/V to about 0.5 in 20 GRPO steps
+on a 2-core CPU (README). Rewards are computed from token ids only: identical on every layout.
 """
 
 from __future__ import annotations
