@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mp_grpo.train.mismatch_lab import __main__ as lab_cli
-from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer
+from mp_grpo.config import load_config
+from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, training
 from mp_grpo.train.mismatch_lab.policy import PolicyShape, RolloutEngine, TinyPolicy, make_rollouts
 from tests.tolerances import tolerance
 
@@ -79,3 +80,18 @@ def test_cli_writes_table_and_json(tmp_path):
     result = json.loads((tmp_path / "nan_guard.json").read_text())
     assert result["experiment"] == "nan_guard" and len(result["rows"]) == len(nan_guard.CASES)
     assert "| case |" in (tmp_path / "nan_guard.md").read_text()
+
+
+@pytest.mark.parametrize("variant", sorted(training.VARIANTS))
+def test_training_variants_are_valid_loss_configs(variant):
+    overrides = [o.removeprefix("loss.") for o in training.NO_CORRECTION + training.VARIANTS[variant]]
+    cfg = load_config(None, overrides)
+    rc = cfg.rollout_correction
+    corrections = [rc.weight_level, rc.reject_level, cfg.opsm.delta, cfg.mismatch.skip_threshold]
+    active = [c for c in corrections if c is not None]
+    assert (not active) if variant == "no correction" else active, (variant, corrections)
+
+
+def test_training_knob_rises_linearly_from_zero():
+    setup = training.TrainingSetup(steps=5, max_noise_std=2.0)
+    assert [training.noise_at(setup, s) for s in range(5)] == [0.0, 0.5, 1.0, 1.5, 2.0]

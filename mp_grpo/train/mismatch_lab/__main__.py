@@ -9,6 +9,7 @@ Schedule
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -16,24 +17,32 @@ from pathlib import Path
 from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, report
 
 
-def _run_a() -> tuple[dict, str]:
+def _run_a(args: argparse.Namespace) -> tuple[dict, str]:
     result = is_correction.run()
     return result, report.is_correction_table(result)
 
 
-def _run_b() -> tuple[dict, str]:
+def _run_b(args: argparse.Namespace) -> tuple[dict, str]:
     result = normalizer.run()
     return result, report.normalizer_table(result)
 
 
-def _run_c() -> tuple[dict, str]:
+def _run_c(args: argparse.Namespace) -> tuple[dict, str]:
     result = nan_guard.run()
     return result, report.nan_guard_table(result)
 
 
-def _run_d() -> tuple[dict, str] | None:
+def _run_d(args: argparse.Namespace) -> tuple[dict, str] | None:
     from mp_grpo.train.mismatch_lab import training
-    result = training.run()
+    setup = training.TrainingSetup()
+    if args.training_steps is not None:
+        setup = dataclasses.replace(setup, steps=args.training_steps)
+    if args.training_variants is not None:
+        unknown = sorted(set(args.training_variants) - set(training.VARIANTS))
+        if unknown:
+            raise SystemExit(f"--training-variants: unknown {unknown}; allowed: {sorted(training.VARIANTS)}")
+        setup = dataclasses.replace(setup, variants=tuple(args.training_variants))
+    result = training.run(setup)
     return None if result is None else (result, training.table(result))
 
 
@@ -55,13 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiments", nargs="+", choices=sorted(EXPERIMENTS), default=sorted(EXPERIMENTS),
                         help="which experiments to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("docs/mismatch"), help="output folder")
+    parser.add_argument("--training-steps", type=int, default=None, help="(d): optimizer steps per run")
+    parser.add_argument("--training-variants", nargs="+", default=None, help="(d): variant names (default: all)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     # --- 2. experiments ---
     for letter in args.experiments:
         name, runner, plotter = EXPERIMENTS[letter]
         start = time.perf_counter()
-        out = runner()
+        out = runner(args)
         if out is None:
             print(f"({letter}) {name}: skipped (see the message above)", flush=True)
             continue
