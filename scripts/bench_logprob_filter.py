@@ -123,7 +123,7 @@ def run_filters(args) -> list[dict]:
 
 
 def check_bitwise(v: int, n: int) -> bool:
-    """Four rows alone vs the same rows at spread positions inside n rows: identical bits."""
+    """A few rows alone vs the same rows at spread positions inside n rows: identical bits."""
     x = peaky_logits(n, v, seed=9)
     t = torch.randint(0, v, (n,), device="cuda")
     g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
@@ -136,7 +136,7 @@ def check_bitwise(v: int, n: int) -> bool:
 
     whole = run(torch.arange(n, device="cuda"))
     ok = True
-    for i in (0, 1, n // 2 + 3, n - 1):
+    for i in sorted({0, 1 % n, n // 2, n - 1}):
         alone = run(torch.tensor([i], device="cuda"))
         ok &= all(torch.equal(a[0], w[i]) for a, w in zip(alone, whole))
     return bool(ok)
@@ -207,8 +207,9 @@ def write_report(result: dict, out: Path) -> None:
         "",
         "## Batch invariance: what the row-count-independent launch configuration costs",
         "",
-        f"Bitwise check (4 rows alone vs inside N = {result['tokens']}, log-prob, entropy and gradient): {inv['bitwise']}.",
-        "Cost = fixed configuration (V_local only) / best of the sweep at that N − 1, forward + backward.",
+        f"Bitwise check (rows alone vs inside N = {result['tokens']}, log-prob, entropy and gradient): {inv['bitwise']}.",
+        "Cost = fixed configuration (V_local only) / best of the sweep at that N − 1, forward + backward; the fixed "
+        "configuration is also in the sweep, so a cost within a few % is the timing noise of picking a minimum.",
         "",
         "| V | N | fixed ms | best ms (config) | cost |",
         "|---|---|---|---|---|",
