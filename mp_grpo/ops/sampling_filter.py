@@ -59,7 +59,8 @@ class SamplingFilter:
     """The rollout's sampling filter, replayed at training time (vLLM's convention; module docstring).
 
     Each field is ``None`` (off), a Python number for every row, or a tensor of ``target.shape`` (one
-    value per row, as vLLM's per-request sampling params).
+    value per row, as vLLM's per-request sampling params). Under tensor parallelism every rank of the
+    group must pass the same values (as it passes the same targets): a per-row top_k sizes a collective.
     """
 
     top_k: int | torch.Tensor | None = None
@@ -150,6 +151,8 @@ def filter_threshold(
     device = x.device
     v_global = v_local * group_size(tp_group)
     threshold = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
+    if n == 0:
+        return threshold
 
     # --- 1. row maximum; top-k threshold from each shard's k largest values (one all-gather) ---
     if filt.top_k is not None:

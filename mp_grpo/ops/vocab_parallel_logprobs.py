@@ -17,7 +17,8 @@ Forward
        (as M and log S) per row; count bad targets and shard-size mismatches (their outputs are
        NaN); with ``check_inputs`` one host read of the counts raises a clear error.
     Saved for backward: the logits (not a copy), targets, M, log S and entropy — 20 bytes a row
-    beyond the logits, no ``[N, V]`` fp32 buffer.
+    beyond the logits, no ``[N, V]`` fp32 buffer (with a filter also the threshold and the
+    outside-the-kept-set mask, 5 bytes a row).
 
 Backward
     1. ``logprob_backward_kernel``: one pass reads the shard once and writes its gradient once, in
