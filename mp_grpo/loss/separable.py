@@ -10,7 +10,9 @@ token reads a per-sequence sum of log-probs of the current policy:
 - sequence-mean objectives (``gspo``, ``gmpo``: exp of the sequence's mean log-ratio);
 - OPSM (the sequence's mean divergence from the behaviour policy, with stopgrad of log π_θ);
 - rollout correction in bypass mode at sequence or geometric level (the trainer log-probs are the
-  current ones, summed over the sequence).
+  current ones, summed over the sequence);
+- the KL bias correction at sequence or geometric level (``kl.bias_correction_level``: each token's KL is
+  weighted by its sequence's ratio of the current policy).
 """
 
 from __future__ import annotations
@@ -25,4 +27,7 @@ def token_separable(config: LossConfig) -> bool:
         return False
     rc = config.rollout_correction
     sequence_levels = (RatioLevel.SEQUENCE, RatioLevel.GEOMETRIC)
-    return not (rc.bypass and (rc.weight_level in sequence_levels or rc.reject_level in sequence_levels))
+    if rc.bypass and (rc.weight_level in sequence_levels or rc.reject_level in sequence_levels):
+        return False
+    kl = config.kl
+    return not (kl.coef != 0.0 and kl.bias_correction and kl.bias_correction_level in sequence_levels)

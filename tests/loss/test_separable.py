@@ -60,3 +60,19 @@ def test_sequence_mean_objectives_are_not_separable(objective):
     cfg = load_config(None, [f"policy.objective={objective}", "policy.eps_low=0.9", "policy.eps_high=0.9"])
     assert not token_separable(cfg)
     assert _token_gradient_moves(cfg), "the check above can fail: a sequence-mean objective reads the other tokens"
+
+
+# The options added for peer parity: each one's claim (separable or not) is checked both ways.
+PARITY_OPTIONS = {
+    "vespo": ["policy.objective=vespo"],
+    "kl_bias_sequence": ["kl.coef=0.05", "kl.bias_correction=true", "kl.bias_correction_level=sequence"],
+    "kl_bias_geometric": ["kl.coef=0.05", "kl.bias_correction=true", "kl.bias_correction_level=geometric"],
+    "regularizer_mode": ["kl.coef=0.05", "aggregation.mode=seq_mean_token_mean", "aggregation.regularizer_mode=token_mean"],
+    "bonus_on_selected": ["entropy.bonus_coef=0.01", "entropy.top_quantile=0.5", "entropy.bonus_on_selected=true"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARITY_OPTIONS))
+def test_parity_options_separability_is_right(name):
+    cfg = load_config(None, PARITY_OPTIONS[name])
+    assert token_separable(cfg) == (not _token_gradient_moves(cfg)), name
