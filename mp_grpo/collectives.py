@@ -71,3 +71,29 @@ def all_gather_object_sizes(value: int, group: ProcessGroup | None) -> list[int]
     out: list[int | None] = [None] * world
     dist.all_gather_object(out, value, group=group)
     return [int(v) for v in out]  # type: ignore[arg-type]
+
+
+def is_last_rank(group: ProcessGroup | None) -> bool:
+    """Whether this process is the last rank of ``group`` (the last pipeline stage of a PP group); True for size 1."""
+    return group_rank(group) == group_size(group) - 1
+
+
+def broadcast_from_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``x`` of the last rank of ``group`` on every rank (a new tensor; ``x`` gives shape and dtype elsewhere).
+
+    One broadcast; used over the pipeline group, whose last stage holds what only the loss sees.
+    """
+    if group_size(group) == 1:
+        return x
+    out = x.clone().contiguous()
+    dist.broadcast(out, src=dist.get_global_rank(group, group_size(group) - 1), group=group)
+    return out
+
+
+def broadcast_object_from_last(value: object, group: ProcessGroup | None) -> object:
+    """A picklable ``value`` of the last rank of ``group`` on every rank (a host-side exchange, once per step)."""
+    if group_size(group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, group_size(group) - 1), group=group)
+    return box[0]

@@ -31,7 +31,9 @@ import torch
 from mp_grpo.config.job import OutputPath
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.global_batch import GlobalBatch
+from mp_grpo.collectives import is_last_rank
 from mp_grpo.loss.grpo_loss import GRPOLoss
+from mp_grpo.loss.metrics import reduce_metrics
 from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
@@ -129,7 +131,9 @@ class MegatronGRPO:
             )
         masks = [mb.loss_mask for mb in micro_batches]
         layouts = [mb.sequences for mb in micro_batches]
-        needs_logprobs = self.config.rollout_correction.normalize_weights or self.config.mismatch.skip_threshold is not None
+        step_level = self.config.rollout_correction.normalize_weights or self.config.mismatch.skip_threshold is not None
+        # Under pipeline parallelism only the last stage needs them: it decides and broadcasts over PP.
+        needs_logprobs = step_level and is_last_rank(self.groups.pp)
         for i, mb in enumerate(micro_batches):
             for name in ("old_logprobs", "rollout_logprobs"):
                 if needs_logprobs and getattr(mb, name) is None:
@@ -138,7 +142,7 @@ class MegatronGRPO:
                         "mismatch.skip_threshold decide on it before the step: set it (MicroBatch.with_logprobs, "
                         "e.g. from a no-grad pass of the model at the start of the step)"
                     )
-        if not needs_logprobs and self.config.entropy.top_quantile == 1.0:
+        if not step_level and self.config.entropy.top_quantile == 1.0:
             return GlobalBatch.from_masks(masks, group=self.groups.dp_cp, layouts=layouts, step=step)
         return GlobalBatch.from_rollouts(
             self.config,
@@ -149,7 +153,16 @@ class MegatronGRPO:
             group=self.groups.dp_cp,
             layouts=layouts,
             step=step,
+            pp_group=self.groups.pp,
         )
+
+    def reduce_metrics(self, losses: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
+        """The step's metrics from what ``forward_backward_func`` returned, on every pipeline stage.
+
+        :func:`mp_grpo.reduce_metrics` over the DP×CP group on the last stage, broadcast over the PP group:
+        every stage (whose ``losses`` list is empty except on the last) gets the last stage's values.
+        """
+        return reduce_metrics(losses, self.groups.dp_cp, pp_group=self.groups.pp)
 
     def forward_step_func(
         self, batch: GlobalBatch, *, step: int, model_kwargs: Mapping[str, object] | None = None
