@@ -206,6 +206,8 @@ class MegatronGRPO:
             mb = next(data_iterator)
             if not isinstance(mb, MicroBatch):
                 raise TypeError(f"the data iterator must yield MicroBatch objects, got {type(mb).__name__}")
+            if mb.routing is not None:
+                _replay_routing(model, mb.routing)
             output, output_weight = self.call_model(model, mb, model_kwargs=extra)
             return output, partial(
                 self.loss_func, mb, batch, vocab_size=self._model_vocab_size(model), output_weight=output_weight
@@ -239,6 +241,16 @@ class MegatronGRPO:
             raise ValueError(
                 f"groups.cp: the model config has context_parallel_size={cp} but the CP group has "
                 f"{self.groups.cp_size} ranks"
+            )
+        moe_aux = bool(getattr(config, "moe_aux_loss_coeff", 0.0)) or bool(getattr(config, "moe_z_loss_coeff", None))
+        if self.calculate_per_token_loss and getattr(config, "num_moe_experts", None) and moe_aux:
+            raise ValueError(
+                "calculate_per_token_loss with MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff): "
+                "megatron-core's router multiplies each micro-batch's aux / z loss by its ROUTED token count, and "
+                "finalize_model_grads divides by the TRAINED token count that loss_func returns (completion tokens "
+                "only), so the aux losses' strength is inflated by routed / trained tokens and changes every step. "
+                "Use calculate_per_token_loss=False (the aux losses then get Megatron's intended 1/(M·DP) scale; "
+                "GRPOLoss's gradient is exact either way), or set the aux coefficients to 0"
             )
         if getattr(config, "mtp_num_layers", None):
             raise ValueError(
@@ -377,6 +389,23 @@ class MegatronGRPO:
             return int(get_attr_wrapped_model(model, "vocab_size"))
         except RuntimeError:
             return None
+
+
+def _replay_routing(model: torch.nn.Module, routing: tuple[torch.Tensor, ...]) -> None:
+    """Routing replay (verl R2/R3, NeMo-RL R3): hand megatron-core's ``RouterReplay`` this micro-batch's recorded
+    top-k expert indices, one tensor per MoE layer of this stage, and switch the routers to replay them."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    from megatron.core.utils import get_attr_wrapped_model
+
+    try:
+        config = get_attr_wrapped_model(model, "config")
+    except RuntimeError:
+        config = None
+    if config is not None and not getattr(config, "moe_enable_routing_replay", False):
+        raise ValueError("MicroBatch.routing is set but the model config has moe_enable_routing_replay=False: "
+                         "its routers would ignore the recorded decisions")
+    RouterReplay.set_replay_data(list(routing))  # raises when the count differs from the MoE layers
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def _check_output_shape(output: torch.Tensor, mb: MicroBatch, what: str, last: str, source: str) -> None:
