@@ -73,18 +73,31 @@ def all_gather_object_sizes(value: int, group: ProcessGroup | None) -> list[int]
     return [int(v) for v in out]  # type: ignore[arg-type]
 
 
-def broadcast_from_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """``x`` of the last rank of ``group`` on every rank (e.g. the last pipeline stage's results).
+def is_last_rank(group: ProcessGroup | None) -> bool:
+    """Whether this process is the last rank of ``group`` (the last pipeline stage of a PP group); True for size 1."""
+    return group_rank(group) == group_size(group) - 1
 
-    One broadcast; every rank passes a tensor of the same shape and dtype (its values are ignored except
-    on the last rank). Returns a new tensor.
+
+def broadcast_from_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``x`` of the last rank of ``group`` on every rank (a new tensor; ``x`` itself for a group of size 1;
+    ``x`` gives shape and dtype elsewhere).
+
+    One broadcast; used over the pipeline group, whose last stage holds what only the loss sees.
     """
-    world = group_size(group)
-    out = x.clone()
-    if world == 1:
-        return out
-    dist.broadcast(out, src=dist.get_global_rank(group, world - 1), group=group)
+    if group_size(group) == 1:
+        return x
+    out = x.clone().contiguous()
+    dist.broadcast(out, src=dist.get_global_rank(group, group_size(group) - 1), group=group)
     return out
+
+
+def broadcast_object_from_last(value: object, group: ProcessGroup | None) -> object:
+    """A picklable ``value`` of the last rank of ``group`` on every rank (a host-side exchange, once per step)."""
+    if group_size(group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, group_size(group) - 1), group=group)
+    return box[0]
 
 
 def all_reduce_argmax(value: torch.Tensor, index: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

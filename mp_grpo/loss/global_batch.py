@@ -20,6 +20,8 @@ first steps only)
     5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' entropies over ``group``
        (sizes, then the padded values, fp32 — fp64 for fp64 inputs) and their exact quantile — an exact
        quantile needs the values.
+    6. Only under pipeline parallelism (``pp_group``) with step-level quantities: the last stage computes
+       them (3–5) and ONE broadcast over ``pp_group`` gives every stage the same values and decisions.
 A host synchronization happens only in step 5 (variable sizes); the counts stay on the device.
 
 **Wrong-step protection.** A GlobalBatch knows exactly which loss masks it was built from — by
@@ -44,7 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, all_gather_stacked, all_reduce_sum, group_size
+from mp_grpo.collectives import (
+    ProcessGroup, all_gather_stacked, all_reduce_sum, broadcast_from_last, group_size, is_last_rank,
+)
 from mp_grpo.config.loss import LossConfig, RatioLevel
 from mp_grpo.loss.clamps import COUNT_FLOOR
 from mp_grpo.loss.entropy import entropy_threshold
@@ -119,6 +123,7 @@ class GlobalBatch:
         group: ProcessGroup | None = None,
         layouts: Sequence[SequenceLayout | None] | None = None,
         step: int | None = None,
+        pp_group: ProcessGroup | None = None,
     ) -> GlobalBatch:
         """Counts plus the step-level quantities ``config`` needs, decided identically on every rank.
 
@@ -133,11 +138,16 @@ class GlobalBatch:
             group: the DP group (DP×CP under context parallelism); None: this process alone.
             layouts: per micro-batch :class:`SequenceLayout` (None: padded ``[B, T]``).
             step: an optimizer-step id to check later with :meth:`check_step`.
+            pp_group: the pipeline-parallel group. Under pipeline parallelism only the last stage runs the
+                loss and holds the old / rollout log-probs and entropies: there the step-level quantities are
+                computed (the other stages need not pass them) and then broadcast over ``pp_group``
+                (step 6), so every stage makes the same decisions (``skip_step`` above all: a stage that
+                steps its optimizer while another does not hangs in the grad-norm collective).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
         return cls._build(config, masks, group=group, layouts=layouts, step=step, old_logprobs=old_logprobs,
-                          rollout_logprobs=rollout_logprobs, entropies=entropies)
+                          rollout_logprobs=rollout_logprobs, entropies=entropies, pp_group=pp_group)
 
     @classmethod
     def _build(
@@ -151,6 +161,7 @@ class GlobalBatch:
         old_logprobs: Sequence[torch.Tensor] | None = None,
         rollout_logprobs: Sequence[torch.Tensor] | None = None,
         entropies: Sequence[torch.Tensor] | None = None,
+        pp_group: ProcessGroup | None = None,
     ) -> GlobalBatch:
         # --- 1. check the micro-batches; valid tokens of each ---
         masks = list(masks) if isinstance(masks, (list, tuple)) else _not_a_list("masks", masks)
@@ -168,9 +179,12 @@ class GlobalBatch:
             valid.append(layout.valid_tokens(mask))
         if step is not None and not isinstance(step, int):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
-        needs_weight_mean = config is not None and config.rollout_correction.normalize_weights
-        needs_skip = config is not None and config.mismatch.skip_threshold is not None
-        needs_entropy = config is not None and config.entropy.top_quantile < 1.0
+        decides_here = is_last_rank(pp_group)  # the last pipeline stage decides; the others receive (step 6)
+        wants_weight_mean = config is not None and config.rollout_correction.normalize_weights
+        wants_skip = config is not None and config.mismatch.skip_threshold is not None
+        wants_entropy = config is not None and config.entropy.top_quantile < 1.0
+        needs_weight_mean, needs_skip, needs_entropy = (
+            decides_here and wants_weight_mean, decides_here and wants_skip, decides_here and wants_entropy)
         old = rollout = None
         if needs_weight_mean or needs_skip:
             why = "rollout_correction.normalize_weights" if needs_weight_mean else "mismatch.skip_threshold"
@@ -227,6 +241,19 @@ class GlobalBatch:
             dtype = torch.float64 if any(e.dtype == torch.float64 for e in ents) else torch.float32  # type: ignore[union-attr]
             local = torch.cat([e.detach()[v].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
             threshold = entropy_threshold(_gather_varlen(local, group), config.entropy.top_quantile)  # type: ignore[union-attr]
+
+        # --- 6. pipeline parallelism: the last stage's decisions on every stage (one broadcast over PP) ---
+        if group_size(pp_group) > 1 and (wants_weight_mean or wants_skip or wants_entropy):
+            nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+            mine = torch.stack([
+                weight_mean if weight_mean is not None else nan, mismatch_k3 if mismatch_k3 is not None else nan,
+                threshold.to(torch.float64) if threshold is not None else nan,
+            ])
+            weight_mean, mismatch_k3, decided_threshold = broadcast_from_last(mine, pp_group).unbind()
+            weight_mean = weight_mean if wants_weight_mean else None
+            mismatch_k3 = mismatch_k3 if wants_skip else None
+            skip = mismatch_k3 > config.mismatch.skip_threshold if wants_skip else None  # type: ignore[union-attr]
+            threshold = decided_threshold if wants_entropy else None
 
         return cls(
             valid_tokens=n_tokens, valid_sequences=n_valid_seqs, all_sequences=n_all_seqs, num_micro_batches=n_mbs,

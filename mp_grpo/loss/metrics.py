@@ -22,7 +22,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum
+from mp_grpo.collectives import (
+    ProcessGroup, all_reduce_max, all_reduce_sum, broadcast_object_from_last, group_size, is_last_rank,
+)
 from mp_grpo.ops.checks import check_errors
 
 MIN_SUFFIX = "/min"
@@ -62,7 +64,10 @@ def stats_entries(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[s
 
 
 def reduce_metrics(
-    metrics: Sequence[Mapping[str, torch.Tensor]], group: ProcessGroup | None = None
+    metrics: Sequence[Mapping[str, torch.Tensor]],
+    group: ProcessGroup | None = None,
+    *,
+    pp_group: ProcessGroup | None = None,
 ) -> dict[str, float]:
     """Exact step values from the metric dicts of this rank's micro-batches, reduced over ``group``.
 
@@ -70,9 +75,26 @@ def reduce_metrics(
     rank's dicts; 2. one sum and one max all-reduce over ``group``; 3. one host read. Every rank must pass
     dicts with the same names (they do when every rank uses the same LossConfig and the same optional
     inputs). Means with a zero count come back as NaN; extremes with nothing to report as ±inf.
+
+    Pipeline parallelism (``pp_group`` of more than one stage): Megatron calls the loss only on the last
+    stage, so the other stages' lists are empty. The last stage reduces over its ``group`` and its result
+    is broadcast over ``pp_group`` (4.): every stage returns the same dict, and the documented loop runs
+    unchanged on every stage. Without ``pp_group`` an empty list is an error.
     """
+    if group_size(pp_group) > 1:
+        # --- 4. the last stage's values on every stage ---
+        mine = _reduce(metrics, group) if is_last_rank(pp_group) else None
+        return broadcast_object_from_last(mine, pp_group)  # type: ignore[return-value]
+    return _reduce(metrics, group)
+
+
+def _reduce(metrics: Sequence[Mapping[str, torch.Tensor]], group: ProcessGroup | None) -> dict[str, float]:
+    """Steps 1–3 of :func:`reduce_metrics`."""
     if not metrics:
-        raise ValueError("metrics must hold the metric dict of at least one micro-batch")
+        raise ValueError(
+            "metrics must hold the metric dict of at least one micro-batch (on a pipeline stage other than the "
+            "last, which has none, pass pp_group= so the last stage's values are broadcast)"
+        )
     names = sorted(metrics[0])
     for i, m in enumerate(metrics):
         if sorted(m) != names:

@@ -34,7 +34,9 @@ import torch
 from mp_grpo.config.job import OutputPath
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.global_batch import GlobalBatch
+from mp_grpo.collectives import is_last_rank
 from mp_grpo.loss.grpo_loss import GRPOLoss
+from mp_grpo.loss.metrics import reduce_metrics
 from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states, fused_output_loss, loss_in_forward
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
@@ -132,7 +134,9 @@ class MegatronGRPO:
             )
         masks = [mb.loss_mask for mb in micro_batches]
         layouts = [mb.sequences for mb in micro_batches]
-        needs_logprobs = self.config.rollout_correction.normalize_weights or self.config.mismatch.skip_threshold is not None
+        step_level = self.config.rollout_correction.normalize_weights or self.config.mismatch.skip_threshold is not None
+        # Under pipeline parallelism only the last stage needs them: it decides and broadcasts over PP.
+        needs_logprobs = step_level and is_last_rank(self.groups.pp)
         for i, mb in enumerate(micro_batches):
             for name in ("old_logprobs", "rollout_logprobs"):
                 if needs_logprobs and getattr(mb, name) is None:
@@ -141,7 +145,7 @@ class MegatronGRPO:
                         "mismatch.skip_threshold decide on it before the step: set it (MicroBatch.with_logprobs, "
                         "e.g. from a no-grad pass of the model at the start of the step)"
                     )
-        if not needs_logprobs and self.config.entropy.top_quantile == 1.0:
+        if not step_level and self.config.entropy.top_quantile == 1.0:
             return GlobalBatch.from_masks(masks, group=self.groups.dp_cp, layouts=layouts, step=step)
         return GlobalBatch.from_rollouts(
             self.config,
@@ -152,7 +156,16 @@ class MegatronGRPO:
             group=self.groups.dp_cp,
             layouts=layouts,
             step=step,
+            pp_group=self.groups.pp,
         )
+
+    def reduce_metrics(self, losses: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
+        """The step's metrics from what ``forward_backward_func`` returned, on every pipeline stage.
+
+        :func:`mp_grpo.reduce_metrics` over the DP×CP group on the last stage, broadcast over the PP group:
+        every stage (whose ``losses`` list is empty except on the last) gets the last stage's values.
+        """
+        return reduce_metrics(losses, self.groups.dp_cp, pp_group=self.groups.pp)
 
     def forward_step_func(
         self, batch: GlobalBatch, *, step: int, model_kwargs: Mapping[str, object] | None = None
@@ -196,6 +209,8 @@ class MegatronGRPO:
             mb = next(data_iterator)
             if not isinstance(mb, MicroBatch):
                 raise TypeError(f"the data iterator must yield MicroBatch objects, got {type(mb).__name__}")
+            if mb.routing is not None:
+                _replay_routing(model, mb.routing)
             output, output_weight = self.call_model(model, mb, model_kwargs=extra)
             return output, partial(
                 self.loss_func, mb, batch, vocab_size=self._model_vocab_size(model), output_weight=output_weight
@@ -229,6 +244,16 @@ class MegatronGRPO:
             raise ValueError(
                 f"groups.cp: the model config has context_parallel_size={cp} but the CP group has "
                 f"{self.groups.cp_size} ranks"
+            )
+        moe_aux = bool(getattr(config, "moe_aux_loss_coeff", 0.0)) or bool(getattr(config, "moe_z_loss_coeff", None))
+        if self.calculate_per_token_loss and getattr(config, "num_moe_experts", None) and moe_aux:
+            raise ValueError(
+                "calculate_per_token_loss with MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff): "
+                "megatron-core's router multiplies each micro-batch's aux / z loss by its ROUTED token count, and "
+                "finalize_model_grads divides by the TRAINED token count that loss_func returns (completion tokens "
+                "only), so the aux losses' strength is inflated by routed / trained tokens and changes every step. "
+                "Use calculate_per_token_loss=False (the aux losses then get Megatron's intended 1/(M·DP) scale; "
+                "GRPOLoss's gradient is exact either way), or set the aux coefficients to 0"
             )
         if getattr(config, "mtp_num_layers", None):
             raise ValueError(
@@ -383,6 +408,23 @@ class MegatronGRPO:
             return int(get_attr_wrapped_model(model, "vocab_size"))
         except RuntimeError:
             return None
+
+
+def _replay_routing(model: torch.nn.Module, routing: tuple[torch.Tensor, ...]) -> None:
+    """Routing replay (verl R2/R3, NeMo-RL R3): hand megatron-core's ``RouterReplay`` this micro-batch's recorded
+    top-k expert indices, one tensor per MoE layer of this stage, and switch the routers to replay them."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    from megatron.core.utils import get_attr_wrapped_model
+
+    try:
+        config = get_attr_wrapped_model(model, "config")
+    except RuntimeError:
+        config = None
+    if config is not None and not getattr(config, "moe_enable_routing_replay", False):
+        raise ValueError("MicroBatch.routing is set but the model config has moe_enable_routing_replay=False: "
+                         "its routers would ignore the recorded decisions")
+    RouterReplay.set_replay_data(list(routing))  # raises when the count differs from the MoE layers
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def _check_output_shape(output: torch.Tensor, mb: MicroBatch, what: str, last: str, source: str) -> None:

@@ -90,6 +90,10 @@ class MicroBatch:
     """Which local positions form which sequence, with the CP group."""
     layout: TokenLayout
     """How further token-aligned fields are cut the same way (:meth:`TokenLayout.target_field`)."""
+    routing: tuple[torch.Tensor, ...] | None = None
+    """Routing replay (MoE): the recorded top-k expert indices of this micro-batch, one tensor per MoE layer of
+    this pipeline stage, in megatron-core ``RouterReplay``'s layout (``[tokens, topk]`` in the model's token
+    order); set with :meth:`with_routing`. None: the routers decide."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on ``device``: ``packed_seq_params``' boundaries and the loss layout's
@@ -101,10 +105,22 @@ class MicroBatch:
         if params is not None:
             params = replace(params, **{f.name: getattr(params, f.name).to(device) for f in fields(params)
                                         if isinstance(getattr(params, f.name), torch.Tensor)})
+        routing = None if self.routing is None else tuple(r.to(device) for r in self.routing)
         sequences = self.sequences
         if isinstance(sequences, PackedSequences):
             sequences = PackedSequences(sequences.cu_seqlens.to(device), cp_group=sequences.cp_group)
-        return replace(self, packed_seq_params=params, sequences=sequences, **moved)
+        return replace(self, packed_seq_params=params, sequences=sequences, routing=routing, **moved)
+
+    def with_routing(self, routing) -> MicroBatch:
+        """A copy that replays ``routing`` (recorded top-k indices, one tensor per MoE layer; see :attr:`routing`).
+
+        ``forward_step`` hands them to megatron-core's ``RouterReplay`` (``moe_enable_routing_replay=True``)
+        before calling the model; call ``RouterReplay.clear_global_indices()`` after the step."""
+        routing = tuple(routing)
+        for i, r in enumerate(routing):
+            if not isinstance(r, torch.Tensor) or r.dtype not in (torch.int32, torch.int64) or r.dim() != 2:
+                raise ValueError(f"routing[{i}] must be a [tokens, topk] integer tensor of expert indices")
+        return replace(self, routing=routing)
 
     def with_logprobs(
         self, *, old_logprobs: torch.Tensor | None = None, rollout_logprobs: torch.Tensor | None = None

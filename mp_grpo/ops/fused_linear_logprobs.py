@@ -456,8 +456,9 @@ def fused_linear_logprobs(
             into ``weight.main_grad`` (fp32, or weight's dtype) and return Megatron's placeholder as
             the weight's gradient. Pass the output layer's ``gradient_accumulation_fusion``.
         check_inputs: as in :func:`~mp_grpo.vocab_parallel_logprobs`: raise on a target outside
-            ``[0, V_global)`` or on unequal shards (one host read of two int32 counters); with
-            ``False`` no synchronization, and such outputs are NaN instead.
+            ``[0, V_global)`` or on unequal shards (at once on the CPU, at the next
+            ``mp_grpo.check_errors()`` on a GPU: no host read per call); with ``False`` nothing is
+            recorded, and such outputs are NaN instead.
 
     Returns:
         fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``.

@@ -15,7 +15,8 @@ Forward
        collective of their own.
     3. ``logprob_merge_kernel``: merge the TP shards' statistics into log-prob, entropy and logZ
        (as M and log S) per row; count bad targets and shard-size mismatches (their outputs are
-       NaN); with ``check_inputs`` one host read of the counts raises a clear error.
+       NaN); with ``check_inputs`` the counts go to the deferred error ledger (``mp_grpo.ops.checks``):
+       raised at once on the CPU, at the next ``mp_grpo.check_errors()`` on a GPU — no host read here.
     Saved for backward: the logits (not a copy), targets, M, log S and entropy — 20 bytes a row
     beyond the logits, no ``[N, V]`` fp32 buffer (with a filter also the threshold and the
     outside-the-kept-set mask, 5 bytes a row).
@@ -179,11 +180,12 @@ def vocab_parallel_logprobs(
             allocation. The logits are overwritten during backward: use it only when nothing else
             reads them afterwards (for example the output of the model's last linear layer).
         check_inputs: raise ``ValueError`` on a target outside ``[0, V_global)`` (other than
-            ``ignore_index``) or on shards of unequal size across ``tp_group``. This reads two
-            int32 counters on the host: one synchronization per call, which exposes the host's
-            launch overhead of the next operations (measured in ``docs/benchmarks/logprob.md``).
-            With ``False`` there is no synchronization, and bad input is still never silently
-            wrong: a bad target's log-prob is NaN, and unequal shards make every output NaN.
+            ``ignore_index``) or on shards of unequal size across ``tp_group`` — at once on the CPU;
+            on a GPU the kernel's error counters are accumulated on the device without a host read
+            and the error is raised at the next sync point (``mp_grpo.check_errors()``, which
+            ``reduce_metrics`` and ``GlobalBatch.skip_step`` call; see ``mp_grpo.ops.checks``).
+            With ``False`` nothing is recorded, and bad input is still never silently wrong: a bad
+            target's log-prob is NaN, and unequal shards make every output NaN.
 
         sampling_filter: replay the rollout's ``SamplingFilter(top_k=, top_p=, min_p=)`` (vLLM's
             convention, ties at the threshold kept; ``ops/sampling_filter.py``): the log-probs, entropy

@@ -111,3 +111,38 @@ def test_dynamic_number_of_micro_batches(per_token: bool) -> None:
         _, ref = H.reference(H.loss_config("ppo_token_tis"), rollouts, H.full_weights(), solo)
         for name, g in ref.items():
             assert_close(grads[name], g, torch.float32, msg=f"step {step} M={len(micro)} grad of {name}")
+
+
+def test_moe_aux_losses_with_per_token_loss_are_refused() -> None:
+    """Router aux / z losses scaled by routed tokens but divided by trained tokens: refused, with the reason."""
+    grpo = _grpo(num_microbatches=1, calculate_per_token_loss=True)
+    mb = prepare_micro_batch(H.make_rollouts(2, seed=3))
+    model = _model(calculate_per_token_loss=True)
+    model.config.num_moe_experts, model.config.moe_aux_loss_coeff = 4, 1e-2
+    with pytest.raises(ValueError, match="routed / trained tokens"):
+        grpo.forward_step_func(grpo.global_batch([mb], step=0), step=0)(iter([mb]), model)
+    model.config.moe_aux_loss_coeff = 0.0  # no aux loss: nothing to mis-scale
+    grpo.forward_step_func(grpo.global_batch([mb], step=1), step=1)(iter([mb]), model)
+
+
+def test_routing_replay_hook() -> None:
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    grpo = _grpo(num_microbatches=1)
+    routing = [torch.randint(0, 4, (10, 2)) for _ in range(2)]
+    mb = prepare_micro_batch(H.make_rollouts(2, seed=3)).with_routing(routing)
+    model = _model()
+    step = grpo.forward_step_func(grpo.global_batch([mb], step=0), step=0)
+    with pytest.raises(ValueError, match="moe_enable_routing_replay"):
+        step(iter([mb]), model)
+    model.config.moe_enable_routing_replay = True
+    RouterReplay.clear_global_router_replay_instances()
+    layers = [RouterReplay(), RouterReplay()]
+    try:
+        step(iter([mb]), model)
+        assert all(layer.target_topk_idx is r for layer, r in zip(layers, routing))
+        assert all(layer.router_replay_action == RouterReplayAction.REPLAY_FORWARD for layer in layers)
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+    with pytest.raises(ValueError, match=r"routing\[0\]"):
+        mb.with_routing([torch.zeros(3)])

@@ -1,0 +1,224 @@
+"""Pipeline parallelism on GPUs: GPTModel with PP = 2 through the real ``forward_backward_func`` gives the
+one-GPU gradients (needs 2 CUDA GPUs; skipped otherwise).
+
+Run on a machine with ≥ 2 GPUs::
+
+    NCCL_NVLS_ENABLE=0 python -m pytest tests/gpu/test_megatron_pipeline.py -v -s
+
+1. ``case_reference`` (1 GPU): GPTModel (local layer spec, 2 layers, fp32), the whole batch as ONE micro-batch
+   through ``forward_backward_func``, for every variant; the weights and DDP's ``main_grad`` are saved.
+2. ``case_pp2`` (2 GPUs, PP = 2: one transformer layer per stage; embeddings on stage 0, final LayerNorm
+   and output layer on stage 1): the same weights (stage s's local ``decoder.layers.0`` is global layer s),
+   2 micro-batches of 4 sequences padded to a fixed length (Megatron's p2p shapes), the same
+   ``forward_backward_func`` call on both stages (megatron-core's 1F1B schedule). Only the last stage has
+   the old / rollout log-probs: the step-level config's decisions are broadcast from it. Every stage's
+   gradients must equal the reference's parameters it holds (relative L2 within the fp32 tolerance), and
+   ``MegatronGRPO.reduce_metrics`` must return the reference loss on both stages.
+
+Variants: logits and fused output paths × (2-tuple loss, 3-tuple ``calculate_per_token_loss``) × (a plain
+config, a step-level config: IS-weight normalization + mismatch monitor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+NUM_SEQUENCES = 8
+VOCAB = 512
+SEQ_LEN = 64
+LOSS_CONFIGS = {
+    "ppo_token_tis": ["rollout_correction.weight_level=token", "rollout_correction.weight_max=2.0"],
+    "step_level": ["rollout_correction.weight_level=token", "rollout_correction.weight_max=2.0",
+                   "rollout_correction.normalize_weights=true", "mismatch.skip_threshold=100.0"],
+}
+VARIANTS = [(per_token, name) for per_token in (False, True) for name in LOSS_CONFIGS]
+OUTPUT_PATHS = ["logits", "fused"]
+TINY_NORM = 1e-30
+"""Floor of a reference gradient's norm in the relative error."""
+
+
+def _torchrun(case: str, nproc: int, **kwargs) -> str:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           __file__, case, json.dumps(kwargs)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{case} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-10000:]}\n"
+                             f"--- stderr ---\n{proc.stderr[-10000:]}")
+    return proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_pipeline_two_stages_equal_one_gpu(tmp_path: Path) -> None:
+    print(_torchrun("case_reference", 1, out_dir=str(tmp_path)))
+    print(_torchrun("case_pp2", 2, out_dir=str(tmp_path)))
+
+
+# ------------------------------------------------------------------------------------------------ workers
+def _init() -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _rollouts():
+    from mp_grpo.config.job import RolloutConfig
+    from mp_grpo.megatron.rollouts import Rollouts
+    from mp_grpo.megatron.synthetic import synthesize_rollouts
+
+    cfg = RolloutConfig(group_size=4, prompt_min_length=4, prompt_max_length=12, completion_min_length=4,
+                        completion_max_length=40, tool_mask_fraction=0.2, mismatch_std=0.1)
+    r = synthesize_rollouts(cfg, num_sequences=NUM_SEQUENCES, vocab_size=VOCAB, seed=3).rollouts
+    gen = torch.Generator().manual_seed(4)
+    rollout = -torch.rand(r.tokens.shape, generator=gen) * 6.0 - 2.0
+    old = rollout + 0.3 * torch.randn(r.tokens.shape, generator=gen)
+    return Rollouts(tokens=r.tokens, lengths=r.lengths, loss_mask=r.loss_mask, advantages=r.advantages,
+                    rollout_logprobs=rollout, old_logprobs=old)
+
+
+def _build(per_token: bool):
+    """DDP-wrapped GPTModel of this pipeline stage (fp32, local spec), megatron-core's hooks set."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from mp_grpo.config.job import ModelConfig, ParallelConfig, ParamsDtype
+    from mp_grpo.megatron.gpt import gpt_transformer_config
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    model_cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,
+                            max_sequence_length=SEQ_LEN, params_dtype=ParamsDtype("fp32"), init_seed=1234)
+    config = gpt_transformer_config(model_cfg, ParallelConfig(calculate_per_token_loss=per_token))
+    config = dataclasses.replace(config, pipeline_model_parallel_size=pp)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                   max_sequence_length=SEQ_LEN, parallel_output=True, share_embeddings_and_output_weights=False,
+                   position_embedding_type="learned_absolute",
+                   pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()).cuda()
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return ddp, gpt
+
+
+def _global_name(local: str) -> str:
+    """Stage s's ``decoder.layers.0.*`` is global layer s (one layer per stage)."""
+    from megatron.core import parallel_state as ps
+
+    prefix = "decoder.layers.0."
+    if local.startswith(prefix):
+        return f"decoder.layers.{ps.get_pipeline_model_parallel_rank()}.{local[len(prefix):]}"
+    return local
+
+
+def _step(per_token: bool, name: str, output_path: str, num_microbatches: int, weights):
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mp_grpo.config import load_config
+    from mp_grpo.config.job import OutputPath
+    from mp_grpo.megatron import MegatronGRPO, prepare_micro_batch
+
+    ddp, gpt = _build(per_token)
+    if weights is not None:
+        with torch.no_grad():
+            for local, p in gpt.named_parameters():
+                p.copy_(weights[_global_name(local)].to(p.device))
+    rollouts = _rollouts()
+    size = NUM_SEQUENCES // num_microbatches
+    micro = [prepare_micro_batch(rollouts.select(slice(i * size, (i + 1) * size)), seq_len=SEQ_LEN).to("cuda")
+             for i in range(num_microbatches)]
+    if not ps.is_pipeline_last_stage():  # only the last stage has the log-probs (its forward-only pass)
+        micro = [dataclasses.replace(mb, old_logprobs=None, rollout_logprobs=None) for mb in micro]
+    grpo = MegatronGRPO(load_config(None, LOSS_CONFIGS[name]), temperature=0.8, calculate_per_token_loss=per_token,
+                        output_path=OutputPath(output_path))
+    batch = grpo.global_batch(micro, step=0)
+    ddp.zero_grad_buffer()
+    losses = get_forward_backward_func()(
+        forward_step_func=grpo.forward_step_func(batch, step=0), data_iterator=iter(micro), model=ddp,
+        num_microbatches=num_microbatches, seq_length=SEQ_LEN, micro_batch_size=size, forward_only=False)
+    metrics = grpo.reduce_metrics(losses)
+    grads = {_global_name(n): p.main_grad.float().cpu() for n, p in gpt.named_parameters()}
+    return gpt, grads, metrics, batch.skip_step()
+
+
+def case_reference(out_dir: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    _init()
+    ps.initialize_model_parallel()
+    out = Path(out_dir)
+    _, gpt = _build(False)
+    weights = {n: p.detach().float().cpu().clone() for n, p in gpt.named_parameters()}
+    torch.save(weights, out / "weights.pt")
+    for output_path in OUTPUT_PATHS:
+        for per_token, name in VARIANTS:
+            _, grads, metrics, skip = _step(per_token, name, output_path, 1, weights)
+            torch.save({"grads": grads, "loss": metrics["loss"], "skip": skip},
+                       out / f"ref_{output_path}_{per_token}_{name}.pt")
+            print(f"reference {output_path} per_token={per_token} {name}: loss {metrics['loss']:.6f}")
+    ps.destroy_model_parallel()
+
+
+def case_pp2(out_dir: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from tests.tolerances import tolerance
+
+    _init()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    out = Path(out_dir)
+    weights = torch.load(out / "weights.pt")
+    rtol = tolerance(torch.float32)["rtol"]
+    failures = []
+    for output_path in OUTPUT_PATHS:
+        for per_token, name in VARIANTS:
+            ref = torch.load(out / f"ref_{output_path}_{per_token}_{name}.pt")
+            _, grads, metrics, skip = _step(per_token, name, output_path, 2, weights)
+            where = f"pp2 stage {ps.get_pipeline_model_parallel_rank()} {output_path} per_token={per_token} {name}"
+            errors = {n: float((g - ref["grads"][n]).norm() / ref["grads"][n].norm().clamp(min=TINY_NORM))
+                      for n, g in grads.items()}
+            failures += [f"grad {n}: relative L2 error {e:.2e} > {rtol:.1e} [{where}]" for n, e in errors.items()
+                         if not e <= rtol]
+            if not abs(metrics["loss"] - ref["loss"]) <= rtol * abs(ref["loss"]):
+                failures.append(f"loss {metrics['loss']:.6f} vs reference {ref['loss']:.6f} [{where}]")
+            if skip != ref["skip"]:
+                failures.append(f"skip_step {skip} vs reference {ref['skip']} [{where}]")
+            worst = max(errors, key=errors.get)
+            print(f"{where}: loss {metrics['loss']:.6f} (reference {ref['loss']:.6f}); {len(errors)} parameters, "
+                  f"worst relative L2 error {errors[worst]:.2e} ({worst})")
+    ps.destroy_model_parallel()
+    assert not failures, "\n".join(failures)
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    case, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    try:
+        {"case_reference": case_reference, "case_pp2": case_pp2}[case](**kwargs)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
