@@ -54,6 +54,9 @@ def test_preset_names_are_the_shipped_files() -> None:
     names = preset_names()
     assert names == sorted(p.stem for p in PRESET_FILES) and len(names) >= 10
     assert PRESETS_DIR.parent.name == "mp_grpo"  # package data, not a folder of the checkout
+    # a preset added where they used to live would not ship: they live only in the package
+    old = Path(__file__).resolve().parents[2] / "configs" / "presets"
+    assert not list(old.glob("*.y*ml")), f"move {sorted(p.name for p in old.glob('*.y*ml'))} to {PRESETS_DIR}"
 
 
 @pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.stem)
