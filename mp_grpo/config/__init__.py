@@ -2,11 +2,12 @@
 
 - :mod:`mp_grpo.config.loss`: :class:`LossConfig` and its sections and enums (plain dataclasses).
 - :mod:`mp_grpo.config.loading`: :func:`load_config` (any dataclass schema; LossConfig by default),
-  :func:`preset_path`. omegaconf is imported on the first call, so the loss runs where it is not
+  :func:`preset_names`, :func:`preset_path` (the presets are package data in ``mp_grpo/presets``;
+  ``load_config("trl_dapo")`` loads one by name). omegaconf 2.3 and 2.4 are supported; omegaconf is imported on the first call, so the loss runs where it is not
   installed (the dataclasses can be built directly, with the same checks).
 """
 
-from mp_grpo.config.loading import PRESETS_DIR, load_config, preset_path
+from mp_grpo.config.loading import PRESETS_DIR, load_config, preset_names, preset_path
 
 from mp_grpo.config.loss import (
     Aggregation,
@@ -44,5 +45,6 @@ __all__ = [
     "RatioLevel",
     "RolloutCorrectionConfig",
     "load_config",
+    "preset_names",
     "preset_path",
 ]

@@ -3,7 +3,7 @@
 One dataclass per section, loaded through :func:`mp_grpo.config.load_config` (``OmegaConf.structured``),
 so an unknown key, a wrong type or a bad enum value fails at load time; each section checks its
 values in ``__post_init__``. :func:`load_job_config` adds the loss preset: ``loss_preset`` names a
-file of ``configs/presets`` whose keys are the base of the ``loss`` section, and the keys written in
+preset of ``mp_grpo/presets`` whose keys are the base of the ``loss`` section, and the keys written in
 the job's own ``loss`` section override them.
 
 The data-parallel size is not a key: it is the world size divided by TP·CP, checked when the job starts.
@@ -274,7 +274,7 @@ class JobConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     """The verifiable task."""
     loss_preset: str | None = None
-    """Name of a loss preset in ``configs/presets`` (e.g. ``mismatch_safe``) used as the base of ``loss``."""
+    """Name of a loss preset in ``mp_grpo/presets`` (e.g. ``mismatch_safe``) used as the base of ``loss``."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The loss; keys written here override the preset's."""
     output: OutputConfig = field(default_factory=OutputConfig)

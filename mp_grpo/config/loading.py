@@ -2,17 +2,24 @@
 
 Schedule of :func:`load_config`
     1. Read the source (a YAML path, a mapping or a DictConfig); with ``section``, keep that top-level key.
-    2. Merge it and the overrides onto ``OmegaConf.structured(schema)``: unknown keys, wrong types and bad
-       enum values fail here.
-    3. Build the dataclasses (``OmegaConf.to_object``), which runs every section's value checks and the
+    2. Turn every enum value of the source and the overrides into its enum member (omegaconf 2.3 converts a
+       string by member *name* only, 2.4 by name or value; YAML files hold the values): a bad enum value fails
+       here, naming the key, the value given and the allowed values.
+    3. Merge them onto ``OmegaConf.structured(schema)``: unknown keys and wrong types fail here.
+    4. Build the dataclasses (``OmegaConf.to_object``), which runs every section's value checks and the
        cross-section checks.
 Every failure is a :class:`~mp_grpo.config.loss.ConfigError` naming the key and what is allowed.
+
+A ``source`` string without a path separator and without a ``.yaml`` / ``.yml`` suffix is the name of a
+preset shipped in the package (``mp_grpo/presets/<name>.yaml``): ``load_config("trl_dapo")`` works from any
+working directory of an installed mp_grpo. Tested with omegaconf 2.3 (hydra-core 1.3) and 2.4.
 
 omegaconf is imported inside the functions, so importing mp_grpo never needs it.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import types
@@ -29,17 +36,29 @@ if typing.TYPE_CHECKING:
 
 T = TypeVar("T")
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
-"""The preset YAML files of a source checkout (``configs/presets``)."""
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
+"""The preset YAML files, package data of mp_grpo (``mp_grpo/presets``): present in a checkout, a wheel and
+an installed package alike."""
+
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets (``mp_grpo/presets/*.yaml``), sorted."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 
 def preset_path(name: str) -> Path:
-    """Path of the preset ``configs/presets/<name>.yaml``; the error lists the presets there."""
+    """Path of the shipped preset ``<name>`` (``mp_grpo/presets/<name>.yaml``); the error lists the presets."""
     path = PRESETS_DIR / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-        raise ConfigError(f"preset: no preset named {name!r} in {PRESETS_DIR}; allowed: {' | '.join(known)}")
+    if not isinstance(name, str) or not _is_preset_name(name) or not path.is_file():
+        raise ConfigError(f"preset: no preset named {name!r} in {PRESETS_DIR}; allowed: {' | '.join(preset_names())}")
     return path
+
+
+def _is_preset_name(source: str) -> bool:
+    """A bare name (no path separator, no YAML suffix) names a preset; anything else is a file path."""
+    return bool(source) and "/" not in source and "\\" not in source and not source.endswith(_YAML_SUFFIXES)
 
 
 def load_config(
@@ -52,8 +71,9 @@ def load_config(
     """A validated ``schema`` instance (default :class:`LossConfig`) from ``source`` and ``overrides``.
 
     Args:
-        source: a YAML file path, a mapping or a DictConfig holding the keys of ``schema`` (missing keys keep
-            their defaults); ``None`` means the defaults.
+        source: a preset name (``"trl_dapo"``: a string without ``/`` and without a ``.yaml`` suffix; see
+            :func:`preset_names`), a YAML file path, a mapping or a DictConfig holding the keys of ``schema``
+            (missing keys keep their defaults); ``None`` means the defaults. A DictConfig is not modified.
         overrides: dotlist strings applied after the source, e.g. ``["policy.eps_high=0.28", "kl.coef=0.001"]``.
         schema: the dataclass to load: :class:`LossConfig`, or a job config that nests it next to other sections.
         section: take only this top-level key of the source (e.g. the ``loss`` section of a job YAML).
@@ -74,10 +94,17 @@ def load_config(
     if overrides is not None and (isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides)):
         raise TypeError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
     _check_sections(loaded, schema, "")
-    # --- 2. merge onto the structured schema: unknown keys, types and enum values fail here ---
     try:
-        merged = OmegaConf.merge(_structured(schema), loaded, OmegaConf.from_dotlist(list(overrides or [])))
-        # --- 3. build the dataclasses: runs every value and combination check ---
+        dotlist = OmegaConf.from_dotlist(list(overrides or []))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"overrides: {str(exc).splitlines()[0]}; allowed: 'key=value' strings") from exc
+    # --- 2. enum values → enum members, in the source and the overrides (both are our own copies) ---
+    _enum_members(loaded, schema, "")
+    _enum_members(dotlist, schema, "")
+    # --- 3. merge onto the structured schema: unknown keys and types fail here ---
+    try:
+        merged = OmegaConf.merge(_structured(schema), loaded, dotlist)
+        # --- 4. build the dataclasses: runs every value and combination check ---
         obj = OmegaConf.to_object(merged)
     except ConfigError as exc:
         raise _with_full_key(exc, merged) from None
@@ -100,9 +127,9 @@ def _read_source(source: str | Path | Mapping[str, Any] | DictConfig | None) -> 
     if source is None:
         return OmegaConf.create({})
     if isinstance(source, DictConfig):
-        return source
+        return copy.deepcopy(source)  # step 2 rewrites enum values in place: never in the caller's config
     if isinstance(source, (str, Path)):
-        path = Path(source)
+        path = preset_path(source) if isinstance(source, str) and _is_preset_name(source) else Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"source: no config file at {path}")
         loaded = OmegaConf.load(path)
@@ -158,6 +185,42 @@ def _check_sections(loaded: DictConfig, schema: type, prefix: str) -> None:
             _check_sections(value, inner, f"{prefix}{key}.")  # type: ignore[arg-type]
         elif not OmegaConf.is_missing(loaded, key) and loaded[key] is not None:
             raise ConfigError(f"{prefix}{key}: must be a mapping, got {loaded[key]!r}; allowed: {_describe(inner)}")
+
+
+def _enum_members(loaded: DictConfig, schema: type, prefix: str) -> None:
+    """Replace, in place, each enum field's string (its value as written in YAML, or its member name) by the
+    enum member, so that omegaconf 2.3 (names only) and 2.4 (names or values) merge it alike.
+
+    Interpolations and ``null`` / ``???`` are left to OmegaConf. Any other value that is no member of the
+    enum fails here: the message names the key, the value given and the allowed values.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    hints = _field_types(schema)
+    for key in list(loaded):
+        inner = _strip_optional(hints.get(str(key)))
+        node = loaded._get_node(key)
+        if dataclasses.is_dataclass(inner) and isinstance(node, DictConfig):
+            _enum_members(node, inner, f"{prefix}{key}.")  # type: ignore[arg-type]
+        elif isinstance(inner, type) and issubclass(inner, Enum):
+            if OmegaConf.is_interpolation(loaded, str(key)) or OmegaConf.is_missing(loaded, str(key)):
+                continue
+            value = node._value()  # type: ignore[union-attr]
+            if value is None or isinstance(value, inner):
+                continue
+            loaded[key] = _enum_member(inner, value, f"{prefix}{key}", hints[str(key)])
+
+
+def _enum_member(enum: type[Enum], value: Any, key: str, annotation: Any) -> Enum:
+    """The member of ``enum`` whose value (or name, as omegaconf spells it: ``NAME`` or ``Enum.NAME``) is ``value``."""
+    if isinstance(value, str):
+        name = value.removeprefix(f"{enum.__name__}.")
+        if name in enum.__members__:
+            return enum[name]
+        for member in enum:
+            if member.value == value:
+                return member
+    raise ConfigError(f"{key}: got {value!r}; allowed: {_describe(annotation)}")
 
 
 def _explain(exc: Exception, schema: type) -> ConfigError:
