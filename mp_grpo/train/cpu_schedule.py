@@ -19,6 +19,7 @@ Pipeline parallelism is not covered (p2p communication needs CUDA); the model is
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 
 import torch
@@ -26,6 +27,10 @@ from megatron.core.pipeline_parallel.schedules import backward_step, forward_ste
 from megatron.core.utils import get_model_config, get_model_type
 
 from mp_grpo.megatron.groups import ParallelGroups
+
+_BACKWARD_TAKES_MODEL_TYPE = "model_type" in inspect.signature(backward_step).parameters
+"""Older megatron-core: ``backward_step(input, output, output_grad, model_type, config)``; 0.19 (and later)
+dropped ``model_type``."""
 
 
 def forward_backward_cpu(
@@ -60,7 +65,10 @@ def forward_backward_cpu(
         )
         total_num_tokens += num_tokens
         if not forward_only:
-            backward_step(None, output_tensor, None, model_type, config)
+            if _BACKWARD_TAKES_MODEL_TYPE:
+                backward_step(None, output_tensor, None, model_type, config)
+            else:
+                backward_step(None, output_tensor, None, config)
 
     # --- 1. micro-batches: forward, loss scaling, backward ---
     with model.no_sync():

@@ -10,6 +10,8 @@ on one process (``tests/megatron/helpers.reference``), and the reduced loss must
 
 from __future__ import annotations
 
+import inspect
+
 import math
 
 import pytest
@@ -127,7 +129,11 @@ def _check_cp_split_matches_megatron(groups, rollouts) -> None:
     trained[:, :n] = r.loss_mask[:, :n]
     labels = torch.cat([tokens[:, 1:], torch.zeros(r.num_sequences, 1, dtype=torch.int64)], dim=1)
     mask = torch.cat([trained[:, 1:], torch.zeros(r.num_sequences, 1, dtype=torch.bool)], dim=1)
-    split = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "loss_mask": mask}, cp_group=groups.cp)
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:  # megatron-core 0.19
+        split = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=groups.cp)
+    else:
+        split = get_batch_on_this_cp_rank(batch, cp_group=groups.cp)
     assert torch.equal(mb.input_ids, split["tokens"])
     assert torch.equal(mb.loss_mask, split["loss_mask"])
     assert torch.equal(mb.targets[mb.loss_mask], split["labels"][split["loss_mask"]])
