@@ -68,7 +68,7 @@ def _worker() -> None:
     from mp_grpo.config.job import ModelConfig, OutputPath, ParallelConfig, ParamsDtype, RolloutConfig
     from mp_grpo.megatron import MegatronGRPO, prepare_micro_batch
     from mp_grpo.megatron.gpt import build_gpt_for_training
-    from mp_grpo.megatron.synthetic import synthesize_rollouts
+    from mp_grpo.train.synthetic import synthesize_rollouts
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")

@@ -82,7 +82,7 @@ def _init() -> None:
 def _rollouts():
     from mp_grpo.config.job import RolloutConfig
     from mp_grpo.megatron.rollouts import Rollouts
-    from mp_grpo.megatron.synthetic import synthesize_rollouts
+    from mp_grpo.train.synthetic import synthesize_rollouts
 
     cfg = RolloutConfig(group_size=4, prompt_min_length=4, prompt_max_length=12, completion_min_length=4,
                         completion_max_length=40, tool_mask_fraction=0.2, mismatch_std=0.1)
