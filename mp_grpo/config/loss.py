@@ -39,6 +39,13 @@ class Objective(str, Enum):
     VESPO = "vespo"
     """VESPO (arXiv 2602.10693, TRL / Liger ``loss_type="vespo"``): ``−stopgrad(φ(w))·A·log π`` with the gamma
     weight φ(w) = e^λ·w^k·e^(−λw) of the sequence ratio w = Π π_θ/π_old (× token IS weights)."""
+    CLIP_COV = "clip_cov"
+    """Clip-Cov (arXiv 2505.22617, verl ``loss_mode="clip_cov"``): the PPO clip, and the policy term zeroed on a
+    random ``clip_cov_ratio`` fraction of the micro-batch's tokens whose covariance (A − Ā)·(log π − mean log π)
+    lies in (``clip_cov_lb``, ``clip_cov_ub``) (:mod:`mp_grpo.loss.covariance`)."""
+    KL_COV = "kl_cov"
+    """KL-Cov (arXiv 2505.22617, verl ``loss_mode="kl_cov"``): −A·r (no clip), plus ``ppo_kl_coef``·|log r| on the
+    ``kl_cov_ratio`` fraction of the micro-batch's tokens with the largest covariance (:mod:`mp_grpo.loss.covariance`)."""
 
 
 class GSPOGradient(str, Enum):
@@ -120,12 +127,12 @@ class PolicyConfig:
     """``policy``: the surrogate objective and its clipping."""
 
     objective: Objective = Objective.PPO_CLIP
-    """Per-token surrogate: ppo_clip | cispo | sapo | gspo | gmpo | reinforce."""
+    """Per-token surrogate: ppo_clip | cispo | sapo | gspo | gmpo | reinforce | vespo | clip_cov | kl_cov."""
     eps_low: float | None = 0.2
-    """Ratio lower bound is ``1 − eps_low`` (ppo_clip, gspo, cispo); for gmpo the log-ratio lower bound is
+    """Ratio lower bound is ``1 − eps_low`` (ppo_clip, gspo, cispo, clip_cov); for gmpo the log-ratio lower bound is
     ``−eps_low`` (GMPO clips in log space). null = unbounded below."""
     eps_high: float | None = 0.2
-    """Ratio upper bound is ``1 + eps_high`` (ppo_clip, gspo, cispo); for gmpo the log-ratio upper bound is
+    """Ratio upper bound is ``1 + eps_high`` (ppo_clip, gspo, cispo, clip_cov); for gmpo the log-ratio upper bound is
     ``eps_high``. null = unbounded above. DAPO's clip-higher uses 0.28; TRL's CISPO cap 5.0 is eps_high = 4.0."""
     delta: float | None = None
     """INTELLECT-2 two-sided clipping: the unclipped ratio is capped at ``delta`` (> 1). ppo_clip and gspo only."""
@@ -144,6 +151,22 @@ class PolicyConfig:
     """VESPO gamma shape k where A < 0 (TRL ``vespo_k_neg``)."""
     vespo_lambda_neg: float = 2.0
     """VESPO gamma rate λ where A < 0 (TRL ``vespo_lambda_neg``); ≥ 0, floored at ``VESPO_LAMBDA_FLOOR``."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: the fraction of the micro-batch's valid tokens whose policy term is zeroed — at most
+    max(⌊clip_cov_ratio · n⌋, 1) of them, drawn at random among those with covariance in (clip_cov_lb,
+    clip_cov_ub) and not clipped by the PPO clip (verl ``policy_loss.clip_cov_ratio``, default 0.0002). 0 < x ≤ 1."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: exclusive lower bound of the covariance of a token that may be zeroed (verl
+    ``policy_loss.clip_cov_lb``, default 1.0)."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: exclusive upper bound of that covariance (verl ``policy_loss.clip_cov_ub``, default 5.0);
+    > clip_cov_lb."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: the fraction of the micro-batch's valid tokens with the largest covariance that get the
+    penalty — max(⌊kl_cov_ratio · n⌋, 1) of them (verl ``policy_loss.kl_cov_ratio``, default 0.0002). 0 < x ≤ 1."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of |log π_θ − log π_old| on the selected tokens (verl ``policy_loss.ppo_kl_coef``: 0.1
+    in verl's config; ``compute_policy_loss_kl_cov`` falls back to 1.0 only when the key is null). ≥ 0."""
     gspo_gradient: GSPOGradient = GSPOGradient.SEQUENCE
     """gspo only: sequence (GSPO paper, TRL) | token (GSPO-token, verl: each token's term differentiates
     only its own log-prob)."""
@@ -172,6 +195,12 @@ class PolicyConfig:
         for sign in ("pos", "neg"):
             _check_float(f"policy.vespo_k_{sign}", getattr(self, f"vespo_k_{sign}"), nullable=False, low=0.0)
             _check_float(f"policy.vespo_lambda_{sign}", getattr(self, f"vespo_lambda_{sign}"), nullable=False, low=0.0)
+        _check_float("policy.clip_cov_ratio", self.clip_cov_ratio, nullable=False, low=0.0, low_inclusive=False,
+                     high=1.0)
+        _check_float("policy.clip_cov_lb", self.clip_cov_lb, nullable=False)
+        _check_float("policy.clip_cov_ub", self.clip_cov_ub, nullable=False, low=self.clip_cov_lb, low_inclusive=False)
+        _check_float("policy.kl_cov_ratio", self.kl_cov_ratio, nullable=False, low=0.0, low_inclusive=False, high=1.0)
+        _check_float("policy.ppo_kl_coef", self.ppo_kl_coef, nullable=False, low=0.0)
         if self.gspo_gradient != GSPOGradient.SEQUENCE:
             _require(self.objective == Objective.GSPO, "policy.gspo_gradient",
                      f"is only used by objective gspo, not {self.objective.value}", f"sequence with {self.objective.value}")

@@ -7,7 +7,8 @@ Schedule of :meth:`GRPOLoss.__call__`
        With ``nll.positive_coef`` and ``batch=None``, the positive examples' token count likewise.
     3. Token stage: masked positions are replaced by 0 *before* any arithmetic (``torch.where``, so inf /
        NaN there never reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the
-       rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence.
+       rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence. clip_cov /
+       kl_cov: then their covariance selection over this call's valid tokens (:mod:`.covariance`; eager).
     4. Per-sequence sums of those columns over whole sequences (one all-reduce over the CP group under
        context parallelism, differentiable with a sum backward), broadcast back to the tokens.
     5. Combine stage: the objective's term; × the IS weight; zeroed where rejected (rollout correction,
@@ -17,7 +18,7 @@ Schedule of :meth:`GRPOLoss.__call__`
        zero when the step is skipped; summed → this micro-batch's share.
     6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`).
 
-No host synchronization happens in steps 3–6; with ``batch=None`` step 2 makes collectives (and one
+No host synchronization happens in steps 3–6 (the covariance selection included); with ``batch=None`` step 2 makes collectives (and one
 host read when the top-entropy quantile is needed). ``compile=True`` compiles the token and combine
 stages with ``torch.compile`` (the per-sequence sums and collectives stay eager).
 
@@ -40,10 +41,12 @@ from typing import NamedTuple
 
 import torch
 
+from mp_grpo.collectives import group_size
 from mp_grpo.config.loss import GSPOGradient, LossConfig, Objective, RatioLevel
 from mp_grpo.loss import metrics as M
 from mp_grpo.loss.aggregation import token_divisor
 from mp_grpo.loss.clamps import COUNT_FLOOR, symmetric_clamp
+from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES, covariance_selection
 from mp_grpo.loss.entropy import high_entropy
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.kl import kl_penalty
@@ -76,8 +79,8 @@ def fused_unsupported(config: LossConfig) -> str | None:
     """
     p, kl, ent, agg = config.policy, config.kl, config.entropy, config.aggregation
     missing = []
-    if p.objective == Objective.VESPO:
-        missing.append("policy.objective=vespo")
+    if p.objective in (Objective.VESPO, *COVARIANCE_OBJECTIVES):
+        missing.append(f"policy.objective={p.objective.value}")
     if p.gspo_gradient != GSPOGradient.SEQUENCE:
         missing.append(f"policy.gspo_gradient={p.gspo_gradient.value}")
     if agg.regularizer_mode is not None and agg.regularizer_mode != agg.mode:
@@ -147,6 +150,7 @@ class GRPOLoss:
         entropy_coef: float | torch.Tensor | None = None,
         positive: torch.Tensor | None = None,
         positive_tokens: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
 
@@ -171,6 +175,9 @@ class GRPOLoss:
             positive_tokens: with ``nll.positive_coef`` and a ``batch``: the step's count of valid tokens of
                 positive examples, ``GlobalBatch.from_masks([mask · positive per token, ...], group=...)
                 .valid_tokens``; with ``batch=None`` it is counted from this call (and its CP peers).
+            generator: with ``policy.objective=clip_cov`` (only then): the generator of its random selection,
+                on the tokens' device; the same generator state gives the same selection (pass one seeded per
+                step and micro-batch for reproducible runs). None: the device's default generator, as verl.
         """
         cfg = self.config
         # --- 1. check the inputs ---
@@ -184,6 +191,7 @@ class GRPOLoss:
         if cfg.entropy.adaptive != (entropy_coef is not None):
             raise ValueError("entropy_coef must be given exactly when entropy.adaptive is true (the step's coefficient "
                              f"from AdaptiveEntropyCoefficient.applied); entropy.adaptive is {cfg.entropy.adaptive}")
+        _check_covariance(cfg, layout, generator, logprobs.device)
         token_shape = logprobs.shape
         positive_mask = _positive_tokens(cfg, layout, token_shape, positive, logprobs.device)
         fused = self._use_fused(logprobs, layout)
@@ -225,6 +233,9 @@ class GRPOLoss:
             logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy, kl_logprobs,
             positive_mask,
         )
+        if cfg.policy.objective in COVARIANCE_OBJECTIVES:  # per call = per micro-batch (verl), see .covariance
+            tokens = tokens._replace(cov_selected=covariance_selection(
+                cfg.policy, tokens.logprobs, tokens.log_ratio, tokens.advantages, tokens.valid, generator))
         # --- 4. per-sequence sums over whole sequences, broadcast back ---
         seq_sums = layout.seq_sum(tokens.seq_columns, token_shape)
         seq_tokens = layout.broadcast(seq_sums, token_shape)
@@ -293,6 +304,8 @@ class _Tokens(NamedTuple):
     seq_columns: torch.Tensor
     """``[*tokens, k]``: valid count, then (per config) the objective's sequence input, d, the OPSM divergence,
     ℓ for a sequence-level KL bias correction."""
+    cov_selected: torch.Tensor | None = None
+    """Bool: clip_cov / kl_cov's covariance selection of this call (set after the token stage)."""
 
 
 class _StepValues(NamedTuple):
@@ -393,7 +406,7 @@ def _combine_stage(
 
     # --- 5a. the objective ---
     seq_value = None if seq_in_col is None else sequence_value(cfg.policy, seq_tokens[..., seq_in_col], seq_count)
-    pt = policy_term(cfg.policy, lp, t.log_ratio, adv, seq_value)
+    pt = policy_term(cfg.policy, lp, t.log_ratio, adv, seq_value, t.cov_selected)
     policy = pt.term
     # --- 5b. rollout correction: weight and rejection (vespo folds them into φ in the token stage) ---
     raw_weight = weight = truncated = None
@@ -409,13 +422,14 @@ def _combine_stage(
     if rc.reject_level is not None and not folded:
         r_log = level_log_ratio(rc.reject_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
         keep_rc = kept(r_log, rc)
-    # --- 5c. OPSM and top-entropy selection ---
+    # --- 5c. OPSM, top-entropy selection and clip_cov's selection ---
+    keep_cov = ~t.cov_selected if cfg.policy.objective == Objective.CLIP_COV else None  # type: ignore[operator]
     if cfg.opsm.delta is not None:
         keep_opsm = opsm_keep(adv, seq_tokens[..., opsm_col], seq_count, cfg.opsm.delta)  # type: ignore[index]
     if cfg.entropy.top_quantile < 1.0:
         keep_ent = high_entropy(t.entropy, step.entropy_threshold)  # type: ignore[arg-type]
     keep = valid
-    for mask in (keep_rc, keep_opsm, keep_ent):
+    for mask in (keep_rc, keep_opsm, keep_ent, keep_cov):
         if mask is not None:
             keep = keep & mask
     policy = torch.where(keep, policy, zero)
@@ -462,6 +476,8 @@ def _combine_stage(
         out.update(M.stats_entries("ratio", pt.ratio, valid))
         if pt.coefficient is not None:
             out.update(M.stats_entries("vespo_phi", pt.coefficient, valid))
+        if t.cov_selected is not None:
+            out["cov/selected_frac"] = M.mean_entry(t.cov_selected.to(lp.dtype), valid)
         for name, flag in (("low", pt.clipped_low), ("high", pt.clipped_high), ("dual", pt.dual_clipped)):
             if flag is not None:
                 out[f"clip_frac/{name}"] = M.mean_entry(flag.to(lp.dtype), valid)
@@ -539,6 +555,27 @@ def _check_inputs(
         )
     if advantages.device != device:
         raise ValueError(f"advantages is on {advantages.device} but logprobs is on {device}")
+
+
+def _check_covariance(
+    cfg: LossConfig, layout: SequenceLayout, generator: torch.Generator | None, device: torch.device
+) -> None:
+    """clip_cov / kl_cov: no context parallelism; ``generator`` only with clip_cov, on the tokens' device."""
+    objective = cfg.policy.objective
+    if objective in COVARIANCE_OBJECTIVES and group_size(layout.cp_group) > 1:
+        raise ValueError(
+            f"layout: policy.objective={objective.value} selects tokens by their covariance over the micro-batch's "
+            f"valid tokens (verl), but under context parallelism (cp_group of size {group_size(layout.cp_group)}) "
+            "this rank holds only part of them and the selection is not made CP-invariant; use context parallel "
+            "size 1 with this objective")
+    if generator is None:
+        return
+    if objective != Objective.CLIP_COV:
+        raise ValueError(f"generator is only used by policy.objective=clip_cov, not {objective.value}")
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type != device.type:
+        raise ValueError(f"generator is on {generator.device} but logprobs is on {device}")
 
 
 def _positive_tokens(

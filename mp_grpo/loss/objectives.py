@@ -12,6 +12,9 @@
   (GMPO, arXiv 2507.20673; TRL's experimental GMPOTrainer).
 * ``reinforce``: −A·log π_θ.
 * ``vespo``: −stopgrad(φ(w))·A·log π_θ with VESPO's gamma weight of the sequence ratio w (:mod:`.vespo`).
+* ``clip_cov``: the ``ppo_clip`` term (without ``delta`` / dual clip); the combine stage zeroes it on the tokens
+  :func:`mp_grpo.loss.covariance.covariance_selection` selects (verl multiplies by ``corr`` = 0 there).
+* ``kl_cov``: −A·r (no clip), + ``ppo_kl_coef``·|ℓ| on the selected tokens (arXiv 2505.22617; verl).
 
 ``policy.gspo_gradient=token`` (GSPO-token, verl): the gspo ratio is exp(stopgrad(m) + ℓ_t − stopgrad(ℓ_t)) —
 the value of the sequence ratio, the gradient of token t's own log-prob only.
@@ -81,12 +84,18 @@ def policy_term(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
     seq_value: torch.Tensor | None,
+    cov_selected: torch.Tensor | None = None,
 ) -> PolicyTerm:
     """The surrogate of ``cfg.objective``; ``seq_value`` is :func:`sequence_value` broadcast to the tokens
-    (gspo / gmpo / vespo only)."""
+    (gspo / gmpo / vespo only); ``cov_selected`` the covariance selection (kl_cov only)."""
     objective = cfg.objective
-    if objective == Objective.PPO_CLIP:
+    if objective in (Objective.PPO_CLIP, Objective.CLIP_COV):
         return _ppo_clip(cfg, log_ratio.exp(), advantages)
+    if objective == Objective.KL_COV:
+        ratio = log_ratio.exp()
+        penalty = cfg.ppo_kl_coef * log_ratio.abs()
+        term = -advantages * ratio + torch.where(cov_selected, penalty, torch.zeros_like(penalty))  # type: ignore[arg-type]
+        return PolicyTerm(term, ratio.detach(), None, None, None)
     if objective == Objective.GSPO:
         log_s = seq_value
         if cfg.gspo_gradient == GSPOGradient.TOKEN:
@@ -97,7 +106,7 @@ def policy_term(
         return PolicyTerm(-phi * advantages * logprobs, seq_value.exp(), None, None, None, phi)  # type: ignore[union-attr]
     if objective == Objective.CISPO:
         ratio = log_ratio.exp()
-        weight = _clip(ratio, cfg).detach()
+        weight = clip_ratio(ratio, cfg).detach()
         low, high = _clip_flags(ratio, cfg)
         return PolicyTerm(-weight * advantages * logprobs, ratio.detach(), low, high, None)
     if objective == Objective.SAPO:
@@ -112,7 +121,8 @@ def policy_term(
     return PolicyTerm(-advantages * logprobs, log_ratio.detach().exp(), None, None, None)
 
 
-def _clip(ratio: torch.Tensor, cfg: PolicyConfig) -> torch.Tensor:
+def clip_ratio(ratio: torch.Tensor, cfg: PolicyConfig) -> torch.Tensor:
+    """clip(r, 1 − eps_low, 1 + eps_high), a null bound left open."""
     low = None if cfg.eps_low is None else 1.0 - cfg.eps_low
     high = None if cfg.eps_high is None else 1.0 + cfg.eps_high
     if low is None and high is None:
@@ -127,7 +137,7 @@ def _clip_flags(ratio: torch.Tensor, cfg: PolicyConfig) -> tuple[torch.Tensor, t
 
 
 def _ppo_clip(cfg: PolicyConfig, ratio: torch.Tensor, advantages: torch.Tensor) -> PolicyTerm:
-    r2 = _clip(ratio, cfg)
+    r2 = clip_ratio(ratio, cfg)
     r1 = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
     u1, u2 = r1 * advantages, r2 * advantages
     term = -torch.where(u1 <= u2, u1, u2)  # −min(r1·A, r2·A); ties take the unclipped branch

@@ -12,17 +12,22 @@ token reads a per-sequence sum of log-probs of the current policy:
 - rollout correction in bypass mode at sequence or geometric level (the trainer log-probs are the
   current ones, summed over the sequence);
 - the KL bias correction at sequence or geometric level (``kl.bias_correction_level``: each token's KL is
-  weighted by its sequence's ratio of the current policy).
+  weighted by its sequence's ratio of the current policy);
+- ``clip_cov`` / ``kl_cov``: whether a token is selected depends on the covariance of the whole micro-batch
+  (the mean of the current log-probs over its valid tokens, and the token's rank among the others).
 """
 
 from __future__ import annotations
 
 from mp_grpo.config.loss import LossConfig, RatioLevel
+from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES
 from mp_grpo.loss.objectives import needs_sequence_sum
 
 
 def token_separable(config: LossConfig) -> bool:
     """True when every token's gradient depends only on its own log-prob and entropy (see the module docstring)."""
+    if config.policy.objective in COVARIANCE_OBJECTIVES:
+        return False
     if needs_sequence_sum(config.policy) or config.opsm.delta is not None:
         return False
     rc = config.rollout_correction
