@@ -458,11 +458,22 @@ def verl_actor_loss_reference(
     kl_loss_type: str = "low_var_kl",
     entropy: torch.Tensor | None = None,
     entropy_coeff: float = 0.0,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 0.1,
+    selection_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """verl's actor loss (volcengine/verl b178a3c, verl/trainer/ppo/core_algos.py ``compute_policy_loss_vanilla``
-    / ``compute_policy_loss_gspo``, ``agg_loss``, ``kl_penalty_forward``; the engine path's global counts: every
-    row of the batch counted, one mini-batch = the step): pg_loss − entropy_coeff·entropy + kl_coef·kl, each
-    aggregated (gspo's policy term always with seq-mean-token-mean), in float64. ``advantages`` per token."""
+    / ``compute_policy_loss_gspo`` / ``compute_policy_loss_clip_cov`` / ``compute_policy_loss_kl_cov``,
+    ``agg_loss``, ``kl_penalty_forward``; the engine path's global counts: every row of the batch counted, one
+    mini-batch = the step): pg_loss − entropy_coeff·entropy + kl_coef·kl, each aggregated (gspo's policy term
+    always with seq-mean-token-mean), in float64. ``advantages`` per token.
+
+    clip_cov draws ``torch.randperm`` over its candidates; here that permutation is the candidates (in
+    ``torch.nonzero`` order) sorted by ``selection_keys`` (one key per position, iid uniform: a uniform random
+    permutation), so a test can replay the keys the code under test drew."""
     lp, old = log_prob.double(), old_log_prob.double()
     mask = response_mask.double()
     adv = advantages.double()
@@ -497,6 +508,42 @@ def verl_actor_loss_reference(
         if rollout_is_weights is not None:
             pg = pg * rollout_is_weights.double()
         pg_loss = agg(pg, "seq-mean-token-mean")
+    elif loss_mode == "clip_cov":
+        valid = mask > 0
+        ratio = torch.exp(neg_kl)
+        l1 = -adv * ratio
+        l2 = -adv * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        clip_by_origin = (l2 > l1) & valid
+        lp_d = lp.detach()
+        cov = (adv - (adv * mask).sum() / (mask.sum() + 1e-8)) * (lp_d - (lp_d * mask).sum() / (mask.sum() + 1e-8))
+        cov = torch.where(~valid | clip_by_origin, torch.full_like(cov, -math.inf), cov)
+        clip_num = max(int(clip_cov_ratio * mask.sum().item()), 1)
+        cand = (cov < clip_cov_ub) & (cov > clip_cov_lb) & valid
+        idx = torch.nonzero(cand)
+        perm = torch.argsort(selection_keys.double()[cand])  # verl: torch.randperm(len(idx))
+        idx = idx[perm[: min(clip_num, len(idx))]]
+        corr = torch.ones_like(adv)
+        corr[idx[:, 0], idx[:, 1]] = 0
+        pg = torch.maximum(l1, l2) * corr
+        if rollout_is_weights is not None:
+            pg = pg * rollout_is_weights.double()
+        pg_loss = agg(pg, loss_agg_mode)
+    elif loss_mode == "kl_cov":
+        ratio = torch.exp(neg_kl)
+        l1 = -adv * ratio
+        l_kl = -adv * ratio + ppo_kl_coef * neg_kl.abs()
+        valid = (mask > 0).reshape(-1)
+        valid_idx = torch.nonzero(valid, as_tuple=True)[0]
+        a_v, lp_v = adv.detach().reshape(-1)[valid], lp.detach().reshape(-1)[valid]
+        selected = torch.zeros_like(valid)
+        if len(a_v) > 0:
+            cov = (a_v - a_v.mean()) * (lp_v - lp_v.mean())
+            k = max(1, int(len(cov) * kl_cov_ratio))
+            selected[valid_idx[torch.topk(cov, k, largest=True).indices]] = True
+        pg = torch.where(selected.reshape(adv.shape), l_kl, l1)
+        if rollout_is_weights is not None:
+            pg = pg * rollout_is_weights.double()
+        pg_loss = agg(pg, loss_agg_mode)
     else:
         raise ValueError(loss_mode)
     loss = pg_loss

@@ -24,7 +24,7 @@ from mp_grpo.config import (
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = ["trl_grpo", "trl_dapo", "trl_dr_grpo", "trl_cispo", "trl_sapo", "gspo", "verl_ppo", "nemo_rl_grpo",
-           "deepseek_v32", "mismatch_safe", "trl_vespo", "trl_luspo"]
+           "deepseek_v32", "mismatch_safe", "trl_vespo", "trl_luspo", "verl_clip_cov", "verl_kl_cov"]
 
 
 def _leaf_keys(cls, prefix: str = "") -> list[str]:
@@ -81,6 +81,11 @@ def test_preset_values() -> None:
     assert ds.opsm.delta == 0.5 and ds.kl.bias_correction
     safe = load_config(preset_path("mismatch_safe"))
     assert safe.rollout_correction.reject_level is RatioLevel.GEOMETRIC and safe.mismatch.skip_threshold == 0.1
+    clip_cov = load_config(preset_path("verl_clip_cov")).policy  # verl/trainer/config/actor/actor.yaml (b178a3c)
+    assert clip_cov.objective is Objective.CLIP_COV and (clip_cov.clip_cov_ratio, clip_cov.clip_cov_lb,
+                                                          clip_cov.clip_cov_ub) == (0.0002, 1.0, 5.0)
+    kl_cov = load_config(preset_path("verl_kl_cov")).policy
+    assert kl_cov.objective is Objective.KL_COV and (kl_cov.kl_cov_ratio, kl_cov.ppo_kl_coef) == (0.0002, 0.1)
     assert {p.stem for p in PRESETS_DIR.glob("*.yaml")} == set(PRESETS)
 
 
