@@ -45,7 +45,8 @@ class Objective(str, Enum):
     lies in (``clip_cov_lb``, ``clip_cov_ub``) (:mod:`mp_grpo.loss.covariance`)."""
     KL_COV = "kl_cov"
     """KL-Cov (arXiv 2505.22617, verl ``loss_mode="kl_cov"``): −A·r (no clip), plus ``ppo_kl_coef``·|log r| on the
-    ``kl_cov_ratio`` fraction of the micro-batch's tokens with the largest covariance (:mod:`mp_grpo.loss.covariance`)."""
+    ``kl_cov_ratio`` fraction of the micro-batch's tokens with the largest covariance
+    (:mod:`mp_grpo.loss.covariance`)."""
 
 
 class GSPOGradient(str, Enum):
@@ -163,7 +164,8 @@ class PolicyConfig:
     > clip_cov_lb."""
     kl_cov_ratio: float = 0.0002
     """kl_cov: the fraction of the micro-batch's valid tokens with the largest covariance that get the
-    penalty — max(⌊kl_cov_ratio · n⌋, 1) of them (verl ``policy_loss.kl_cov_ratio``, default 0.0002). 0 < x ≤ 1."""
+    penalty — max(⌊kl_cov_ratio · n⌋, 1) of them (verl ``policy_loss.kl_cov_ratio``, default 0.0002).
+    0 < x ≤ 1."""
     ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of |log π_θ − log π_old| on the selected tokens (verl ``policy_loss.ppo_kl_coef``: 0.1
     in verl's config; ``compute_policy_loss_kl_cov`` falls back to 1.0 only when the key is null). ≥ 0."""

@@ -18,9 +18,10 @@ Schedule of :meth:`GRPOLoss.__call__`
        zero when the step is skipped; summed → this micro-batch's share.
     6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`).
 
-No host synchronization happens in steps 3–6 (the covariance selection included); with ``batch=None`` step 2 makes collectives (and one
-host read when the top-entropy quantile is needed). ``compile=True`` compiles the token and combine
-stages with ``torch.compile`` (the per-sequence sums and collectives stay eager).
+No host synchronization happens in steps 3–6 (the covariance selection included); with ``batch=None`` step 2
+makes collectives (and one host read when the top-entropy quantile is needed). ``compile=True`` compiles the
+token and combine stages with ``torch.compile`` (the per-sequence sums, the covariance selection and the
+collectives stay eager).
 
 Backends (:class:`LossBackend`): steps 3–6 as written here in plain torch (``TORCH``, the readable
 specification), or as the fused Triton kernels of :mod:`mp_grpo.ops.grpo_loss` (``TRITON``: the same

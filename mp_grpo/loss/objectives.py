@@ -94,7 +94,8 @@ def policy_term(
     if objective == Objective.KL_COV:
         ratio = log_ratio.exp()
         penalty = cfg.ppo_kl_coef * log_ratio.abs()
-        term = -advantages * ratio + torch.where(cov_selected, penalty, torch.zeros_like(penalty))  # type: ignore[arg-type]
+        penalty = torch.where(cov_selected, penalty, torch.zeros_like(penalty))  # type: ignore[arg-type]
+        term = -advantages * ratio + penalty
         return PolicyTerm(term, ratio.detach(), None, None, None)
     if objective == Objective.GSPO:
         log_s = seq_value

@@ -33,7 +33,8 @@ VERL_SEQ_MEAN_RTOL = 1e-7
 CASES = {
     "clip_cov": (["policy.objective=clip_cov", "policy.clip_cov_ratio=0.2", "policy.clip_cov_lb=0.05",
                   "policy.clip_cov_ub=5.0", "policy.eps_high=0.28"],
-                 dict(loss_mode="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.05, clip_cov_ub=5.0, clip_ratio_high=0.28)),
+                 dict(loss_mode="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=0.05, clip_cov_ub=5.0,
+                      clip_ratio_high=0.28)),
     "clip_cov_window_kl_entropy": (
         ["policy.objective=clip_cov", "policy.clip_cov_ratio=0.5", "policy.clip_cov_lb=-0.3", "policy.clip_cov_ub=0.4",
          "kl.coef=0.05", "entropy.bonus_coef=0.01"],
@@ -161,7 +162,8 @@ def test_masked_positions_never_leak() -> None:
 
 # ------------------------------------------------------------------------------ the selection itself
 def test_selection_counts_and_candidates() -> None:
-    """clip_cov selects min(max(⌊ratio·n⌋, 1), #candidates) candidates; kl_cov the top max(⌊ratio·n⌋, 1) by cov."""
+    """clip_cov selects min(max(⌊ratio·n⌋, 1), #candidates) candidates; kl_cov the max(⌊ratio·n⌋, 1) with the
+    largest cov."""
     batch = _batch(8)
     mask, adv = batch["loss_mask"], batch["advantages"].unsqueeze(1).expand(len(LENGTHS), T)
     lp, lr = batch["logprobs"], batch["logprobs"] - batch["old_logprobs"]
@@ -223,7 +225,8 @@ def test_config_errors_name_the_key(override: str, key: str) -> None:
 def test_defaults_are_verls() -> None:
     """verl b178a3c verl/workers/config/actor.py PolicyLossConfig: 2e-4, 1.0, 5.0, 2e-4, 0.1."""
     p = load_config(None).policy
-    assert (p.clip_cov_ratio, p.clip_cov_lb, p.clip_cov_ub, p.kl_cov_ratio, p.ppo_kl_coef) == (2e-4, 1.0, 5.0, 2e-4, 0.1)
+    got = (p.clip_cov_ratio, p.clip_cov_lb, p.clip_cov_ub, p.kl_cov_ratio, p.ppo_kl_coef)
+    assert got == (2e-4, 1.0, 5.0, 2e-4, 0.1)
 
 
 def test_generator_errors() -> None:
