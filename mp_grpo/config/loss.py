@@ -174,7 +174,8 @@ class PolicyConfig:
     only its own log-prob)."""
     log_ratio_clamp: float | None = 20.0
     """Bound on |log-ratio| before every ``exp`` (policy ratio, rollout-correction ratios, mismatch
-    metrics): e^20 ≈ 4.9e8 stays finite in fp32 even squared (χ²). 20 is NeMo-RL's and verl's bound.
+    metrics): e^20 ≈ 4.9e8 stays finite in fp32 even squared (χ²). 20 is verl's bound (vanilla PPO loss);
+    TRL and NeMo-RL do not clamp the policy log-ratio (null reproduces them).
     null disables it (an overflow to inf then becomes possible)."""
 
     def __post_init__(self) -> None:
