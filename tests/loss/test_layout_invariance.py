@@ -8,7 +8,8 @@ uneven lengths (each micro-batch padded to its own length, inf/NaN in the paddin
 empty micro-batch and a rank with zero valid tokens, and the step-level features (top-entropy quantile,
 IS-weight normalization, mismatch skip on both sides of its threshold), and the torch-only options
 (VESPO's per-sequence weight, GSPO-token, the sequence-level KL bias correction, separate KL / entropy
-aggregation, the bonus on the step's top-entropy tokens; ``TORCH_ONLY_FEATURES``). The fused Triton path (under the
+aggregation, the bonus on the step's top-entropy tokens; ``TORCH_ONLY_FEATURES``; VAPO's NLL on positive examples
+over the step's count of their tokens). The fused Triton path (under the
 interpreter) runs the data- and context-parallel splits on a subset of the configs, against the torch path's
 single call.
 """
@@ -51,6 +52,7 @@ def _configs(backend: str):
     features["skip_just_above"] = [f"mismatch.skip_threshold={global_k3 * 1.02}", "kl.coef=0.1"]
     if backend == "torch":
         features.update(TORCH_ONLY_FEATURES)
+        features["vapo_nll"] = ["nll.positive_coef=0.3", "kl.coef=0.05"]  # the step's positive-token count
     for feature, feature_overrides in features.items():
         for aggregation, agg_overrides in AGGREGATIONS.items():
             name = f"{feature}/{aggregation}"
@@ -68,11 +70,26 @@ def _call(cfg, data, rows, cols, *, backend="torch", batch=None, layout=None, lp
     lp = take(data["logprobs"]).clone().requires_grad_() if lp is None else lp
     ent = take(data["entropy"]).clone().requires_grad_() if ent is None else ent
     adv = data["advantages"][rows] if index is None else data["advantages"]
+    vapo = {}
+    if cfg.nll.positive_coef != 0.0:  # positive examples per sequence; with a batch, the step's count of their tokens
+        vapo["positive"] = adv > 0
+        vapo["positive_tokens"] = None if batch is None else data["positive_tokens"]
     loss, metrics = GRPOLoss(cfg, backend=LossBackend(backend))(
         lp, take(data["old_logprobs"]), adv, take(data["loss_mask"]), rollout_logprobs=take(data["rollout_logprobs"]),
-        ref_logprobs=take(data["ref_logprobs"]), entropy=ent, batch=batch, layout=layout,
+        ref_logprobs=take(data["ref_logprobs"]), entropy=ent, batch=batch, layout=layout, **vapo,
     )
     return loss, lp, ent, metrics
+
+
+def _data() -> dict[str, torch.Tensor]:
+    """The step's batch, and the step's count of valid tokens of positive examples (what
+    ``GlobalBatch.from_masks`` of the positive tokens' masks gives over the whole group, for ``nll.positive_coef``)."""
+    from tests.loss.helpers import make_batch
+
+    data = make_batch(0, LENGTHS, T)
+    positive = data["loss_mask"] & (data["advantages"] > 0).unsqueeze(1)
+    data["positive_tokens"] = positive.sum().to(torch.float64)
+    return data
 
 
 def _grad(x):
@@ -100,12 +117,11 @@ def _check_metrics(name, got, want):
 def case_data_parallel(backend: str) -> None:
     """(1 rank, 4 micro-batches), (2 ranks, 2), (4 ranks, 1) against one call on the whole batch."""
     from mp_grpo.loss import GlobalBatch, reduce_metrics
-    from tests.loss.helpers import make_batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    data = make_batch(0, LENGTHS, T)
+    data = _data()
     for name, cfg in _configs(backend):
         loss_1, g_lp_1, g_ent_1, metrics_1 = _single(cfg, data)
         for dp, group in ((1, None), (2, pairs[rank // 2]), (4, dist.group.WORLD)):
@@ -153,13 +169,12 @@ def case_context_parallel(backend: str) -> None:
     """CP = 2 × DP = 2 (ranks {0,1} and {2,3} share sequences), padded rows and packed segments; and CP = 2
     alone with ``batch=None`` (the call with its CP peer is the whole step)."""
     from mp_grpo.loss import GlobalBatch, PackedSequences, PaddedSequences, reduce_metrics
-    from tests.loss.helpers import make_batch
 
     rank = dist.get_rank()
     cp, cp_rank, dp_rank = 2, rank % 2, rank // 2
     cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cp_group = cp_groups[dp_rank]
-    data = make_batch(0, LENGTHS, T)
+    data = _data()
     rows_of_rank = [slice(dp_rank * 4, dp_rank * 4 + 2), slice(dp_rank * 4 + 2, dp_rank * 4 + 4)]  # 2 micro-batches
     for name, cfg in _configs(backend):
         loss_1, g_lp_1, g_ent_1, metrics_1 = _single(cfg, data)
