@@ -6,8 +6,8 @@
 - :mod:`.sequence`: :class:`SequenceLayout` — padded, packed (THD) and context-parallel sequences.
 - :mod:`.objectives`, :mod:`.rollout_correction`, :mod:`.opsm`, :mod:`.entropy`, :mod:`.kl`,
   :mod:`.mismatch`, :mod:`.aggregation`: the terms; :mod:`.clamps`: the fixed bounds.
-- :mod:`.vespo`: VESPO's gamma weight; :mod:`.adaptive_entropy`: the adaptive entropy coefficient (state
-  outside the loss).
+- :mod:`.vespo`: VESPO's gamma weight; :mod:`.covariance`: clip_cov / kl_cov's token selection (per call);
+  :mod:`.adaptive_entropy`: the adaptive entropy coefficient (state outside the loss).
 - :mod:`.metrics`: exactly reducible metric dicts and :func:`reduce_metrics`.
 """
 
