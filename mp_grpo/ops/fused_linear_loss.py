@@ -29,8 +29,9 @@ Forward — chunks of whole rows, ``[rows, V_local]`` (the plan of :func:`~mp_gr
     5. ``grad_hidden[chunk] = grad_logits @ weight`` (fp32 accumulation, written once: the chunk spans
        this rank's whole vocabulary). Skipped when ``hidden`` needs no gradient.
     6. ``grad_weight (+)= grad_logitsᵀ @ hidden[chunk]`` into an fp32 ``[V_local, H]`` accumulator when
-       it fits ``WEIGHT_GRAD_FP32_BYTES``, else into a buffer of weight's dtype (cuBLAS sums each chunk in
-       fp32 and rounds once per chunk). Skipped when ``weight`` needs no gradient.
+       there are several chunks and it fits ``WEIGHT_GRAD_FP32_BYTES``, else into a buffer of weight's
+       dtype (cuBLAS sums each chunk in fp32 and rounds once per chunk; one chunk: rounded once, as an
+       fp32 buffer would be). Skipped when ``weight`` needs no gradient.
     Saved for backward: the two gradients (no logits, no inputs).
 
 Backward (``g`` = the upstream gradient of the loss, a 0-dim device tensor; no host read) — one pass of
@@ -48,11 +49,11 @@ log-probs; every rank must cut the same chunks (same ``N``), as the all-gather p
 Memory beyond the inputs: one logits chunk (≤ ``LOSS_LOGITS_CHUNK_BYTES``), the ``[N, H]`` hidden gradient
 and the ``[V_local, H]`` weight gradient (held from forward to backward — they are the outputs
 backward returns; under gradient-accumulation fusion the weight buffer is extra: ``V_local·H`` in
-weight's dtype, or fp32 when that fits ``WEIGHT_GRAD_FP32_BYTES``).
+weight's dtype, or fp32 for several chunks when that fits ``WEIGHT_GRAD_FP32_BYTES``).
 
 Precision: the logits and their gradient are rounded to hidden's dtype as on the logits path. The
 weight gradient is summed over row chunks in fp32 when the fp32 buffer fits the budget, else rounded
-to weight's dtype once per chunk; the upstream scaling ``g`` (fp32 product) and the cast to weight's dtype
+to weight's dtype once per chunk (one chunk: once); the upstream scaling ``g`` (fp32 product) and the cast to weight's dtype
 are one more rounding together (none for g = 1 into a buffer of weight's dtype).
 """
 
@@ -82,8 +83,10 @@ nothing else is held. At N = 16384, H = 4096, bf16: 7 chunks of 2432 rows at V =
 one chunk at V = 18992 (2 at 512 MiB)."""
 
 WEIGHT_GRAD_FP32_BYTES = 512 * 2**20
-"""The weight gradient is summed over row chunks in an fp32 ``[V_local, H]`` buffer when it fits this
-(V_local·H ≤ 128 Mi: V = 18992 at H = 4096 does, V = 151936 does not); else in weight's dtype."""
+"""The weight gradient is summed over several row chunks in an fp32 ``[V_local, H]`` buffer when it fits
+this (V_local·H ≤ 128 Mi: V = 18992 at H = 4096 does, V = 151936 does not); else in weight's dtype. A
+single chunk (V = 18992 at N = 16384) goes straight into weight's dtype: cuBLAS rounds its fp32 sum once
+either way, and the bf16 buffer is half the memory and half the bytes for backward's scaling pass."""
 
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, Any]"]
 
@@ -149,10 +152,10 @@ class FusedLinearLoss(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_hidden else None
         grad_w = None
         if need_weight:
-            fp32_fits = v_local * hidden_size * 4 <= WEIGHT_GRAD_FP32_BYTES
+            fp32_sum = n > plan.forward_rows and v_local * hidden_size * 4 <= WEIGHT_GRAD_FP32_BYTES
             # The first chunk's GEMM overwrites it (step 6); only an empty batch leaves it as allocated.
             alloc = torch.empty if n > 0 else torch.zeros
-            grad_w = alloc(w.shape, dtype=torch.float32 if fp32_fits else w.dtype, device=w.device)
+            grad_w = alloc(w.shape, dtype=torch.float32 if fp32_sum else w.dtype, device=w.device)
         chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
         stats_buffer = new_stats_buffer(min(plan.forward_rows, max(n, 1)), h.device)
 
