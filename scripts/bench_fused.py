@@ -306,20 +306,58 @@ def check_correctness(n: int = 1000, hidden_size: int = 256, v: int = 5000) -> f
     return max(worst, with_loss)
 
 
+PROFILE_ITERS = 3
+"""Forward+backward calls per profile (back to back, as do_bench runs them)."""
+
+
 def profile_with_loss(n: int, hidden_size: int, v: int, out: Path) -> None:
-    """Kernel time of one forward+backward of the with-loss op, grouped by kernel (torch.profiler), into
-    ``fused_profile_<V>.txt``: how much of it is GEMMs and how much the epilogue, statistics and loss."""
+    """Where the with-loss op's time goes, against the bare matmuls, into ``fused_profile_<V>.txt``.
+
+    For the bare matmuls and the with-loss op: the host time to issue one forward+backward (CPU only, the
+    GPU idle at the start: if it is well below the GPU time the GPU never waits on the host), the kernel
+    time of ``PROFILE_ITERS`` back-to-back calls summed over kernels (torch.profiler, CUDA activity) and the
+    wall time of the same calls (CUDA events): wall minus kernel time is time the GPU spent idle. Then the
+    with-loss op's kernels grouped by name: GEMMs, the epilogue, statistics, loss, backward's scaling."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
-    _, fwd_bwd = cases(n, hidden_size, v)["loss"][1]()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    lines, tables = [f"V = {v}, N = {n}, H = {hidden_size}, bf16; {PROFILE_ITERS} forward+backward calls each", ""], []
+    for key in ("bare", "loss"):
+        name, build = cases(n, hidden_size, v)[key]
+        _, fwd_bwd = build()
         fwd_bwd()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
-    (out / f"fused_profile_{v}.txt").write_text(table)
-    print(table, flush=True)
+        issue = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fwd_bwd()
+            issue.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            for _ in range(PROFILE_ITERS):
+                fwd_bwd()
+            end.record()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernel_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+        wall_ms = start.elapsed_time(end)
+        lines.append(
+            f"{name}: host issue time {sorted(issue)[2]:.2f} ms per call (median of 5); per call: kernel time "
+            f"{kernel_ms / PROFILE_ITERS:.2f} ms, wall {wall_ms / PROFILE_ITERS:.2f} ms, GPU idle "
+            f"{(wall_ms - kernel_ms) / PROFILE_ITERS:.2f} ms"
+        )
+        if key == "loss":
+            tables.append(f"{name}, kernels over {PROFILE_ITERS} calls:\n" + events.table(
+                sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+        del build, fwd_bwd, prof, events
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n\n" + "\n".join(tables)
+    (out / f"fused_profile_{v}.txt").write_text(text)
+    print(text, flush=True)
 
 
 def run_single_gpu(args) -> dict:
