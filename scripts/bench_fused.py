@@ -373,7 +373,8 @@ def run_single_gpu(args) -> dict:
             if (key == "liger") == slow and selected(key, v, args.only, args.skip)]
     result = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": n, "hidden": hidden_size,
-        "correctness_worst_error_over_tolerance": worst, "command": " ".join(["python scripts/bench_fused.py", *sys.argv[1:]]),
+        "correctness_worst_error_over_tolerance": worst,
+        "command": " ".join(["python scripts/bench_fused.py", *sys.argv[1:]]),
         "rows": [],
     }
     for v in args.vocab:
@@ -525,11 +526,13 @@ def _targets(result: dict) -> list[str]:
                 f"{TARGET_LIGER_SPEEDUP:.1f}x: {_verdict(speedup, TARGET_LIGER_SPEEDUP, 'x', at_most=False)}"
             )
         else:
-            lines.append(f"- V = {v}, vs Liger: not measured ({liger.get('skipped') or liger.get('error') or 'row not run'})")
+            why = liger.get("skipped") or liger.get("error") or "row not run"
+            lines.append(f"- V = {v}, vs Liger: not measured ({why})")
         gspo = rows.get("gspo", {})
         if "fwd_bwd_vs_bare" in gspo:
             lines.append(
-                f"- V = {v}, sequence-level objective (GSPO; no target, the recompute path): {gspo['fwd_bwd_ms']:.2f} ms "
+                f"- V = {v}, sequence-level objective (GSPO; no target, the recompute path): "
+                f"{gspo['fwd_bwd_ms']:.2f} ms "
                 f"= {gspo['fwd_bwd_vs_bare']:.3f}x the bare matmuls, extra peak {gspo['extra_peak_GiB']:.2f} GiB"
             )
     return lines

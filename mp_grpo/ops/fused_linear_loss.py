@@ -53,8 +53,8 @@ weight's dtype, or fp32 for several chunks when that fits ``WEIGHT_GRAD_FP32_BYT
 
 Precision: the logits and their gradient are rounded to hidden's dtype as on the logits path. The
 weight gradient is summed over row chunks in fp32 when the fp32 buffer fits the budget, else rounded
-to weight's dtype once per chunk (one chunk: once); the upstream scaling ``g`` (fp32 product) and the cast to weight's dtype
-are one more rounding together (none for g = 1 into a buffer of weight's dtype).
+to weight's dtype once per chunk (one chunk: once); the upstream scaling ``g`` (fp32 product) and the
+cast to weight's dtype are one more rounding together (none for g = 1 into a buffer of weight's dtype).
 """
 
 from __future__ import annotations
