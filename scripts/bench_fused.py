@@ -519,7 +519,7 @@ def _targets(result: dict) -> list[str]:
             f"- V = {v}, memory: extra peak {ours['extra_peak_GiB']:.2f} GiB; target ≤ {TARGET_EXTRA_GiB:.1f} GiB: "
             f"{_verdict(ours['extra_peak_GiB'], TARGET_EXTRA_GiB, ' GiB')}"
         )
-        if "liger_fwd_bwd_over_this" in ours:
+        if "liger_fwd_bwd_over_this" in ours and "fwd_bwd_ms" in liger:
             speedup = ours["liger_fwd_bwd_over_this"]
             lines.append(
                 f"- V = {v}, vs Liger: {speedup:.1f}x faster than {LIGER} ({liger['fwd_bwd_ms']:.1f} ms); target ≥ "
