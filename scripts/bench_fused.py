@@ -11,7 +11,6 @@ Single GPU (default)::
 
   - bare matmul ``h @ Wᵀ`` forward, its two backward GEMMs (3 GEMMs; no softmax): the time floor of
     any unfused output layer; its extra peak is the logits;
-  - torch: matmul + log_softmax(fp32) + gather;
   - mp_grpo logits path: matmul + ``vocab_parallel_logprobs(inplace_backward=True)``;
   - mp_grpo logits path + GRPOLoss (PPO clip, on-policy, 8 padded sequences);
   - mp_grpo ``fused_linear_loss`` + the same GRPOLoss: the loss's gradient made in forward (also into an
@@ -23,9 +22,14 @@ Single GPU (default)::
     gradients in forward), skipped and said so when liger-kernel is not installed.
 
   Before timing, both fused ops are checked against the float64 reference of ``tests/reference.py`` at
-  a small size. Results: ``fused.json``, ``fused.md`` (table + issue 18's targets) and ``fused.png``;
-  with ``--profile`` also ``fused_profile_<V>.txt`` (kernel times of one forward+backward of the
-  with-loss op).
+  a small size (the with-loss op also into an fp32 ``main_grad``). Results: ``fused.json``, ``fused.md``
+  (table + one line per target of issue 18: met or not, by how much) and ``fused.png``, rewritten after
+  every row; the Liger rows (seconds each, plus torch.compile) run after all others. With ``--profile``
+  also ``fused_profile_<V>.txt`` (kernel times of one forward+backward of the with-loss op).
+
+  A subset of rows: ``--only KEY ...`` / ``--skip KEY ...`` with the keys bare, logits, logits_loss, loss,
+  loss_main_grad, loss_512, per_token, per_token_main_grad, per_token_loss, gspo, liger — each for every
+  V, or ``KEY@V`` for one (``--skip liger@151936`` drops the slowest row).
 
 Tensor parallel (two GPUs, NCCL)::
 
@@ -76,6 +80,7 @@ BARE = "bare matmul h@Wᵀ + 2 backward GEMMs (no softmax)"
 FUSED = "mp_grpo fused_linear_logprobs"
 WITH_LOSS = "mp_grpo fused_linear_loss + GRPOLoss (loss in forward)"
 LIGER = "Liger LigerFusedLinearGRPOLoss (chunked, compiled)"
+GSPO = f"{FUSED} + GSPO GRPOLoss (sequence-level: recompute path)"
 TARGET_TIME_RATIO = 1.10  # fwd+bwd of the fused output layer + loss vs. the bare matmuls (issue 18)
 TARGET_EXTRA_GiB = 1.0
 TARGET_LIGER_SPEEDUP = 3.0
@@ -211,18 +216,32 @@ def cases(n: int, hidden_size: int, v: int):
         return _closures((h, w), f, torch.ones((), device=DEVICE), forward_without_grad=False)
 
     return {
-        BARE: bare,
-        "mp_grpo logits path: matmul + vocab_parallel_logprobs": logits_path,
-        "mp_grpo logits path + GRPOLoss": logits_path_loss,
-        WITH_LOSS: with_loss(False),
-        f"{WITH_LOSS}, into fp32 main_grad": with_loss(True),
-        f"{WITH_LOSS}, 512 MiB chunks": with_loss(False, plan_chunks(n, hidden_size, v, torch.bfloat16).forward_rows),
-        FUSED: fused(False, False),
-        f"{FUSED} into fp32 main_grad": fused(False, True),
-        f"{FUSED} + GRPOLoss (recompute path)": per_token_loss("ppo_clip"),
-        f"{FUSED} + GSPO GRPOLoss (sequence-level: recompute path)": per_token_loss("gspo"),
-        LIGER: liger,
+        "bare": (BARE, bare),
+        "logits": ("mp_grpo logits path: matmul + vocab_parallel_logprobs", logits_path),
+        "logits_loss": ("mp_grpo logits path + GRPOLoss", logits_path_loss),
+        "loss": (WITH_LOSS, with_loss(False)),
+        "loss_main_grad": (f"{WITH_LOSS}, into fp32 main_grad", with_loss(True)),
+        "loss_512": (f"{WITH_LOSS}, 512 MiB chunks",
+                     with_loss(False, plan_chunks(n, hidden_size, v, torch.bfloat16).forward_rows)),
+        "per_token": (FUSED, fused(False, False)),
+        "per_token_main_grad": (f"{FUSED} into fp32 main_grad", fused(False, True)),
+        "per_token_loss": (f"{FUSED} + GRPOLoss (recompute path)", per_token_loss("ppo_clip")),
+        "gspo": (GSPO, per_token_loss("gspo")),
+        "liger": (LIGER, liger),
     }
+
+
+CASE_KEYS = ("bare", "logits", "logits_loss", "loss", "loss_main_grad", "loss_512", "per_token",
+             "per_token_main_grad", "per_token_loss", "gspo", "liger")
+"""The rows' keys for ``--only`` / ``--skip``, in table order."""
+
+
+def selected(key: str, v: int, only: list[str] | None, skip: list[str] | None) -> bool:
+    """``KEY`` selects a row at every V, ``KEY@V`` at one (e.g. ``--skip liger@151936``)."""
+    def hit(patterns):
+        return any(p == key or p == f"{key}@{v}" for p in patterns)
+
+    return (only is None or hit(only)) and not (skip and hit(skip))
 
 
 def check_correctness(n: int = 1000, hidden_size: int = 256, v: int = 5000) -> float:
@@ -269,62 +288,130 @@ def check_correctness(n: int = 1000, hidden_size: int = 256, v: int = 5000) -> f
     c64, g64 = coef.cpu().double(), g.cpu().double()
     ref_loss = (torch.exp(lp_ref2) * c64 + lp_ref2 * g64).sum() - (ent_ref2 * g64).sum()
     (ref_loss * 0.5).backward()
+    # Under gradient-accumulation fusion: the same, added into an fp32 main_grad by backward's scale kernel.
+    w3 = w.detach().clone().requires_grad_()
+    w3.main_grad = torch.zeros(w3.shape, device=DEVICE, dtype=torch.float32)
+    w3.grad_added_to_main_grad = False
+    loss3, _ = fused_linear_loss(h.detach(), w3, t, loss_fn, with_entropy=True, chunk_tokens=300,
+                                 accumulate_into_main_grad=True)
+    loss3.backward(torch.tensor(0.5, device=DEVICE))
     with_loss = max(
         ratio(loss, ref_loss, torch.float32, ref_loss.abs().item()),
         ratio(h2.grad, ref_h.grad, torch.bfloat16, ref_h.grad.abs().max().item()),
         ratio(w2.grad, ref_w.grad, torch.bfloat16, ref_w.grad.abs().max().item()),
+        ratio(w3.main_grad, ref_w.grad, torch.bfloat16, ref_w.grad.abs().max().item()),
     )
     print(f"correctness vs float64 reference (N={n}, H={hidden_size}, V={v}, several chunks each way): "
           f"worst error / tolerance = {worst:.3f} (per-token op), {with_loss:.3f} (fused_linear_loss)", flush=True)
     return max(worst, with_loss)
 
 
+PROFILE_ITERS = 3
+"""Forward+backward calls per profile (back to back, as do_bench runs them)."""
+
+
 def profile_with_loss(n: int, hidden_size: int, v: int, out: Path) -> None:
-    """Kernel time of one forward+backward of the with-loss op, grouped by kernel (torch.profiler), into
-    ``fused_profile_<V>.txt``: how much of it is GEMMs and how much the epilogue, statistics and loss."""
+    """Where the with-loss op's time goes, against the bare matmuls, into ``fused_profile_<V>.txt``.
+
+    For the bare matmuls and the with-loss op: the host time to issue one forward+backward (CPU only, the
+    GPU idle at the start: if it is well below the GPU time the GPU never waits on the host), the kernel
+    time of ``PROFILE_ITERS`` back-to-back calls summed over kernels (torch.profiler, CUDA activity) and the
+    wall time of the same calls (CUDA events): wall minus kernel time is time the GPU spent idle. Then the
+    with-loss op's kernels grouped by name: GEMMs, the epilogue, statistics, loss, backward's scaling."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
-    _, fwd_bwd = cases(n, hidden_size, v)[WITH_LOSS]()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    lines, tables = [f"V = {v}, N = {n}, H = {hidden_size}, bf16; {PROFILE_ITERS} forward+backward calls each", ""], []
+    for key in ("bare", "loss"):
+        name, build = cases(n, hidden_size, v)[key]
+        _, fwd_bwd = build()
         fwd_bwd()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
-    (out / f"fused_profile_{v}.txt").write_text(table)
-    print(table, flush=True)
+        issue = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fwd_bwd()
+            issue.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            for _ in range(PROFILE_ITERS):
+                fwd_bwd()
+            end.record()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernel_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+        wall_ms = start.elapsed_time(end)
+        lines.append(
+            f"{name}: host issue time {sorted(issue)[2]:.2f} ms per call (median of 5); per call: kernel time "
+            f"{kernel_ms / PROFILE_ITERS:.2f} ms, wall {wall_ms / PROFILE_ITERS:.2f} ms, GPU idle "
+            f"{(wall_ms - kernel_ms) / PROFILE_ITERS:.2f} ms"
+        )
+        if key == "loss":
+            tables.append(f"{name}, kernels over {PROFILE_ITERS} calls:\n" + events.table(
+                sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+        del build, fwd_bwd, prof, events
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n\n" + "\n".join(tables)
+    (out / f"fused_profile_{v}.txt").write_text(text)
+    print(text, flush=True)
 
 
 def run_single_gpu(args) -> dict:
+    """Every selected row; the slow Liger rows after all others. The report is rewritten after every row (a run
+    stopped at its time limit keeps what it measured)."""
     worst = check_correctness()
     assert worst <= 1.0, f"the fused op disagrees with the float64 reference: worst error / tolerance = {worst:.3f}"
-    rows = []
-    for v in args.vocab:
-        n, hidden_size = args.tokens, args.hidden
-        plan = plan_chunks(n, hidden_size, v, torch.bfloat16)
-        print(f"V = {v}: chunk plan {plan}", flush=True)
-        for name, build in cases(n, hidden_size, v).items():
-            torch.cuda.empty_cache()
-            row = {"case": name, "N": n, "H": hidden_size, "V": v}
-            try:
-                fwd, fwd_bwd = build()
-                row["extra_peak_GiB"] = extra_peak_bytes(fwd_bwd) / GiB
-                row["fwd_ms"] = median_ms(fwd)
-                row["fwd_bwd_ms"] = median_ms(fwd_bwd)
-            except ImportError as err:
-                row["skipped"] = f"not installed: {err}"
-            except Exception as err:  # a baseline that fails is reported, not hidden
-                traceback.print_exc()
-                row["error"] = repr(err)[:300]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del build
+    n, hidden_size = args.tokens, args.hidden
+    for key in (args.only or []) + (args.skip or []):
+        if key.split("@")[0] not in CASE_KEYS:
+            raise SystemExit(f"--only / --skip: unknown row {key!r}; rows: {', '.join(CASE_KEYS)} (optionally KEY@V)")
+    jobs = [(v, key) for slow in (False, True) for v in args.vocab for key in CASE_KEYS
+            if (key == "liger") == slow and selected(key, v, args.only, args.skip)]
     result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": args.tokens,
-        "hidden": args.hidden, "correctness_worst_error_over_tolerance": worst, "rows": rows,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": n, "hidden": hidden_size,
+        "correctness_worst_error_over_tolerance": worst,
+        "command": " ".join(["python scripts/bench_fused.py", *sys.argv[1:]]),
+        "rows": [],
     }
-    add_ratios(result)
+    for v in args.vocab:
+        print(f"V = {v}: chunk plan {plan_chunks(n, hidden_size, v, torch.bfloat16)}", flush=True)
+    for i, (v, key) in enumerate(jobs):
+        if args.profile and key == "liger" and not (i and jobs[i - 1][1] == "liger"):
+            profile_all(args)  # before the slow rows: a run stopped at its time limit keeps the profiles
+        torch.cuda.empty_cache()
+        name, build = cases(n, hidden_size, v)[key]
+        row = {"case": name, "key": key, "N": n, "H": hidden_size, "V": v}
+        fwd = fwd_bwd = None
+        try:
+            fwd, fwd_bwd = build()
+            row["extra_peak_GiB"] = extra_peak_bytes(fwd_bwd) / GiB
+            row["fwd_ms"] = median_ms(fwd)
+            row["fwd_bwd_ms"] = median_ms(fwd_bwd)
+        except ImportError as err:
+            row["skipped"] = f"not installed: {err}"
+        except Exception as err:  # a baseline that fails is reported, not hidden
+            traceback.print_exc()
+            row["error"] = repr(err)[:300]
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+        result["rows"].sort(key=lambda r: (args.vocab.index(r["V"]), CASE_KEYS.index(r["key"])))
+        add_ratios(result)
+        last_fast = i + 1 == len(jobs) or jobs[i + 1][1] == "liger"
+        write_single_gpu_report(result, args.out, plot=last_fast or i + 1 == len(jobs))
+        del build, fwd, fwd_bwd
+    if args.profile and not any(key == "liger" for _, key in jobs):
+        profile_all(args)
     return result
+
+
+def profile_all(args) -> None:
+    torch.cuda.empty_cache()
+    for v in args.vocab:
+        profile_with_loss(args.tokens, args.hidden, v, args.out)
 
 
 def add_ratios(result: dict) -> None:
@@ -403,31 +490,55 @@ def run_tensor_parallel(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- reports
+def _verdict(value: float, limit: float, unit: str, at_most: bool = True) -> str:
+    """``met (by x)`` / ``NOT MET (by x)`` for ``value`` against ``limit`` (an upper bound, or a lower one)."""
+    margin = limit - value if at_most else value - limit
+    return f"{'met' if margin >= 0 else 'NOT MET'} (by {abs(margin):.2f}{unit})"
+
+
 def _targets(result: dict) -> list[str]:
-    """One line per vocabulary size: the issue's three targets for the fused op, met or not."""
+    """One line per target and vocabulary size (met or not, and by how much), then the sequence-level case."""
     lines = []
     for v in sorted({r["V"] for r in result["rows"]}, reverse=True):
-        rows = {r["case"]: r for r in result["rows"] if r["V"] == v}
-        ours = rows.get(WITH_LOSS, {})
+        rows = {r["key"]: r for r in result["rows"] if r["V"] == v}
+        ours, bare, liger = rows.get("loss", {}), rows.get("bare", {}), rows.get("liger", {})
         if "fwd_bwd_ms" not in ours:
-            lines.append(f"- V = {v}: {WITH_LOSS} did not run ({ours.get('error')})")
+            lines.append(f"- V = {v}: {WITH_LOSS} not measured ({ours.get('error', 'row not run')})")
             continue
-        ratio = ours.get("fwd_bwd_vs_bare")
-        speedup = ours.get("liger_fwd_bwd_over_this")
-        parts = [
-            f"{WITH_LOSS}: fwd+bwd {ratio:.2f}x bare matmul (target ≤ {TARGET_TIME_RATIO}x: {'met' if ratio <= TARGET_TIME_RATIO else 'MISSED'})"
-            if ratio is not None else "bare matmul did not run",
-            f"extra peak {ours['extra_peak_GiB']:.2f} GiB (target ≤ {TARGET_EXTRA_GiB}: "
-            f"{'met' if ours['extra_peak_GiB'] <= TARGET_EXTRA_GiB else 'MISSED'})",
-            f"{speedup:.1f}x faster than Liger (target ≥ {TARGET_LIGER_SPEEDUP}x: "
-            f"{'met' if speedup >= TARGET_LIGER_SPEEDUP else 'MISSED'})"
-            if speedup is not None else "Liger not measured (" + str(rows.get(LIGER, {}).get("skipped") or rows.get(LIGER, {}).get("error")) + ")",
-        ]
-        lines.append(f"- V = {v}: " + "; ".join(parts))
+        if "fwd_bwd_vs_bare" in ours:
+            ratio = ours["fwd_bwd_vs_bare"]
+            lines.append(
+                f"- V = {v}, time: {WITH_LOSS} fwd+bwd {ours['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the bare matmuls "
+                f"({bare['fwd_bwd_ms']:.2f} ms); target ≤ {TARGET_TIME_RATIO:.2f}x: "
+                f"{_verdict(ratio, TARGET_TIME_RATIO, 'x')[:-1]} = "
+                f"{abs(TARGET_TIME_RATIO * bare['fwd_bwd_ms'] - ours['fwd_bwd_ms']):.2f} ms)"
+            )
+        else:
+            lines.append(f"- V = {v}, time: the bare matmul row did not run, no ratio")
+        lines.append(
+            f"- V = {v}, memory: extra peak {ours['extra_peak_GiB']:.2f} GiB; target ≤ {TARGET_EXTRA_GiB:.1f} GiB: "
+            f"{_verdict(ours['extra_peak_GiB'], TARGET_EXTRA_GiB, ' GiB')}"
+        )
+        if "liger_fwd_bwd_over_this" in ours and "fwd_bwd_ms" in liger:
+            speedup = ours["liger_fwd_bwd_over_this"]
+            lines.append(
+                f"- V = {v}, vs Liger: {speedup:.1f}x faster than {LIGER} ({liger['fwd_bwd_ms']:.1f} ms); target ≥ "
+                f"{TARGET_LIGER_SPEEDUP:.1f}x: {_verdict(speedup, TARGET_LIGER_SPEEDUP, 'x', at_most=False)}"
+            )
+        else:
+            why = liger.get("skipped") or liger.get("error") or "row not run"
+            lines.append(f"- V = {v}, vs Liger: not measured ({why})")
+        gspo = rows.get("gspo", {})
+        if "fwd_bwd_vs_bare" in gspo:
+            lines.append(
+                f"- V = {v}, sequence-level objective (GSPO; no target, the recompute path): "
+                f"{gspo['fwd_bwd_ms']:.2f} ms "
+                f"= {gspo['fwd_bwd_vs_bare']:.3f}x the bare matmuls, extra peak {gspo['extra_peak_GiB']:.2f} GiB"
+            )
     return lines
 
 
-def write_single_gpu_report(result: dict, out: Path) -> None:
+def write_single_gpu_report(result: dict, out: Path, plot: bool = True) -> None:
     (out / "fused.json").write_text(json.dumps(result, indent=1))
     lines = [
         f"# Output layer + token log-probs, fused vs. unfused — {result['device']}",
@@ -438,7 +549,7 @@ def write_single_gpu_report(result: dict, out: Path) -> None:
         "mp_grpo rows run with `check_inputs=False`. Liger and `fused_linear_loss` compute the loss's gradients in "
         "forward: their forward and forward+backward are therefore alike. Loss rows: GRPOLoss (PPO clip, or GSPO) on "
         "8 padded sequences, on-policy (every token has a gradient). Command: "
-        "`python scripts/bench_fused.py --profile --out docs/benchmarks`.",
+        f"`{result.get('command', 'python scripts/bench_fused.py --profile --out docs/benchmarks')}`.",
         "",
         "| implementation | V | fwd ms | fwd+bwd ms | fwd+bwd / bare matmul | extra peak GiB | Liger fwd+bwd / this |",
         "|---|---|---|---|---|---|---|",
@@ -453,9 +564,10 @@ def write_single_gpu_report(result: dict, out: Path) -> None:
             )
         else:
             lines.append(f"| {r['case']} | {r['V']} | — | — | — | — | {r.get('skipped') or r.get('error')} |")
-    lines += ["", "Targets (issue 18: the fused output layer + loss, one H100):", *_targets(result)]
+    lines += ["", "Targets (issue 18: the fused output layer + loss, one GPU), one line each:", *_targets(result)]
     (out / "fused.md").write_text("\n".join(lines) + "\n")
-    plot_single_gpu(result, out / "fused.png")
+    if plot:
+        plot_single_gpu(result, out / "fused.png")
 
 
 def plot_single_gpu(result: dict, path: Path) -> None:
@@ -539,6 +651,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="also profile the with-loss op's kernels per V")
+    parser.add_argument("--only", nargs="+", metavar="ROW", help=f"run only these rows: KEY (every V) or KEY@V; keys: "
+                        f"{', '.join(CASE_KEYS)} (ratios need the bare row)")
+    parser.add_argument("--skip", nargs="+", metavar="ROW", help="leave these rows out (KEY or KEY@V), e.g. liger@151936")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tp > 1:
@@ -549,9 +664,6 @@ def main() -> None:
     else:
         result = run_single_gpu(args)
         write_single_gpu_report(result, args.out)
-        if args.profile:
-            for v in args.vocab:
-                profile_with_loss(args.tokens, args.hidden, v, args.out)
         print_compact(result)
 
 

@@ -79,6 +79,13 @@ def linear_logprobs_reference(
     return logprobs_reference(logits, target, temperature=temperature, ignore_index=ignore_index)
 
 
+def scale_reference(x: torch.Tensor, scale: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+    """``scale · x`` (+ ``base``) in float64: the backward scaling of the with-loss op by the upstream gradient
+    (mp_grpo.ops.scale); ``base`` is the ``main_grad`` it is added into."""
+    out = scale.double().reshape(()) * x.double()
+    return out if base is None else base.double() + out
+
+
 # ============================================================================================
 # GRPO-family loss (mp_grpo.loss) — float64 reference of the whole step's objective
 # ============================================================================================

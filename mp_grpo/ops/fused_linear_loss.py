@@ -29,15 +29,18 @@ Forward — chunks of whole rows, ``[rows, V_local]`` (the plan of :func:`~mp_gr
     5. ``grad_hidden[chunk] = grad_logits @ weight`` (fp32 accumulation, written once: the chunk spans
        this rank's whole vocabulary). Skipped when ``hidden`` needs no gradient.
     6. ``grad_weight (+)= grad_logitsᵀ @ hidden[chunk]`` into an fp32 ``[V_local, H]`` accumulator when
-       it fits ``WEIGHT_GRAD_FP32_BYTES``, else into a buffer of weight's dtype (cuBLAS sums each chunk in
-       fp32 and rounds once per chunk). Skipped when ``weight`` needs no gradient.
+       there are several chunks and it fits ``WEIGHT_GRAD_FP32_BYTES``, else into a buffer of weight's
+       dtype (cuBLAS sums each chunk in fp32 and rounds once per chunk; one chunk: rounded once, as an
+       fp32 buffer would be). Skipped when ``weight`` needs no gradient.
     Saved for backward: the two gradients (no logits, no inputs).
 
-Backward (``g`` = the upstream gradient of the loss, a 0-dim tensor; no host read)
+Backward (``g`` = the upstream gradient of the loss, a 0-dim device tensor; no host read) — one pass of
+:func:`~mp_grpo.ops.scale.scale_into` (``kernels/scale.py``, ``g`` read from its device pointer) per gradient:
     1. ``grad_hidden = g · grad_hidden`` (in place on the op's own buffer).
-    2. ``grad_weight = g · grad_weight`` in weight's dtype; with ``accumulate_into_main_grad``:
-       ``weight.main_grad += g · grad_weight`` (one fused pass) and Megatron's placeholder is returned
-       (:func:`~mp_grpo.ops.fused_linear_logprobs.main_grad_placeholder`).
+    2. ``grad_weight = g · grad_weight`` in weight's dtype (in place when the buffer has it, else written
+       once into a new, unfilled tensor of weight's dtype); with ``accumulate_into_main_grad``:
+       ``weight.main_grad += g · grad_weight`` (one read of each, one write) and Megatron's placeholder
+       is returned (:func:`~mp_grpo.ops.fused_linear_logprobs.main_grad_placeholder`).
 
 Tensor parallelism: as :func:`~mp_grpo.fused_linear_logprobs` (the returned hidden gradient is this
 rank's partial sum; apply Megatron's input mapping). ``loss_fn`` runs on every TP rank on the same
@@ -46,11 +49,12 @@ log-probs; every rank must cut the same chunks (same ``N``), as the all-gather p
 Memory beyond the inputs: one logits chunk (≤ ``LOSS_LOGITS_CHUNK_BYTES``), the ``[N, H]`` hidden gradient
 and the ``[V_local, H]`` weight gradient (held from forward to backward — they are the outputs
 backward returns; under gradient-accumulation fusion the weight buffer is extra: ``V_local·H`` in
-weight's dtype, or fp32 when that fits ``WEIGHT_GRAD_FP32_BYTES``).
+weight's dtype, or fp32 for several chunks when that fits ``WEIGHT_GRAD_FP32_BYTES``).
 
 Precision: the logits and their gradient are rounded to hidden's dtype as on the logits path. The
 weight gradient is summed over row chunks in fp32 when the fp32 buffer fits the budget, else rounded
-to weight's dtype once per chunk; the upstream scaling ``g`` is one more rounding (none for g = 1).
+to weight's dtype once per chunk (one chunk: once); the upstream scaling ``g`` (fp32 product) and the
+cast to weight's dtype are one more rounding together (none for g = 1 into a buffer of weight's dtype).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from mp_grpo.ops.checks import (
 )
 from mp_grpo.ops.fused_linear_logprobs import ChunkPlan, _chunk_view, _matmul_into, main_grad_placeholder, plan_chunks
 from mp_grpo.ops.logprob_launch import gather_and_merge, logprob_backward, new_stats_buffer, shard_statistics
+from mp_grpo.ops.scale import scale_into
 
 LOSS_LOGITS_CHUNK_BYTES = 768 * 2**20
 """The one logits-chunk buffer of the forward pass. Larger than the per-token op's 512 MiB: every chunk
@@ -78,8 +83,10 @@ nothing else is held. At N = 16384, H = 4096, bf16: 7 chunks of 2432 rows at V =
 one chunk at V = 18992 (2 at 512 MiB)."""
 
 WEIGHT_GRAD_FP32_BYTES = 512 * 2**20
-"""The weight gradient is summed over row chunks in an fp32 ``[V_local, H]`` buffer when it fits this
-(V_local·H ≤ 128 Mi: V = 18992 at H = 4096 does, V = 151936 does not); else in weight's dtype."""
+"""The weight gradient is summed over several row chunks in an fp32 ``[V_local, H]`` buffer when it fits
+this (V_local·H ≤ 128 Mi: V = 18992 at H = 4096 does, V = 151936 does not); else in weight's dtype. A
+single chunk (V = 18992 at N = 16384) goes straight into weight's dtype: cuBLAS rounds its fp32 sum once
+either way, and the bf16 buffer is half the memory and half the bytes for backward's scaling pass."""
 
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, Any]"]
 
@@ -145,8 +152,10 @@ class FusedLinearLoss(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_hidden else None
         grad_w = None
         if need_weight:
-            fp32_fits = v_local * hidden_size * 4 <= WEIGHT_GRAD_FP32_BYTES
-            grad_w = torch.zeros(w.shape, dtype=torch.float32 if fp32_fits else w.dtype, device=w.device)
+            fp32_sum = n > plan.forward_rows and v_local * hidden_size * 4 <= WEIGHT_GRAD_FP32_BYTES
+            # The first chunk's GEMM overwrites it (step 6); only an empty batch leaves it as allocated.
+            alloc = torch.empty if n > 0 else torch.zeros
+            grad_w = alloc(w.shape, dtype=torch.float32 if fp32_sum else w.dtype, device=w.device)
         chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
         stats_buffer = new_stats_buffer(min(plan.forward_rows, max(n, 1)), h.device)
 
@@ -203,20 +212,21 @@ class FusedLinearLoss(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         not_differentiable = (None,) * 10
-        g = grad_loss.float()
         grad_hidden = grad_weight = None
-        # --- 1. the hidden gradient, scaled by the upstream gradient ---
+        g = grad_loss.float()  # 0-dim on the device; a no-op for the fp32 loss
+        # One pass of kernels/scale.py per gradient; it reads g from the device (no host read, nothing zero-filled).
+        # --- 1. the hidden gradient, scaled by the upstream gradient (in place) ---
         if grad_h is not None:
-            grad_hidden = grad_h.mul_(g.to(grad_h.dtype) if grad_h.dtype != torch.float32 else g).view(ctx.hidden_shape)
-        # --- 2. the weight gradient: scaled, or added into main_grad ---
+            grad_hidden = scale_into(grad_h, g, out=grad_h).view(ctx.hidden_shape)
+        # --- 2. the weight gradient: scaled (in place, or cast into weight's dtype), or added into main_grad ---
         if grad_w is not None:
             if ctx.main_grad is not None:
-                ctx.main_grad.addcmul_(grad_w, g.to(ctx.main_grad.dtype))
+                scale_into(grad_w, g, out=ctx.main_grad, accumulate=True)
                 grad_weight = main_grad_placeholder(ctx.weight, ctx.weight_dtype)
             elif grad_w.dtype == ctx.weight_dtype:
-                grad_weight = grad_w.mul_(g.to(grad_w.dtype))
+                grad_weight = scale_into(grad_w, g, out=grad_w)
             else:
-                grad_weight = (grad_w.mul_(g)).to(ctx.weight_dtype)
+                grad_weight = scale_into(grad_w, g, dtype=ctx.weight_dtype)
         return (grad_hidden, grad_weight, *not_differentiable)
 
 

@@ -43,11 +43,15 @@ class Sm90Compiler:
         self.num_warps = num_warps
         self.count = 0
 
-    def compile(self, kernel, types: dict[str, str], constexprs: dict) -> None:
+    def compile(self, kernel, types: dict[str, str], constexprs: dict, aligned: tuple[str, ...] = ()):
+        """The compiled kernel (its ``.asm["ptx"]``). ``aligned``: arguments declared divisible by 16 (pointers
+        16-byte aligned, integers multiples of 16), as Triton's launcher specializes them at run time."""
         import triton
         from triton.compiler import ASTSource
 
         signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
-        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=self.target,
-                       options={"num_warps": self.num_warps})
+        attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=self.target, options={"num_warps": self.num_warps})
         self.count += 1
+        return compiled

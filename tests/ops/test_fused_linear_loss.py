@@ -149,6 +149,55 @@ def test_accumulate_into_main_grad_and_tied_embedding(dtype):
     _assert_sum_close(w.main_grad - initial, expected, dtype, f"main_grad increment ({dtype})")
 
 
+@pytest.mark.parametrize("main_grad_dtype", [None, torch.float32, torch.bfloat16])
+def test_weight_gradient_summed_in_weights_dtype(monkeypatch, main_grad_dtype):
+    """Above WEIGHT_GRAD_FP32_BYTES (V = 151936 at H = 4096) the weight gradient is summed over row chunks in
+    weight's dtype; backward then scales it in place (no new buffer) or adds it into main_grad (fp32, or
+    weight's dtype). The hidden gradient is always scaled in place: the op's own buffer is returned."""
+    import mp_grpo.ops.fused_linear_loss as op
+
+    monkeypatch.setattr(op, "WEIGHT_GRAD_FP32_BYTES", 0)
+    dtype = torch.bfloat16
+    hidden, weight, target, gen = _case((3, 6), 16, 31, dtype, seed=21)
+    a, b = torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen)
+    g = torch.tensor(1.75)
+    loss_fn = _nonlinear_loss(a, b)
+    ref_h, ref_w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp, ent = linear_logprobs_reference(ref_h, ref_w, target, logits_dtype=dtype)
+    (loss_fn(lp, ent)[0] * g.double()).backward()
+
+    h, w = hidden.clone().requires_grad_(), torch.nn.Parameter(weight.clone())
+    initial = None
+    if main_grad_dtype is not None:
+        initial = torch.randn(weight.shape, generator=gen).to(main_grad_dtype)
+        w.main_grad = initial.clone()
+        w.grad_added_to_main_grad = False
+    loss, _ = fused_linear_loss(h, w, target, loss_fn, with_entropy=True, chunk_tokens=5,
+                                accumulate_into_main_grad=main_grad_dtype is not None)
+    loss.backward(g)
+    tag = f"(weight-dtype buffer, main_grad {main_grad_dtype})"
+    _assert_sum_close(h.grad, ref_h.grad, dtype, f"grad hidden {tag}")
+    if main_grad_dtype is None:
+        assert w.grad.dtype == dtype
+        _assert_sum_close(w.grad, ref_w.grad, dtype, f"grad weight {tag}")
+    else:
+        assert w.main_grad.dtype == main_grad_dtype and w.grad.eq(0).all()
+        # main_grad holds O(1) values: its increment is compared on the increment's scale, at the tolerance of
+        # the coarser of the two roundings (the bf16 buffer, or a bf16 main_grad).
+        increment = w.main_grad.double() - initial.double()
+        _assert_sum_close(increment, ref_w.grad, dtype, f"main_grad increment {tag}")
+
+
+def test_empty_batch_has_zero_gradients():
+    """No rows: the loss of empty log-probs, zero gradients (the weight-gradient buffer is zero-filled only here)."""
+    weight = torch.randn(11, 8, requires_grad=True)
+    hidden = torch.randn(0, 8, requires_grad=True)
+    loss, _ = fused_linear_loss(hidden, weight, torch.zeros(0, dtype=torch.int64), lambda lp, ent: (lp.sum(), None))
+    loss.backward(torch.tensor(3.0))
+    assert loss.item() == 0.0 and hidden.grad.shape == (0, 8)
+    assert weight.grad.shape == weight.shape and weight.grad.eq(0).all()
+
+
 def test_placeholder_is_allocated_once():
     from mp_grpo.ops.fused_linear_logprobs import main_grad_placeholder
 
