@@ -19,7 +19,9 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
 4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
    (:mod:`mp_grpo.megatron.scaling`), returned as ``(loss, metrics)`` or, with
-   ``calculate_per_token_loss``, ``(loss, num_tokens, metrics)``. ``metrics`` is GRPOLoss's dict —
+   ``calculate_per_token_loss``, ``(loss, num_tokens, metrics)`` — for an MoE model with the routed-token
+   account of :mod:`mp_grpo.megatron.moe` instead of the trained tokens, so that the routers' aux / z
+   losses keep one scale. ``metrics`` is GRPOLoss's dict —
    Megatron's ``loss_reduced``; reduce the list ``forward_backward_func`` returns with
    :func:`mp_grpo.reduce_metrics` over the DP×CP group.
 """
