@@ -432,7 +432,7 @@ class MegatronGRPO:
         scaling = MegatronScaling(calculate_per_token_loss=self.calculate_per_token_loss,
                                   num_microbatches=len(batch.micro_batch_shapes), dp_size=self.groups.dp_size)
         if self.calculate_per_token_loss and routed is not None:
-            # MoE: Megatron divides by the routed-token account A (summed over micro-batches and DP×CP) instead.
+            # MoE (mp_grpo.megatron.moe, step 2): report the routed-token account; Megatron divides by its sum A.
             loss = scaling.megatron_loss(share, routed.total(batch.all_positions))
             return loss, routed.local(mb.input_ids.numel(), loss.device), metrics
         loss = scaling.megatron_loss(share, batch.valid_tokens)

@@ -99,6 +99,7 @@ def check_moe_config(config, groups: ParallelGroups, *, calculate_per_token_loss
     """Step 1: raise where the routed-token account cannot give the rule (see the module docstring)."""
     if not is_moe(config) or not calculate_per_token_loss:
         return
+    # --- 1. refuse what the routed-token account cannot cover ---
     if groups.tp_size > 1 and not config.sequence_parallel:
         raise ValueError(
             "MoE with tensor parallelism needs sequence_parallel=True (megatron-core's MoELayer refuses training "
