@@ -697,3 +697,23 @@ def filtered_logprobs_reference(
     target_kept = keep.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1) | ~valid
     logprobs = torch.where(target_kept, logprobs, torch.tensor(float("-inf"), dtype=torch.float64))
     return logprobs, entropy
+
+
+# --------------------------------------------------------------------------------------------
+# MoE router losses (megatron-core's TopKRouter, softmax scores)
+# --------------------------------------------------------------------------------------------
+def switch_load_balancing_reference(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss of one batch of router logits ``[T, E]``, coefficient-free:
+    ``E · Σ_i f_i · P_i`` with ``f_i`` = (tokens whose top-k experts include i) / (T·k) — a count, no
+    gradient — and ``P_i`` = the mean softmax score of expert i. Float64, differentiable through ``P``."""
+    scores = torch.softmax(logits.double(), dim=-1)
+    num_tokens, num_experts = scores.shape
+    chosen = scores.detach().topk(topk, dim=-1).indices.reshape(-1)
+    f = torch.zeros(num_experts, dtype=torch.float64).index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
+    f = f / (num_tokens * topk)
+    return num_experts * (f * scores.mean(dim=0)).sum()
+
+
+def router_z_loss_reference(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss of logits ``[T, E]``, coefficient-free: mean over tokens of logsumexp(logits)²."""
+    return torch.logsumexp(logits.double(), dim=-1).square().mean()

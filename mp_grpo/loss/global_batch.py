@@ -16,7 +16,7 @@ first steps only)
     3. Step-level sums: IS-weight sum and count (``normalize_weights``), Σ k3(old ‖ rollout)
        (``mismatch.skip_threshold``).
     4. ONE all-reduce over ``group`` (DP, or DP×CP) of [valid tokens, valid sequences, all sequences,
-       micro-batches, weight sum, weight count, k3 sum] in float64.
+       micro-batches, positions, weight sum, weight count, k3 sum] in float64.
     5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' entropies over ``group``
        (sizes, then the padded values, fp32 — fp64 for fp64 inputs) and their exact quantile — an exact
        quantile needs the values.
@@ -74,6 +74,10 @@ class GlobalBatch:
     """0-dim float64: every sequence (row / packed segment), each counted once (S with count_empty_sequences)."""
     num_micro_batches: torch.Tensor
     """0-dim float64: (rank, micro-batch) pairs of the step over the group."""
+    all_positions: torch.Tensor
+    """0-dim float64: every token position of the micro-batches (masked or not, padding included), summed over
+    the group's ranks — what a model runs on; the Megatron adapter's routed-token account for MoE (see
+    ``mp_grpo.megatron.moe``)."""
     micro_batch_shapes: tuple[tuple[int, ...], ...]
     """Token shapes of this rank's micro-batches, in order."""
     masks: tuple[torch.Tensor, ...] = ()
@@ -228,9 +232,10 @@ class GlobalBatch:
         # --- 4. the one all-reduce over the group ---
         totals = all_reduce_sum(torch.stack([
             tokens, valid_seqs, all_seqs, torch.full((), float(len(masks)), dtype=torch.float64, device=device),
+            torch.full((), float(sum(m.numel() for m in masks)), dtype=torch.float64, device=device),
             w_sum, w_count, k3_sum,
         ]).to(torch.float64), group)
-        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, w_sum, w_count, k3_sum = totals.unbind()
+        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_sum = totals.unbind()
         weight_mean = w_sum / w_count.clamp(min=COUNT_FLOOR) if needs_weight_mean else None
         mismatch_k3 = k3_sum / n_tokens.clamp(min=COUNT_FLOOR) if needs_skip else None
         skip = mismatch_k3 > config.mismatch.skip_threshold if needs_skip else None  # type: ignore[union-attr]
@@ -257,7 +262,7 @@ class GlobalBatch:
 
         return cls(
             valid_tokens=n_tokens, valid_sequences=n_valid_seqs, all_sequences=n_all_seqs, num_micro_batches=n_mbs,
-            micro_batch_shapes=tuple(shapes), masks=tuple(masks), mask_versions=tuple(m._version for m in masks),
+            all_positions=n_positions, micro_batch_shapes=tuple(shapes), masks=tuple(masks), mask_versions=tuple(m._version for m in masks),
             step=step, config=config, weight_mean=weight_mean,
             entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip,
         )

@@ -33,6 +33,7 @@ import torch
 from mp_grpo.collectives import broadcast_from_last, group_rank, group_size
 from mp_grpo.megatron.loss_func import MegatronGRPO
 from mp_grpo.megatron.micro_batch import MicroBatch
+from mp_grpo.megatron.moe import end_routing_replay, replay_routing
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,14 @@ def forward_logprobs(
     pp = grpo.groups.pp
     last_stage = group_rank(pp) == group_size(pp) - 1
 
+    replayed = False
+
     def forward_step(data_iterator: Iterator[MicroBatch], step_model: torch.nn.Module):
+        nonlocal replayed
         mb = next(data_iterator)
+        if mb.routing is not None:  # the same recorded routing as the training step (MicroBatch.with_routing)
+            replay_routing(step_model, mb.routing)
+            replayed = True
         output, output_weight = grpo.call_model(step_model, mb, model_kwargs=extra)
         vocab_size = grpo._model_vocab_size(step_model)
 
@@ -99,6 +106,8 @@ def forward_logprobs(
             seq_length=seq_length or max(int(mb.input_ids.shape[1]) for mb in micro_batches),
             micro_batch_size=micro_batch_size or int(micro_batches[0].input_ids.shape[0]), forward_only=True,
         )
+    if replayed:
+        end_routing_replay()
     has_entropy = grpo.with_entropy
     if last_stage:
         if len(store) != len(micro_batches):

@@ -19,7 +19,9 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
 4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
    (:mod:`mp_grpo.megatron.scaling`), returned as ``(loss, metrics)`` or, with
-   ``calculate_per_token_loss``, ``(loss, num_tokens, metrics)``. ``metrics`` is GRPOLoss's dict —
+   ``calculate_per_token_loss``, ``(loss, num_tokens, metrics)`` — for an MoE model with the routed-token
+   account of :mod:`mp_grpo.megatron.moe` instead of the trained tokens, so that the routers' aux / z
+   losses keep one scale. ``metrics`` is GRPOLoss's dict —
    Megatron's ``loss_reduced``; reduce the list ``forward_backward_func`` returns with
    :func:`mp_grpo.reduce_metrics` over the DP×CP group.
 """
@@ -40,6 +42,7 @@ from mp_grpo.loss.metrics import reduce_metrics
 from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states, fused_output_loss, loss_in_forward
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
+from mp_grpo.megatron.moe import MoEStats, RoutedTokenAccount, check_moe_config, end_routing_replay, is_moe, replay_routing
 from mp_grpo.megatron.scaling import MegatronScaling
 from mp_grpo.ops import fused_linear_logprobs, vocab_parallel_logprobs
 
@@ -110,6 +113,9 @@ class MegatronGRPO:
         self.num_microbatches = num_microbatches
         self.vocab_size = vocab_size
         self.with_entropy = with_entropy or config.needs_entropy
+        self.moe_stats: MoEStats | None = None
+        """The routers' statistics of the current step (MoE models; set at the first forward step)."""
+        self._replayed_routing = False
 
     # ------------------------------------------------------------------------------------------ step
     def global_batch(
@@ -164,8 +170,16 @@ class MegatronGRPO:
 
         :func:`mp_grpo.reduce_metrics` over the DP×CP group on the last stage, broadcast over the PP group:
         every stage (whose ``losses`` list is empty except on the last) gets the last stage's values.
+        For an MoE model the routers' metrics of the step are added on every stage (``moe/…``,
+        :mod:`mp_grpo.megatron.moe`), and a step that replayed routing ends the replay.
         """
-        return reduce_metrics(losses, self.groups.dp_cp, pp_group=self.groups.pp)
+        metrics = reduce_metrics(losses, self.groups.dp_cp, pp_group=self.groups.pp)
+        if self.moe_stats is not None:
+            metrics.update(self.moe_stats.reduce())
+        if self._replayed_routing:
+            end_routing_replay()
+            self._replayed_routing = False
+        return metrics
 
     def forward_step_func(
         self, batch: GlobalBatch, *, step: int, model_kwargs: Mapping[str, object] | None = None
@@ -181,7 +195,9 @@ class MegatronGRPO:
         batch.check_step(step)
         batch.check_config(self.config)
         extra = dict(model_kwargs or {})
-        checked_models: set[int] = set()
+        checked_models: dict[int, RoutedTokenAccount | None] = {}
+        if self.moe_stats is not None:
+            self.moe_stats.reset()
 
         def forward_step(
             data_iterator: Iterator[MicroBatch],
@@ -204,19 +220,45 @@ class MegatronGRPO:
                     "checkpoints); unset that option and use the model config's recompute_* settings"
                 )
             if id(model) not in checked_models:
-                self.check_model_config(model)
-                checked_models.add(id(model))
+                checked_models[id(model)] = self._prepare_model(model, extra)
             mb = next(data_iterator)
             if not isinstance(mb, MicroBatch):
                 raise TypeError(f"the data iterator must yield MicroBatch objects, got {type(mb).__name__}")
             if mb.routing is not None:
-                _replay_routing(model, mb.routing)
+                replay_routing(model, mb.routing)
+                self._replayed_routing = True
             output, output_weight = self.call_model(model, mb, model_kwargs=extra)
             return output, partial(
-                self.loss_func, mb, batch, vocab_size=self._model_vocab_size(model), output_weight=output_weight
+                self.loss_func, mb, batch, vocab_size=self._model_vocab_size(model), output_weight=output_weight,
+                routed=checked_models[id(model)],
             )
 
         return forward_step
+
+    def _prepare_model(self, model: torch.nn.Module, model_kwargs: Mapping[str, object]) -> RoutedTokenAccount | None:
+        """First forward step on ``model`` this step: check its config; for MoE, hook its routers for the metrics
+        and return the routed-token account the loss function reports under per-token loss (else None)."""
+        self.check_model_config(model)
+        from megatron.core.utils import get_attr_wrapped_model
+
+        try:
+            config = get_attr_wrapped_model(model, "config")
+        except RuntimeError:
+            return None
+        if not is_moe(config):
+            return None
+        if self.moe_stats is None:
+            self.moe_stats = MoEStats(config, self.groups)
+        self.moe_stats.attach(model)
+        if not self.calculate_per_token_loss:
+            return None
+        if "padding_mask" in model_kwargs:
+            raise ValueError(
+                "model_kwargs['padding_mask'] with an MoE model under calculate_per_token_loss: the routers would "
+                "count only unmasked positions, which the routed-token account (mp_grpo.megatron.moe) does not "
+                "know; leave padding to be routed or use calculate_per_token_loss=False"
+            )
+        return RoutedTokenAccount.for_model(self.groups)
 
     def check_model_config(self, model: torch.nn.Module) -> None:
         """Raise if ``model``'s config disagrees with what this adapter's scaling and paths assume.
@@ -245,16 +287,7 @@ class MegatronGRPO:
                 f"groups.cp: the model config has context_parallel_size={cp} but the CP group has "
                 f"{self.groups.cp_size} ranks"
             )
-        moe_aux = bool(getattr(config, "moe_aux_loss_coeff", 0.0)) or bool(getattr(config, "moe_z_loss_coeff", None))
-        if self.calculate_per_token_loss and getattr(config, "num_moe_experts", None) and moe_aux:
-            raise ValueError(
-                "calculate_per_token_loss with MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff): "
-                "megatron-core's router multiplies each micro-batch's aux / z loss by its ROUTED token count, and "
-                "finalize_model_grads divides by the TRAINED token count that loss_func returns (completion tokens "
-                "only), so the aux losses' strength is inflated by routed / trained tokens and changes every step. "
-                "Use calculate_per_token_loss=False (the aux losses then get Megatron's intended 1/(M·DP) scale; "
-                "GRPOLoss's gradient is exact either way), or set the aux coefficients to 0"
-            )
+        check_moe_config(config, self.groups, calculate_per_token_loss=self.calculate_per_token_loss)
         if getattr(config, "mtp_num_layers", None):
             raise ValueError(
                 f"mtp_num_layers={config.mtp_num_layers}: multi-token prediction computes its loss inside GPTModel "
@@ -367,8 +400,14 @@ class MegatronGRPO:
         *,
         vocab_size: int | None = None,
         output_weight: OutputWeight | None = None,
+        routed: RoutedTokenAccount | None = None,
     ) -> tuple:
-        """Megatron's loss function for one micro-batch; see the module docstring."""
+        """Megatron's loss function for one micro-batch; see the module docstring.
+
+        ``routed`` (MoE model, per-token loss; given by ``forward_step``): report the routed-token account
+        instead of the trained tokens, so the routers' aux / z losses get the scale of
+        :mod:`mp_grpo.megatron.moe`; GRPOLoss's gradient is the same either way.
+        """
         def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
             return self.loss(
                 logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
@@ -392,6 +431,10 @@ class MegatronGRPO:
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
         scaling = MegatronScaling(calculate_per_token_loss=self.calculate_per_token_loss,
                                   num_microbatches=len(batch.micro_batch_shapes), dp_size=self.groups.dp_size)
+        if self.calculate_per_token_loss and routed is not None:
+            # MoE (mp_grpo.megatron.moe, step 2): report the routed-token account; Megatron divides by its sum A.
+            loss = scaling.megatron_loss(share, routed.total(batch.all_positions))
+            return loss, routed.local(mb.input_ids.numel(), loss.device), metrics
         loss = scaling.megatron_loss(share, batch.valid_tokens)
         if self.calculate_per_token_loss:
             # This rank's valid tokens: summed over micro-batches and DP×CP, the GlobalBatch's valid_tokens.
@@ -408,23 +451,6 @@ class MegatronGRPO:
             return int(get_attr_wrapped_model(model, "vocab_size"))
         except RuntimeError:
             return None
-
-
-def _replay_routing(model: torch.nn.Module, routing: tuple[torch.Tensor, ...]) -> None:
-    """Routing replay (verl R2/R3, NeMo-RL R3): hand megatron-core's ``RouterReplay`` this micro-batch's recorded
-    top-k expert indices, one tensor per MoE layer of this stage, and switch the routers to replay them."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-    from megatron.core.utils import get_attr_wrapped_model
-
-    try:
-        config = get_attr_wrapped_model(model, "config")
-    except RuntimeError:
-        config = None
-    if config is not None and not getattr(config, "moe_enable_routing_replay", False):
-        raise ValueError("MicroBatch.routing is set but the model config has moe_enable_routing_replay=False: "
-                         "its routers would ignore the recorded decisions")
-    RouterReplay.set_replay_data(list(routing))  # raises when the count differs from the MoE layers
-    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def _check_output_shape(output: torch.Tensor, mb: MicroBatch, what: str, last: str, source: str) -> None:

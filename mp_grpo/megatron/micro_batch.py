@@ -114,8 +114,13 @@ class MicroBatch:
     def with_routing(self, routing) -> MicroBatch:
         """A copy that replays ``routing`` (recorded top-k indices, one tensor per MoE layer; see :attr:`routing`).
 
-        ``forward_step`` hands them to megatron-core's ``RouterReplay`` (``moe_enable_routing_replay=True``)
-        before calling the model; call ``RouterReplay.clear_global_indices()`` after the step."""
+        The rows are the tokens in the order the router of this rank sees them: Megatron's ``[S, B]``
+        flattened (sequence-major, ``s * B + b``) of this rank's CP chunk and, with sequence parallelism, of its
+        TP shard — what ``RouterReplay.get_recorded_data()`` returns after a ``RouterReplayAction.RECORD``
+        pass on the same micro-batch. ``MegatronGRPO``'s forward step and ``forward_logprobs`` hand them to
+        megatron-core's ``RouterReplay`` (megatron-core ≥ 0.16, ``moe_enable_routing_replay=True``) and switch
+        the routers to ``REPLAY_FORWARD`` before calling the model; ``MegatronGRPO.reduce_metrics`` (and
+        ``forward_logprobs`` at its end) clears the replay state. See ``docs/megatron.md``, "Mixture of experts"."""
         routing = tuple(routing)
         for i, r in enumerate(routing):
             if not isinstance(r, torch.Tensor) or r.dtype not in (torch.int32, torch.int64) or r.dim() != 2:

@@ -25,6 +25,9 @@ Derivation (Σ runs over the DP×CP ranks and their micro-batches; ℓ' is what 
   local valid (loss-mask) tokens makes N the step's global valid-token count G — the count the
   GlobalBatch made with one all-reduce — so ``ℓ' = G · ℓ`` gives ∇J. When G = 0, ℓ is exactly 0
   with a zero gradient, and Megatron skips its division.
+  Any other count works the same way as long as ``ℓ' = N · ℓ``: for an MoE model the adapter reports the
+  routed-token account A instead (``mp_grpo.megatron.moe``), which gives the routers' aux / z losses their
+  scale, and returns ``ℓ' = A · ℓ``.
 
 Neither depends on TP (every TP rank returns the same loss; Megatron's tensor-parallel layers make
 each rank's gradient that of its shard) nor on PP (the scaling is applied on the last stage, the
@@ -59,7 +62,8 @@ class MegatronScaling:
     def megatron_loss(self, share: torch.Tensor, global_valid_tokens: torch.Tensor) -> torch.Tensor:
         """ℓ' from ℓ (see the module docstring): ``G·ℓ`` with per-token loss, else ``M·DP·ℓ``.
 
-        ``global_valid_tokens`` is the GlobalBatch's all-reduced count G (only used with per-token loss).
+        ``global_valid_tokens`` is the global count N the reported ``num_tokens`` add up to — the GlobalBatch's
+        valid tokens G, or an MoE model's routed-token account (only used with per-token loss).
         """
         if self.calculate_per_token_loss:
             return share * global_valid_tokens.to(share.dtype)

@@ -15,7 +15,11 @@ Schedule of :meth:`CpuGPTStandIn.forward`
 
 1. Word embeddings (``VocabParallelEmbedding``, all-reduced over TP) + position embeddings, ``[B, S, H]``.
 2. To Megatron's ``[S, B, H]``.
-3. One residual block: ``x + tanh(W · LayerNorm(x) + b)``.
+3. One residual block: ``x + tanh(W · LayerNorm(x) + b)``; with ``num_moe_experts`` then an MoE block
+   ``x + MoELayer(x)``: megatron-core's own ``MoELayer`` (local spec: ``TopKRouter``, ``SequentialMLP``
+   experts, the allgather token dispatcher), aux / z losses and routing replay included. Its router's
+   gating is the one piece replaced (:class:`CpuTopKRouter`): megatron-core 0.16's moves the router
+   weight to CUDA and calls a Transformer Engine GEMM whose import failed.
 4. Output layer (``ColumnParallelLinear``, no bias, ``gather_output=False``): ``[S, B, V_local]``,
    returned as ``[B, S, V_local]`` like GPTModel. It is called as GPTModel's ``_postprocess`` calls
    it — ``output_layer(x, weight=...)``, with the word-embedding weight under
@@ -29,6 +33,7 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mp_grpo.collectives import ProcessGroup, group_rank, group_size
@@ -40,9 +45,21 @@ def cpu_model_config(
     tensor_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     calculate_per_token_loss: bool = False,
+    num_moe_experts: int | None = None,
+    moe_router_topk: int = 2,
+    moe_aux_loss_coeff: float = 0.0,
+    moe_z_loss_coeff: float | None = None,
+    moe_enable_routing_replay: bool = False,
 ) -> TransformerConfig:
-    """A ``TransformerConfig`` for :class:`CpuGPTStandIn` (CPU initialization, fp32, one layer)."""
-    return TransformerConfig(
+    """A ``TransformerConfig`` for :class:`CpuGPTStandIn` (CPU initialization, fp32, one layer; with
+    ``num_moe_experts`` an MoE block of that many experts, top-``moe_router_topk``, expert FFN size = hidden)."""
+    moe = {}
+    if num_moe_experts:
+        moe = dict(num_moe_experts=num_moe_experts, moe_router_topk=moe_router_topk, moe_aux_loss_coeff=moe_aux_loss_coeff,
+                   moe_z_loss_coeff=moe_z_loss_coeff, moe_enable_routing_replay=moe_enable_routing_replay,
+                   moe_token_dispatcher_type="allgather", moe_ffn_hidden_size=hidden_size, add_bias_linear=False,
+                   moe_router_load_balancing_type="aux_loss")
+    return TransformerConfig(**moe,
         num_layers=1,
         hidden_size=hidden_size,
         num_attention_heads=tensor_model_parallel_size,  # unused (no attention); Megatron wants a multiple of TP
@@ -52,6 +69,15 @@ def cpu_model_config(
         calculate_per_token_loss=calculate_per_token_loss,
         params_dtype=torch.float32,
     )
+
+
+class CpuTopKRouter(TopKRouter):
+    """megatron-core's ``TopKRouter`` with a gating GEMM that runs on CPU (see the module docstring, step 3)."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
 class CpuGPTStandIn(MegatronModule):
@@ -84,6 +110,17 @@ class CpuGPTStandIn(MegatronModule):
             config.hidden_size, vocab_size, config=config, init_method=init, bias=False, gather_output=False,
             skip_weight_param_allocation=share_embeddings_and_output_weights, tp_group=tp_group,
         )
+        self.moe = None
+        if config.num_moe_experts:
+            if config.tensor_model_parallel_size > 1:
+                raise ValueError("num_moe_experts with TP > 1 needs sequence parallelism, which the CPU stand-in cannot run")
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+            from megatron.core.transformer.spec_utils import build_module
+
+            spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+            self.moe = build_module(spec.submodules.mlp, config=config)  # process groups: megatron-core's parallel_state
+            self.moe.router.__class__ = CpuTopKRouter  # the same instance (RouterReplay registered it once)
+            self.moe.set_layer_number(1)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook called by Megatron's schedule; this model is a single stage."""
@@ -101,6 +138,8 @@ class CpuGPTStandIn(MegatronModule):
         x = x.transpose(0, 1).contiguous()
         # --- 3. residual block ---
         x = x + torch.tanh(self.mix(self.norm(x)))
+        if self.moe is not None:
+            x = x + self.moe(x)[0]
         # --- 4. vocab-parallel output layer (tied: GPTModel's shared_embedding_or_output_weight) ---
         weight = self.word_embeddings.weight if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(x, weight=weight)
@@ -126,7 +165,7 @@ def random_full_weights(config: TransformerConfig, *, vocab_size: int, max_seque
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
-    return {
+    dense = {
         "word_embeddings.weight": normal(vocab_size, h, std=1.0),
         "position_embeddings.weight": normal(max_sequence_length, h, std=0.3),
         "norm.weight": 1.0 + normal(h, std=0.1),
@@ -135,3 +174,11 @@ def random_full_weights(config: TransformerConfig, *, vocab_size: int, max_seque
         "mix.bias": normal(h, std=0.1),
         "output_layer.weight": normal(vocab_size, h, std=h**-0.5),
     }
+    # drawn after the dense weights: an MoE model's dense weights equal the dense model's for a seed
+    moe = {}
+    if config.num_moe_experts:
+        moe["moe.router.weight"] = normal(config.num_moe_experts, h, std=0.3)
+        for e in range(config.num_moe_experts):
+            moe[f"moe.experts.local_experts.{e}.linear_fc1.weight"] = normal(config.moe_ffn_hidden_size, h, std=h**-0.5)
+            moe[f"moe.experts.local_experts.{e}.linear_fc2.weight"] = normal(h, config.moe_ffn_hidden_size, std=h**-0.5)
+    return dense | moe

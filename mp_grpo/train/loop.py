@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from mp_grpo.collectives import all_reduce_sum
 from mp_grpo.config.job import JobConfig, ParamsDtype
-from mp_grpo.loss.metrics import reduce_metrics
 from mp_grpo.megatron import MegatronGRPO, ParallelGroups, Rollouts, prepare_micro_batch
 from mp_grpo.megatron.forward_only import forward_logprobs
 from mp_grpo.train.rollout import RolloutEngine
@@ -263,7 +262,7 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
                 seq_length=max(int(mb.input_ids.shape[1]) for mb in micro), micro_batch_size=cfg.train.micro_batch_size,
                 forward_only=False,
             )
-            metrics = reduce_metrics(losses, groups.dp_cp)
+            metrics = grpo.reduce_metrics(losses)  # MoE models: the routers' metrics too
             skipped = batch.skip_step()
             grad_norm = math.nan if skipped else trainer.optimizer_step()
             record = dict(step=step, metrics=metrics, grad_norm=grad_norm, skipped=skipped,

@@ -113,16 +113,17 @@ def test_dynamic_number_of_micro_batches(per_token: bool) -> None:
             assert_close(grads[name], g, torch.float32, msg=f"step {step} M={len(micro)} grad of {name}")
 
 
-def test_moe_aux_losses_with_per_token_loss_are_refused() -> None:
-    """Router aux / z losses scaled by routed tokens but divided by trained tokens: refused, with the reason."""
+def test_moe_padding_mask_with_per_token_loss_is_refused() -> None:
+    """The routed-token account (mp_grpo.megatron.moe) counts every position; a padding mask would make the routers
+    count fewer: refused with the reason. (The aux-scale rule itself: tests/megatron/test_moe.py.)"""
     grpo = _grpo(num_microbatches=1, calculate_per_token_loss=True)
     mb = prepare_micro_batch(H.make_rollouts(2, seed=3))
     model = _model(calculate_per_token_loss=True)
     model.config.num_moe_experts, model.config.moe_aux_loss_coeff = 4, 1e-2
-    with pytest.raises(ValueError, match="routed / trained tokens"):
-        grpo.forward_step_func(grpo.global_batch([mb], step=0), step=0)(iter([mb]), model)
-    model.config.moe_aux_loss_coeff = 0.0  # no aux loss: nothing to mis-scale
-    grpo.forward_step_func(grpo.global_batch([mb], step=1), step=1)(iter([mb]), model)
+    step = grpo.forward_step_func(grpo.global_batch([mb], step=0), step=0,
+                                  model_kwargs={"padding_mask": torch.ones_like(mb.input_ids, dtype=torch.bool)})
+    with pytest.raises(ValueError, match="padding_mask"):
+        step(iter([mb]), model)
 
 
 def test_routing_replay_hook() -> None:
