@@ -88,6 +88,20 @@ class SamplingFilter:
         return SamplingFilter(top_k=top_k, top_p=top_p, min_p=min_p)
 
 
+    def flattened(self) -> SamplingFilter:
+        """The same filter with every per-row tensor flattened to ``[N]`` (for callers that cut rows)."""
+        return SamplingFilter(**{name: value.reshape(-1) if isinstance(value, torch.Tensor) else value
+                                 for name, value in self._fields()})
+
+    def rows(self, start: int, stop: int) -> SamplingFilter:
+        """Rows ``start:stop`` of a :meth:`flattened` filter (Python numbers stay as they are)."""
+        return SamplingFilter(**{name: value[start:stop] if isinstance(value, torch.Tensor) else value
+                                 for name, value in self._fields()})
+
+    def _fields(self):
+        return (("top_k", self.top_k), ("top_p", self.top_p), ("min_p", self.min_p))
+
+
 def _per_row(value, name: str, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.shape != shape:
