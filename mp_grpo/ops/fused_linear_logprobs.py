@@ -26,7 +26,8 @@ Forward — chunks of whole rows, ``[rows, V_local]``
     With a ``sampling_filter``, step 1 first finds each chunk's per-row thresholds
     (``ops/sampling_filter.py``: its passes over the chunk and its collectives, once per chunk) and the
     statistics count only the kept columns; the thresholds (4 bytes a row) are saved for backward, whose
-    kernel gives the columns below them no gradient.
+    kernel gives the columns below them no gradient. Backward's blocks are then forward's chunks (whole
+    rows), so that the recomputed logits are bitwise forward's (see ``sampling_filter`` below).
 
 Backward — token blocks of ``backward_rows`` rows, each cut into ``[rows, cols]`` vocabulary chunks
     1. Recompute the chunk's logits ``hidden[block] @ weight[cols]ᵀ`` into one reused buffer.
@@ -88,7 +89,7 @@ rounding step — an error of the size of the bf16 rounding of the logits themse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, overload
 
 import torch
@@ -502,9 +503,11 @@ def fused_linear_logprobs(
         sampling_filter: as in :func:`~mp_grpo.vocab_parallel_logprobs` — the log-probs, entropy and
             gradients of the rollout's filtered, renormalized distribution. The threshold search runs on
             each forward chunk (whole rows; its passes and collectives once per chunk, so every TP rank must
-            cut the same chunks) and its ``[N]`` fp32 thresholds are saved for backward. Backward's
-            recomputed logits can differ from forward's by one rounding step (see Precision): a logit
-            within that of the threshold may then be counted on the other side of it in backward.
+            cut the same chunks) and its ``[N]`` fp32 thresholds are saved for backward. Backward then
+            recomputes the logits in forward's chunks (whole rows; ``chunk_vocab`` is not used), with the
+            same GEMMs and so the same bits: a logit sits on the same side of the threshold in both — a
+            recompute in other shapes can differ by one rounding step, and the top-k threshold is itself
+            a logit.
 
     Returns:
         fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``.
@@ -525,6 +528,10 @@ def fused_linear_logprobs(
     if sampling_filter is not None:
         check_sampling_filter(sampling_filter, target.shape, hidden.device, check_tensors=bool(check_inputs))
         sampling_filter = sampling_filter.without_noops(weight.shape[0] * group_size(tp_group))
+    if sampling_filter is not None:
+        # Backward recomputes exactly forward's logits (the same GEMMs: whole-row chunks of the same rows), so
+        # every column falls on the same side of its row's threshold — the k-th largest logit IS the threshold.
+        plan = replace(plan, backward_rows=plan.forward_rows, backward_cols=weight.shape[0])
     return FusedLinearLogProbs.apply(
         hidden, weight, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
         bool(accumulate_into_main_grad), bool(check_inputs), sampling_filter,
