@@ -49,10 +49,12 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         backward_block_v=block,
         backward_warps=4,
         merge_block_n=256,
-        # Not swept: counting is memory-bound at any block; the [BLOCK_V, 16] fp32 accumulator of the
-        # mass passes is 64 registers a thread at 1024 columns over 8 warps.
+        # The threshold search's passes: the best of the H100 sweep in docs/benchmarks/logprob_filter.md
+        # (N = 16384 bf16, V = 151936 and 18992): counting 4096 x 4 warps, masses 512 x 4 warps (a
+        # [512, 16] fp32 accumulator, 64 registers a thread) — 9-13 % faster than the 4096 x 8 / 1024 x 8
+        # that run's end-to-end rows used.
         filter_count_block_v=min(triton.next_power_of_2(v_local), 4096),
-        filter_count_warps=8,
-        filter_mass_block_v=min(triton.next_power_of_2(v_local), 1024),
-        filter_mass_warps=8,
+        filter_count_warps=4,
+        filter_mass_block_v=min(triton.next_power_of_2(v_local), 512),
+        filter_mass_warps=4,
     )
