@@ -7,7 +7,8 @@ Writes ``logprob_filter.{json,md,png}`` into ``--out``. Every row is measured in
 1. **Filters** (N = 16384 bf16 logits, V = 151936 and 18992, ``with_entropy=True``, ``check_inputs=False``):
    the unfiltered op side by side with top_k = 20 / 50, top_p = 0.9 / 0.95 / 1.0, top_k = 50 with
    top_p = 0.95, and per-row top_p tensors; median forward and forward+backward ms
-   (``triton.testing.do_bench``), the threshold search alone, and the extra peak memory. The logits
+   (``triton.testing.do_bench``), the threshold search alone with its prediction from the timed building
+   blocks (one read, one counting pass, one mass pass), and the extra peak memory. The logits
    are language-model-like (a few dominant tokens over a long tail). Before timing, the filtered op
    is checked against the float64 reference at a small size.
 2. **Batch invariance**: the launch configuration depends on V_local only (that is the guarantee);
@@ -32,6 +33,7 @@ import mp_grpo.ops.logprob_launch as logprob_launch  # noqa: E402
 from mp_grpo import vocab_parallel_logprobs  # noqa: E402
 from mp_grpo.kernels import logprob_launch_config  # noqa: E402
 from mp_grpo.ops import SamplingFilter  # noqa: E402
+from mp_grpo.ops.logprob_launch import radix_histogram  # noqa: E402
 from mp_grpo.ops.sampling_filter import filter_threshold  # noqa: E402
 from tests.reference import filtered_logprobs_reference, sampling_filter_keep_reference  # noqa: E402
 
@@ -39,17 +41,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import GiB, extra_peak_bytes, median_ms  # noqa: E402
 
 
+DEVICE = "cuda"
+"""``--dry-run`` runs every step once on the CPU (Triton interpreter, tiny sizes): a check of this script,
+not a measurement."""
+
+
 def peaky_logits(n: int, v: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
     """Language-model-like rows: 40 dominant tokens (logit +9 … +3) over a N(0, 2²) tail, shuffled."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, v, device="cuda", generator=gen) * 2
-    x[:, :40] += torch.linspace(9, 3, 40, device="cuda")
-    perm = torch.randperm(v, device="cuda", generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(n, v, device=DEVICE, generator=gen) * 2
+    x[:, :40] += torch.linspace(9, 3, 40, device=DEVICE)
+    perm = torch.randperm(v, device=DEVICE, generator=gen)
     return x[:, perm].to(dtype)
 
 
 def filter_cases(n: int) -> dict[str, SamplingFilter | None]:
-    per_row_p = torch.where(torch.arange(n, device="cuda") % 2 == 0, 0.9, 0.95)
+    per_row_p = torch.where(torch.arange(n, device=DEVICE) % 2 == 0, 0.9, 0.95)
     return {
         "unfiltered": None,
         "top_k=20": SamplingFilter(top_k=20),
@@ -62,13 +69,13 @@ def filter_cases(n: int) -> dict[str, SamplingFilter | None]:
     }
 
 
-def check_correctness() -> float:
-    """Filtered op vs the float64 reference (V = 18992, 16 rows), before timing anything."""
+def check_correctness(vocab: int) -> float:
+    """Filtered op vs the float64 reference (16 rows of the smallest benchmarked V), before timing anything."""
     worst = 0.0
-    x = peaky_logits(16, 18992, seed=3)
+    x = peaky_logits(16, vocab, seed=3)
     for filt in (dict(top_k=50), dict(top_p=0.9), dict(top_k=50, top_p=0.95, min_p=0.01)):
         keep = sampling_filter_keep_reference(x.cpu(), **filt)
-        t = torch.multinomial(keep.double(), 1, generator=torch.Generator().manual_seed(0)).squeeze(1).cuda()
+        t = torch.multinomial(keep.double(), 1, generator=torch.Generator().manual_seed(0)).squeeze(1).to(DEVICE)
         lp, ent = vocab_parallel_logprobs(x, t, with_entropy=True, sampling_filter=SamplingFilter(**filt))
         lp_ref, ent_ref = filtered_logprobs_reference(x.cpu(), t.cpu(), **filt)
         worst = max(worst, (lp.cpu().double() - lp_ref).abs().max().item(),
@@ -76,13 +83,58 @@ def check_correctness() -> float:
     return worst
 
 
-def run_filters(args) -> list[dict]:
+def pass_times(x: torch.Tensor) -> dict:
+    """The threshold search's building blocks alone: one read of the logits (``amax``), one counting pass
+    (256-digit ``tl.histogram``) and one mass pass (16-digit weighted one-hot), bf16 [N, V]."""
+    n = x.shape[0]
+    tau = torch.full((n,), float("-inf"), device=DEVICE)
+    prefix = torch.zeros(n, dtype=torch.int32, device=DEVICE)
+    row_max = x.float().amax(-1)
+    def count_pass():
+        radix_histogram(x, tau, prefix, shift=0, digit_bits=8, mass=False, first=False)
+
+    def mass_pass():
+        radix_histogram(x, tau, prefix, shift=8, digit_bits=4, mass=True, row_max=row_max, first=False)
+
+    out = {"read_ms": median_ms(lambda: x.amax(-1)), "count_pass_ms": median_ms(count_pass),
+           "mass_pass_ms": median_ms(mass_pass), "sweep_ms": {}}
+    # A small sweep of the two passes' launch parameters (the fixed ones are in kernels/launch_config.py).
+    fixed = logprob_launch_config(x.shape[1])
+    for kind, fn, configs in (("count", count_pass, [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]),
+                              ("mass", mass_pass, [(256, 4), (512, 4), (512, 8), (1024, 8), (2048, 16)])):
+        for block, warps in configs:
+            cfg = replace(fixed, **{f"filter_{kind}_block_v": block, f"filter_{kind}_warps": warps})
+            logprob_launch.logprob_launch_config = lambda _v, cfg=cfg: cfg
+            try:
+                out["sweep_ms"][f"{kind} {block}x{warps}"] = median_ms(fn)
+            except Exception as err:  # reported, not hidden (e.g. out of registers / shared memory)
+                out["sweep_ms"][f"{kind} {block}x{warps}"] = repr(err)[:120]
+            finally:
+                logprob_launch.logprob_launch_config = logprob_launch_config
+    return out
+
+
+def predicted_search_ms(filt: SamplingFilter, passes: dict) -> float:
+    """The prediction from the passes (bf16: 16 key bits): top-k = 2 counting passes; top-p = one read for the
+    row maximum (a by-product of top-k's first pass when top-k is on) + 2 mass passes + 1 counting pass."""
+    ms = 0.0
+    if filt.top_k is not None:
+        ms += 2 * passes["count_pass_ms"]
+    if filt.top_p is not None:
+        ms += (0.0 if filt.top_k is not None else passes["read_ms"]) + 2 * passes["mass_pass_ms"] + passes["count_pass_ms"]
+    return ms
+
+
+def run_filters(args) -> tuple[list[dict], dict]:
     rows = []
     n = args.tokens
+    all_passes = {}
     for v in args.vocab:
         x = peaky_logits(n, v).requires_grad_()
+        passes = all_passes[str(v)] = pass_times(x.detach())
+        print(json.dumps({"V": v, **passes}), flush=True)
         t = x.detach().float().argmax(-1)  # inside every filter's kept set
-        g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+        g_lp, g_ent = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
         base = {}
         for name, filt in filter_cases(n).items():
             torch.cuda.empty_cache()
@@ -106,6 +158,7 @@ def run_filters(args) -> list[dict]:
                     row["threshold_ms"] = median_ms(
                         lambda filt=filt: filter_threshold(x.detach(), filt, t.shape, tp_group=None, inv_temperature=1.0)
                     )
+                    row["predicted_threshold_ms"] = predicted_search_ms(filt.without_noops(v), passes)
                     thr = filter_threshold(x.detach(), filt, t.shape, tp_group=None, inv_temperature=1.0)
                     row["mean_kept"] = (x.detach().float() >= thr[:, None]).sum(-1).float().mean().item()
                 if name == "unfiltered":
@@ -119,14 +172,14 @@ def run_filters(args) -> list[dict]:
             rows.append(row)
         del x
         torch.cuda.empty_cache()
-    return rows
+    return rows, all_passes
 
 
 def check_bitwise(v: int, n: int) -> bool:
     """A few rows alone vs the same rows at spread positions inside n rows: identical bits."""
     x = peaky_logits(n, v, seed=9)
-    t = torch.randint(0, v, (n,), device="cuda")
-    g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    t = torch.randint(0, v, (n,), device=DEVICE)
+    g_lp, g_ent = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
 
     def run(rows):
         xx = x[rows].clone().requires_grad_()
@@ -134,10 +187,10 @@ def check_bitwise(v: int, n: int) -> bool:
         torch.autograd.backward((lp, ent), (g_lp[rows], g_ent[rows]))
         return lp.detach(), ent.detach(), xx.grad
 
-    whole = run(torch.arange(n, device="cuda"))
+    whole = run(torch.arange(n, device=DEVICE))
     ok = True
     for i in sorted({0, 1 % n, n // 2, n - 1}):
-        alone = run(torch.tensor([i], device="cuda"))
+        alone = run(torch.tensor([i], device=DEVICE))
         ok &= all(torch.equal(a[0], w[i]) for a, w in zip(alone, whole))
     return bool(ok)
 
@@ -151,8 +204,8 @@ def run_batch_invariance(args) -> dict:
         fixed = logprob_launch_config(v)
         for n in args.invariance_rows:
             x = peaky_logits(n, v).requires_grad_()
-            t = torch.randint(0, v, (n,), device="cuda")
-            g = torch.randn(n, device="cuda")
+            t = torch.randint(0, v, (n,), device=DEVICE)
+            g = torch.randn(n, device=DEVICE)
 
             def fwd_bwd():
                 x.grad = None
@@ -180,8 +233,17 @@ def run_batch_invariance(args) -> dict:
 
 def write_report(result: dict, out: Path) -> None:
     (out / "logprob_filter.json").write_text(json.dumps(result, indent=1))
+    by = {(r["case"], r["V"]): r for r in result["filters"] if "fwd_bwd_ms" in r}
+    v_big = max(r["V"] for r in result["filters"])
+    summary = "Summary: " + ", ".join(
+        f"{c} {by[(c, v_big)]['fwd_bwd_ms']:.2f} ms ({by[(c, v_big)]['fwd_bwd_vs_unfiltered']:.2f}×)"
+        for c in ("top_k=50", "top_p=0.95", "top_k=50, top_p=0.95") if (c, v_big) in by
+    ) + (f" forward+backward vs unfiltered {by[('unfiltered', v_big)]['fwd_bwd_ms']:.2f} ms at N = {result['tokens']}, "
+         f"V = {v_big}, bf16." if ("unfiltered", v_big) in by else "")
     lines = [
         f"# Sampling-filter replay and batch invariance — {result['device']}",
+        "",
+        summary,
         "",
         f"Command: `python3 scripts/bench_logprob_filter.py --out docs/benchmarks`. N = {result['tokens']} bf16 "
         "language-model-like logits, `with_entropy=True`, `check_inputs=False`, one GPU (TP = 1: no collective "
@@ -189,14 +251,24 @@ def write_report(result: dict, out: Path) -> None:
         "",
         "## Filtered vs unfiltered",
         "",
-        "| filter | V | fwd ms | fwd+bwd ms | × unfiltered fwd / fwd+bwd | threshold search ms | mean kept tokens | extra peak GiB |",
+        "Threshold search: an exact radix select on the logits' 16-bit key (bf16), one read of the logits per pass "
+        "(docs/kernel.md). Its building blocks alone, per V: " + "; ".join(
+            f"V = {v}: one read (amax) {p['read_ms']:.3f} ms, counting pass {p['count_pass_ms']:.3f} ms, mass pass "
+            f"{p['mass_pass_ms']:.3f} ms" for v, p in result["passes"].items()) + ". Predicted search = top-k: 2 "
+        "counting passes; top-p: one read (row max) + 2 mass passes + 1 counting pass.",
+        "",
+        "Launch sweep of the passes (ms): " + "; ".join(
+            f"V = {v}: " + ", ".join(f"{k} {t:.3f}" if isinstance(t, float) else f"{k} {t}" for k, t in p["sweep_ms"].items())
+            for v, p in result["passes"].items()) + ".",
+        "",
+        "| filter | V | fwd ms | fwd+bwd ms | × unfiltered fwd / fwd+bwd | threshold search ms (predicted) | mean kept tokens | extra peak GiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["filters"]:
         if "fwd_ms" not in r:
             lines.append(f"| {r['case']} | {r['V']} | error: {r.get('error')} | | | | | |")
             continue
-        thr = f"{r['threshold_ms']:.3f}" if "threshold_ms" in r else "—"
+        thr = f"{r['threshold_ms']:.3f} ({r['predicted_threshold_ms']:.3f})" if "threshold_ms" in r else "—"
         kept = f"{r['mean_kept']:.1f}" if "mean_kept" in r else "all"
         lines.append(
             f"| {r['case']} | {r['V']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
@@ -250,15 +322,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
     parser.add_argument("--invariance-rows", type=int, nargs="+", default=[256, 2048, 16384])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny sizes: check the script only")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.dry_run:
+        global DEVICE, median_ms, extra_peak_bytes
+        DEVICE = "cpu"
+        median_ms = lambda fn, **_: (fn(), 0.001)[1]  # noqa: E731
+        extra_peak_bytes = lambda fn: (fn(), 0)[1]  # noqa: E731
+        torch.cuda.get_device_name = lambda: "CPU dry run"
+    elif not torch.cuda.is_available():
         sys.exit("bench_logprob_filter.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    err = check_correctness()
-    print(f"correctness (filtered, V=18992): max |diff| from float64 = {err:.2e}", flush=True)
+    err = check_correctness(min(args.vocab))
+    print(f"correctness (filtered, V={min(args.vocab)}): max |diff| from float64 = {err:.2e}", flush=True)
     assert err < 1e-3, err
+    filters, passes = run_filters(args)
     result = {"device": torch.cuda.get_device_name(), "tokens": args.tokens, "max_abs_err": err,
-              "filters": run_filters(args), "batch_invariance": run_batch_invariance(args)}
+              "filters": filters, "passes": passes, "batch_invariance": run_batch_invariance(args)}
     write_report(result, args.out)
 
 

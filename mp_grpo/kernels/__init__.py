@@ -15,14 +15,15 @@ if not torch.cuda.is_available():
 
 from mp_grpo.kernels.launch_config import LogprobLaunchConfig, logprob_launch_config  # noqa: E402
 from mp_grpo.kernels.logprob_backward import logprob_backward_kernel  # noqa: E402
-from mp_grpo.kernels.logprob_filter import logprob_filter_bins_kernel  # noqa: E402
+from mp_grpo.kernels.logprob_filter import logprob_radix_hist_kernel, logprob_radix_select_kernel  # noqa: E402
 from mp_grpo.kernels.logprob_merge import logprob_merge_kernel  # noqa: E402
 from mp_grpo.kernels.logprob_stats import logprob_stats_kernel  # noqa: E402
 
 __all__ = [
     "LogprobLaunchConfig",
     "logprob_backward_kernel",
-    "logprob_filter_bins_kernel",
+    "logprob_radix_hist_kernel",
+    "logprob_radix_select_kernel",
     "logprob_launch_config",
     "logprob_merge_kernel",
     "logprob_stats_kernel",

@@ -22,9 +22,12 @@ class LogprobLaunchConfig:
     backward_warps: int
     merge_block_n: int
     """Rows per program of the merge kernel."""
-    filter_block_v: int
-    """Columns per loop step of the top-p search kernel (a [filter_block_v, 16] one-hot sum per step)."""
-    filter_warps: int
+    filter_count_block_v: int
+    """Columns per loop step of the threshold search's counting passes (``tl.histogram`` of 256 digits)."""
+    filter_count_warps: int
+    filter_mass_block_v: int
+    """Columns per loop step of its mass passes (a ``[filter_mass_block_v, 16]`` fp32 register accumulator)."""
+    filter_mass_warps: int
 
 
 def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
@@ -36,7 +39,7 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
     """
     if knobs.runtime.interpret:
         block = min(triton.next_power_of_2(v_local), 64)
-        return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1)
+        return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1, block, 1)
     # H200 sweep, N = 16384, bf16 (docs/benchmarks/logprob_sweep.json): 4096 columns with 4 warps
     # was fastest or within 1 % of it for both kernels at V_local = 151936 and 18992.
     block = min(triton.next_power_of_2(v_local), 4096)
@@ -46,7 +49,12 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         backward_block_v=block,
         backward_warps=4,
         merge_block_n=256,
-        # Not swept yet: the one-hot [BLOCK_V, 16] sum keeps the block small.
-        filter_block_v=min(triton.next_power_of_2(v_local), 1024),
-        filter_warps=8,
+        # The threshold search's passes: the best of the H100 sweep in docs/benchmarks/logprob_filter.md
+        # (N = 16384 bf16, V = 151936 and 18992): counting 4096 x 4 warps, masses 512 x 4 warps (a
+        # [512, 16] fp32 accumulator, 64 registers a thread) — 9-13 % faster than the 4096 x 8 / 1024 x 8
+        # that run's end-to-end rows used.
+        filter_count_block_v=min(triton.next_power_of_2(v_local), 4096),
+        filter_count_warps=4,
+        filter_mass_block_v=min(triton.next_power_of_2(v_local), 512),
+        filter_mass_warps=4,
     )

@@ -1,69 +1,222 @@
-"""Top-p search step: per-row probability mass in equal sub-ranges of a key interval (Triton).
+"""Sampling-filter threshold search: an exact radix select over the logits' order-preserving key (Triton).
 
-The top-p threshold of a row is the smallest logit whose "mass strictly above" is < p * S
-(``mp_grpo/ops/sampling_filter.py``). It is found by a radix search over an order-preserving integer
-key of the fp32 logit: each round splits the current key interval ``[lo, lo + BINS << shift)`` into
-BINS equal sub-ranges, this kernel sums exp(z - M) of this shard's kept columns falling in each, the
-host all-reduces the ``[N, BINS]`` masses over the TP group and keeps the sub-range where the
-cumulative mass from the top crosses p * S. Each round reads the shard once.
+The kept set of every filter (top-k, top-p) is ``{j : logit_j >= tau}`` for one raw-logit threshold per
+row (``mp_grpo/ops/sampling_filter.py``). ``tau`` is a logit value, so it is found digit by digit on an
+unsigned integer key whose order is the order of the logits:
 
-    key(x) = bits(x + 0)            if bits(x + 0) >= 0 (as int32)
-             bits(x + 0) ^ 0x7FFFFFFF  otherwise        (monotone in x; x + 0 turns -0 into +0)
+    KEY_BITS = 16 for bf16 / fp16 logits (the stored 16 bits), 32 for fp32
+    bits  = the logit's bit pattern as a signed integer (-0 first turned into +0)
+    key   = (bits >= 0 ? bits : bits ^ (2^(KEY_BITS-1) - 1)) + 2^(KEY_BITS-1)     (unsigned, monotone)
+
+Temperature divides every logit by the same T > 0: it does not change the order, only the masses.
+Each pass looks at one digit ``(key >> shift) & (2^DIGIT_BITS - 1)`` of the columns whose higher key bits
+equal the row's ``prefix`` (the digits chosen so far) and whose logit is >= ``tau_in`` (the thresholds of
+the filters applied before: min-p, then top-k), and writes one histogram row per logits row:
+
+    MODE_COUNT  int32 count per digit                       (top-k; DIGIT_BITS = 8, ``tl.histogram``)
+    MODE_MASS   fp32 sum of exp((x - M) / T) per digit      (top-p; DIGIT_BITS = 4, a one-hot sum)
+    MODE_EXACT  fp32 count x exp((v - M) / T) per digit     (top-p, the last 8 key bits: each digit is
+                                                             one exact logit value v, so counts suffice)
+
+M is the row maximum over the whole vocabulary. ``logprob_radix_select_kernel`` then picks the digit
+from the TP-summed histogram. Weighted sums cannot use ``tl.histogram`` (it counts), and a weighted
+one-hot costs ~3 instructions per element per bin: hence 16 bins for masses, 256 for counts.
 """
 
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
-# Flips the magnitude bits of a negative float's int32 pattern so that the integer order is the float order.
-NEG_KEY_FLIP = tl.constexpr(0x7FFFFFFF)
+MODE_COUNT = tl.constexpr(0)
+MODE_MASS = tl.constexpr(1)
+MODE_EXACT = tl.constexpr(2)
 
 
 @triton.jit
-def logprob_filter_bins_kernel(
+def _order_key(x, KEY_BITS: tl.constexpr):
+    """Unsigned order-preserving key of the logits ``x`` (in their stored dtype), as int32 (16 bits) or uint32."""
+    if KEY_BITS == 16:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
+        bits = tl.where(bits == -32768, 0, bits)  # -0 is +0
+        return tl.where(bits >= 0, bits, bits ^ 0x7FFF) + 32768
+    else:
+        bits = (x.to(tl.float32) + 0.0).to(tl.int32, bitcast=True)  # x + 0 turns -0 into +0
+        signed = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        return signed.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def _key_value(key, dtype_ptr, KEY_BITS: tl.constexpr):
+    """Inverse of ``_order_key``: the fp32 logit of ``key`` (an int32 / uint32 tensor); NaN for keys no value has."""
+    if KEY_BITS == 16:
+        signed = key.to(tl.int32) - 32768
+        bits = tl.where(signed >= 0, signed, signed ^ 0x7FFF)
+        return bits.to(tl.int16).to(dtype_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    else:
+        signed = (key.to(tl.uint32) ^ 0x80000000).to(tl.int32, bitcast=True)
+        bits = tl.where(signed >= 0, signed, signed ^ 0x7FFFFFFF)
+        return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def logprob_radix_hist_kernel(
     # pointers
     x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16; last dim contiguous
-    threshold_ptr,  # [N] fp32 raw-logit threshold of the set searched (min-p / top-k already applied)
-    row_max_ptr,  # [N] fp32 raw-logit maximum over the whole vocabulary
-    key_lo_ptr,  # [N] int64 lowest key of the current interval
-    bins_ptr,  # [N, BINS] fp32 out: sum of exp(z - M) over this shard's kept columns per sub-range
+    tau_ptr,  # [N] fp32 raw-logit threshold of the filters applied before (-inf: none)
+    prefix_ptr,  # [N] int32 key digits chosen so far (the key's bits above shift + DIGIT_BITS)
+    row_max_ptr,  # [N] fp32 raw-logit row maximum over the whole vocabulary (MODE_MASS / MODE_EXACT)
+    hist_ptr,  # [N, 2**DIGIT_BITS] out: int32 (MODE_COUNT) or fp32
+    row_max_out_ptr,  # [N] fp32 out: this shard's row maximum (only with HAS_ROW_MAX_OUT)
     # shapes
     V_local,
     # strides
     stride_x_row,
-    stride_bins_row,
+    stride_hist_row,
     # scalars
     inv_temperature,  # fp32, 1 / temperature
-    shift,  # log2 of the sub-range width in keys
+    shift,  # bit position of the digit in the key
     # meta-parameters
-    BINS: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
+    MODE: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,  # False on a search's first pass (no digit chosen yet)
+    HAS_ROW_MAX_OUT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    BINS: tl.constexpr = 1 << DIGIT_BITS
     row = tl.program_id(0).to(tl.int64)
     x_row_ptr = x_ptr + row * stride_x_row
     offs = tl.arange(0, BLOCK_V)
-    bin_ids = tl.arange(0, BINS)
+    bins = tl.arange(0, BINS)
     scale = inv_temperature * LOG2E
 
     # --- 1. per-row scalars ---
-    threshold = tl.load(threshold_ptr + row)
-    row_max = tl.load(row_max_ptr + row)
-    key_lo = tl.load(key_lo_ptr + row)
+    tau = tl.load(tau_ptr + row)
+    prefix = tl.load(prefix_ptr + row)
+    if MODE != MODE_COUNT:
+        row_max = tl.load(row_max_ptr + row)
 
-    # --- 2. one pass: key, sub-range and weight of every column; one-hot sums into BINS accumulators ---
-    acc = tl.zeros([BINS], dtype=tl.float32)
+    # --- 2. one pass over the row: key, digit, membership; accumulate the histogram ---
+    if MODE == MODE_MASS:
+        masses = tl.zeros([BLOCK_V, BINS], dtype=tl.float32)
+    else:
+        counts = tl.zeros([BINS], dtype=tl.int32)
+        left_out = tl.zeros([BLOCK_V], dtype=tl.int32)
+    if HAS_ROW_MAX_OUT:
+        m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
     for start in range(0, V_local, BLOCK_V):
         cols = start + offs
-        x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf")).to(tl.float32)
-        bits = (x + 0.0).to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ NEG_KEY_FLIP, bits).to(tl.int64)
-        rel = key - key_lo
-        bin_of = rel >> shift
-        in_range = (x >= threshold) & (rel >= 0) & (bin_of < BINS)
-        # A -inf logit weighs exp2(-inf) = 0.
-        e = tl.where(in_range, tl.exp2((x - row_max) * scale), 0.0)
-        one_hot = bin_of[:, None] == bin_ids[None, :]
-        acc += tl.sum(tl.where(one_hot, e[:, None], 0.0), axis=0)
+        in_row = cols < V_local
+        x = tl.load(x_row_ptr + cols, mask=in_row, other=float("-inf"))
+        xf = x.to(tl.float32)
+        if HAS_ROW_MAX_OUT:
+            m = tl.maximum(m, xf)
+        key = _order_key(x, KEY_BITS)
+        digit = ((key >> shift) & (BINS - 1)).to(tl.int32)
+        member = in_row & (xf >= tau)
+        if HAS_PREFIX:
+            # With a prefix, shift + DIGIT_BITS < KEY_BITS: a valid shift amount.
+            member &= (key >> (shift + DIGIT_BITS)).to(tl.int32) == prefix
+        if MODE == MODE_MASS:
+            # A -inf logit weighs exp2(-inf) = 0.
+            e = tl.where(member, tl.exp2((xf - row_max) * scale), 0.0)
+            masses += tl.where(digit[:, None] == bins[None, :], e[:, None], 0.0)
+        else:
+            # Non-members are counted in digit 0 and taken out again below (a histogram mask
+            # argument is not in every Triton release).
+            counts += tl.histogram(tl.where(member, digit, 0), BINS)
+            left_out += (~member).to(tl.int32)
 
-    # --- 3. store ---
-    tl.store(bins_ptr + row * stride_bins_row + bin_ids, acc)
+    # --- 3. store the histogram row (and the shard's row maximum) ---
+    hist_row_ptr = hist_ptr + row * stride_hist_row + bins
+    if MODE == MODE_MASS:
+        tl.store(hist_row_ptr, tl.sum(masses, axis=0))
+    else:
+        counts -= tl.where(bins == 0, tl.sum(left_out, axis=0), 0)
+        if MODE == MODE_COUNT:
+            tl.store(hist_row_ptr, counts)
+        else:
+            # Every digit of the last pass is one logit value v: its mass is count * exp((v - M) / T).
+            if KEY_BITS == 16:
+                last_keys = (prefix << DIGIT_BITS) | bins
+            else:
+                last_keys = ((prefix << DIGIT_BITS) | bins).to(tl.uint32, bitcast=True)
+            v = _key_value(last_keys, x_ptr, KEY_BITS)
+            # Keys no value has (NaN patterns) have count 0; select, since 0 * NaN is NaN.
+            tl.store(hist_row_ptr, tl.where(counts > 0, counts.to(tl.float32) * tl.exp2((v - row_max) * scale), 0.0))
+    if HAS_ROW_MAX_OUT:
+        tl.store(row_max_out_ptr + row, tl.max(m, axis=0))
+
+
+@triton.jit
+def logprob_radix_select_kernel(
+    # pointers
+    hist_ptr,  # [N, 2**DIGIT_BITS] TP-summed histogram: int32 counts (top-k) or fp32 masses (top-p)
+    x_ptr,  # the logits (only their dtype is used: the key -> value map)
+    prefix_ptr,  # [N] int32 in/out: key digits chosen so far
+    budget_ptr,  # [N] in/out; top-k: int32 tokens still to keep (0: row off); top-p: fp32 target p * S
+    above_ptr,  # [N] fp32 in/out (top-p): kept mass with a key above the current prefix's range
+    top_p_ptr,  # [N] fp32 (top-p): p; rows with p >= 1 are off
+    tau_ptr,  # [N] fp32 in/out: raw-logit threshold; raised on the last pass
+    # shapes
+    N,
+    # strides
+    stride_hist_row,
+    # meta-parameters
+    KEY_BITS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
+    IS_TOP_P: tl.constexpr,
+    IS_FIRST: tl.constexpr,
+    IS_LAST: tl.constexpr,
+):
+    BINS: tl.constexpr = 1 << DIGIT_BITS
+    row = tl.program_id(0).to(tl.int64)
+    # Reversed digit order: r = 0 is the largest digit, so inclusive / exclusive scans from the top.
+    r = tl.arange(0, BINS)
+    digit = BINS - 1 - r
+    hist_row_ptr = hist_ptr + row * stride_hist_row
+    h = tl.load(hist_row_ptr + digit)
+    # The histogram shifted by one digit: excl[r] = sum of the digits strictly above `digit`.
+    h_above = tl.load(hist_row_ptr + digit + 1, mask=r > 0, other=0)
+    prefix = tl.load(prefix_ptr + row)
+
+    # --- 1. pick the digit holding the threshold ---
+    if IS_TOP_P:
+        p = tl.load(top_p_ptr + row)
+        active = p < 1.0
+        if IS_FIRST:
+            # The first pass covers every kept key: its total is S, the kept mass.
+            budget = p * tl.sum(h, axis=0)
+            above = 0.0
+        else:
+            budget = tl.load(budget_ptr + row)
+            above = tl.load(above_ptr + row)
+        # F[r] = kept mass strictly above digit[r]; non-increasing in the digit. The threshold key is
+        # the smallest with F < p * S: the lowest such digit, i.e. the last r from the top.
+        f = above + tl.cumsum(h_above, axis=0)
+        ok = f < budget
+        chosen_r = tl.max(tl.where(ok, r, 0), axis=0)
+        new_above = tl.sum(tl.where(r == chosen_r, f, 0.0), axis=0)
+        tl.store(budget_ptr + row, budget)
+        tl.store(above_ptr + row, new_above)
+    else:
+        k = tl.load(budget_ptr + row)
+        # ge[r] = kept keys >= digit[r]; the k-th largest key is in the largest digit with ge >= k.
+        ge = tl.cumsum(h, axis=0)
+        active = (k > 0) & (k <= tl.sum(h, axis=0))  # fewer kept tokens than k: keep them all
+        chosen_r = tl.min(tl.where(ge >= k, r, BINS - 1), axis=0)
+        above_count = tl.sum(tl.where(r == chosen_r, ge - h, 0), axis=0)
+        tl.store(budget_ptr + row, tl.where(active, k - above_count, 0))
+    new_prefix = (prefix << DIGIT_BITS) | (BINS - 1 - chosen_r)
+    tl.store(prefix_ptr + row, new_prefix)
+
+    # --- 2. last pass: the prefix is the whole key of the threshold ---
+    if IS_LAST:
+        if KEY_BITS == 16:
+            key = new_prefix
+        else:
+            key = new_prefix.to(tl.uint32, bitcast=True)
+        v = _key_value(key, x_ptr, KEY_BITS)
+        v = tl.where(v != v, float("-inf"), v)  # a key no value has (rounding at p ~ 1): keep all
+        tau = tl.load(tau_ptr + row)
+        tl.store(tau_ptr + row, tl.where(active, tl.maximum(tau, v), tau))

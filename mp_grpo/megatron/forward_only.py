@@ -13,7 +13,9 @@ Schedule of :func:`forward_logprobs`
    (:meth:`MegatronGRPO.call_model`) and a loss function that returns a zero loss and, as Megatron's
    ``loss_reduced``, this micro-batch's ``{"logprobs", "entropy"}`` from
    :meth:`MegatronGRPO.token_logprobs` (one log-prob kernel pass; its TP collective: one all-gather of
-   16 bytes a row). Only the last pipeline stage runs the loss function.
+   16 bytes a row). Only the last pipeline stage runs the loss function. A micro-batch that carries the
+   rollout's sampling filter (:meth:`MicroBatch.with_sampling_filter`) gets the log-probs of the filtered,
+   renormalized distribution, as in the training step (plus the filter's threshold search, docs/kernel.md).
 2. Pipeline parallelism (``groups.pp`` of size > 1) and ``broadcast=True``: the last stage's log-probs
    (and entropies) broadcast over the PP group, one broadcast per micro-batch and field, so every stage
    holds them — what step-level decisions taken on every stage need. With ``broadcast=False`` the other

@@ -62,6 +62,7 @@ from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.separable import token_separable
 from mp_grpo.loss.sequence import SequenceLayout
 from mp_grpo.ops.fused_linear_loss import LossFn, fused_linear_loss
+from mp_grpo.ops.sampling_filter import SamplingFilter
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,8 @@ def fused_output_loss(
     temperature: float,
     with_entropy: bool,
     ignore_index: int,
+    sampling_filter: SamplingFilter | None = None,
+    check_inputs: bool = True,
 ):
     """``(share, metrics)`` of ``loss_fn`` on the fused output layer, its gradient made in forward.
 
@@ -204,5 +207,6 @@ def fused_output_loss(
     accumulate = output_weight.accumulate_into_main_grad and weight.requires_grad
     return fused_linear_loss(
         hidden, weight, targets, loss_fn, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
-        ignore_index=ignore_index, accumulate_into_main_grad=accumulate,
+        ignore_index=ignore_index, accumulate_into_main_grad=accumulate, sampling_filter=sampling_filter,
+        check_inputs=check_inputs,
     )

@@ -7,7 +7,9 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    ``[V_local, H]`` weight (``OutputPath.FUSED``, from :func:`~mp_grpo.megatron.fused_output.call_for_hidden_states`),
    with ``V_local · TP`` = the model's (padded) vocabulary — a TP group that does not match the
    model's vocabulary shards fails here, before any collective.
-2. Log-probs (and entropy) of the targets on the TP group, at the rollout's sampling temperature:
+2. Log-probs (and entropy) of the targets on the TP group, at the rollout's sampling temperature and,
+   when the micro-batch carries one (:meth:`MicroBatch.with_sampling_filter`), under the rollout's
+   sampling filter (top-k / top-p / min-p replayed: the filtered, renormalized distribution):
    :func:`mp_grpo.vocab_parallel_logprobs` of the logits, or :func:`mp_grpo.fused_linear_logprobs` of
    the hidden states and the weight (the output layer's GEMM fused with the log-probs, chunk by chunk,
    never holding the logits; into ``weight.main_grad`` with gradient-accumulation fusion). This is the
@@ -38,7 +40,7 @@ from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.collectives import is_last_rank
 from mp_grpo.loss.grpo_loss import GRPOLoss
-from mp_grpo.loss.metrics import reduce_metrics
+from mp_grpo.loss.metrics import reduce_metrics, total_entry
 from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states, fused_output_loss, loss_in_forward
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
@@ -76,6 +78,7 @@ class MegatronGRPO:
         vocab_size: int | None = None,
         with_entropy: bool = True,
         output_path: OutputPath = OutputPath.LOGITS,
+        check_inputs: bool = True,
     ) -> None:
         """
         Args:
@@ -94,6 +97,13 @@ class MegatronGRPO:
             output_path: ``OutputPath.LOGITS`` (default, faster) reads the model's vocab-parallel logits;
                 ``OutputPath.FUSED`` skips the model's output layer and computes the log-probs from its
                 input and weight without holding the ``[tokens, V_local]`` logits (see :class:`OutputPath`).
+            check_inputs: the log-prob ops' ``check_inputs``: a target outside the vocabulary, or outside the
+                kept set of the micro-batch's :attr:`~MicroBatch.sampling_filter`, raises ``ValueError`` (at
+                once on the CPU, at the next ``mp_grpo.check_errors()`` — e.g. :meth:`reduce_metrics` — on a
+                GPU). With False such a target's log-prob is NaN (outside the vocabulary) or -inf (outside
+                the filter: probability 0 under the rollout's distribution, no gradient from it; the loss
+                value may then be ±inf, its gradient stays finite), and the metric
+                ``sampling_filter/outside_tokens`` counts the trained tokens outside the filter.
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
@@ -113,6 +123,7 @@ class MegatronGRPO:
         self.num_microbatches = num_microbatches
         self.vocab_size = vocab_size
         self.with_entropy = with_entropy or config.needs_entropy
+        self.check_inputs = bool(check_inputs)
         self.moe_stats: MoEStats | None = None
         """The routers' statistics of the current step (MoE models; set at the first forward step)."""
         self._replayed_routing = False
@@ -351,7 +362,7 @@ class MegatronGRPO:
         self._check_vocab_shards(v_local, what, vocab_size)
         # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
         common = dict(tp_group=self.groups.tp, temperature=self.temperature, with_entropy=self.with_entropy,
-                      ignore_index=IGNORE_INDEX)
+                      ignore_index=IGNORE_INDEX, check_inputs=self.check_inputs, sampling_filter=mb.sampling_filter)
         if self.output_path == OutputPath.FUSED:
             weight = output_weight.weight
             # Megatron's linear layer, too, accumulates only when a weight gradient is computed.
@@ -409,11 +420,16 @@ class MegatronGRPO:
         :mod:`mp_grpo.megatron.moe`; GRPOLoss's gradient is the same either way.
         """
         def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-            return self.loss(
+            share, metrics = self.loss(
                 logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                 rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
                 batch=batch, layout=mb.sequences,
             )
+            # Trained tokens outside the rollout's sampling filter (log-prob -inf; 0 without a filter or when
+            # checked, which raises instead): always present, so every micro-batch's dict has the same names.
+            outside = (torch.isneginf(logprobs.detach()) & mb.loss_mask).sum()
+            metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
+            return share, metrics
 
         if self.output_path == OutputPath.FUSED and loss_in_forward(self.config, mb.sequences):
             # --- 1.–3. fused path, token-separable loss: log-probs and the share with its gradient in forward ---
@@ -421,7 +437,8 @@ class MegatronGRPO:
             self._check_vocab_shards(output_weight.weight.shape[0], "output layer's weight holds", vocab_size)
             share, metrics = fused_output_loss(
                 hidden, output_weight, mb.targets, share_of, tp_group=self.groups.tp, temperature=self.temperature,
-                with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
+                with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX, sampling_filter=mb.sampling_filter,
+                check_inputs=self.check_inputs,
             )
         else:
             # --- 1.–2. log-probs (and entropy) ---

@@ -28,6 +28,7 @@ from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayo
 from mp_grpo.megatron.context_parallel import cp_positions, select_positions, thd_cp_positions
 from mp_grpo.megatron.packed import PackedLayout, packed_seq_params, round_up
 from mp_grpo.megatron.rollouts import Rollouts
+from mp_grpo.ops.sampling_filter import SamplingFilter, check_sampling_filter
 
 IGNORE_INDEX = -100
 """Target of positions that are not trained on (the log-prob kernel's default ``ignore_index``)."""
@@ -94,6 +95,11 @@ class MicroBatch:
     """Routing replay (MoE): the recorded top-k expert indices of this micro-batch, one tensor per MoE layer of
     this pipeline stage, in megatron-core ``RouterReplay``'s layout (``[tokens, topk]`` in the model's token
     order); set with :meth:`with_routing`. None: the routers decide."""
+    sampling_filter: SamplingFilter | None = None
+    """The rollout's sampling filter (vLLM's per-request ``top_k`` / ``top_p`` / ``min_p``), replayed by the
+    log-prob op: the trainer's log-probs are then those of the filtered, renormalized distribution the
+    rollout sampled from. Per-row tensors have the local shape of :attr:`targets`; set with
+    :meth:`with_sampling_filter`, which also takes per-sequence values. None: the whole vocabulary."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on ``device``: ``packed_seq_params``' boundaries and the loss layout's
@@ -109,7 +115,48 @@ class MicroBatch:
         sequences = self.sequences
         if isinstance(sequences, PackedSequences):
             sequences = PackedSequences(sequences.cu_seqlens.to(device), cp_group=sequences.cp_group)
-        return replace(self, packed_seq_params=params, sequences=sequences, routing=routing, **moved)
+        filt = self.sampling_filter
+        if filt is not None:
+            filt = SamplingFilter(**{name: getattr(filt, name).to(device) if isinstance(getattr(filt, name), torch.Tensor)
+                                     else getattr(filt, name) for name in ("top_k", "top_p", "min_p")})
+        return replace(self, packed_seq_params=params, sequences=sequences, routing=routing, sampling_filter=filt,
+                       **moved)
+
+    def with_sampling_filter(
+        self,
+        *,
+        top_k: int | torch.Tensor | None = None,
+        top_p: float | torch.Tensor | None = None,
+        min_p: float | torch.Tensor | None = None,
+    ) -> MicroBatch:
+        """A copy that replays the rollout's sampling filter (see :attr:`sampling_filter`).
+
+        Each value is None (off), a Python number for every token, a ``[num_sequences]`` tensor (one value per
+        request of the micro-batch, as vLLM's per-request ``SamplingParams``: laid out, packed and CP-cut like
+        every token field; positions without a target get the value that keeps everything), or a tensor of
+        the local shape of :attr:`targets`. vLLM's "off" values (``top_k = 0 / -1``, ``top_p = 1``,
+        ``min_p = 0``) switch a request's filter off.
+        """
+        off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+        values = {}
+        for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+            if isinstance(value, torch.Tensor) and value.shape != self.targets.shape:
+                if value.dim() != 1:
+                    raise ValueError(f"{name} must be [num_sequences] or the local shape {tuple(self.targets.shape)}, "
+                                     f"got {tuple(value.shape)}")
+                packed = self.layout.packed
+                if packed is not None and value.shape[0] != packed.num_sequences:
+                    raise ValueError(f"{name} has {value.shape[0]} values but the micro-batch holds "
+                                     f"{packed.num_sequences} sequences")
+                width = int(packed.lengths.max()) if packed is not None else self.layout.row_len
+                value = self.layout.target_field(value.unsqueeze(1).expand(value.shape[0], width), off[name])
+                if value.shape != self.targets.shape:
+                    raise ValueError(f"{name} has {value.shape[0]} values but the micro-batch holds "
+                                     f"{self.targets.shape[0]} sequences")
+            values[name] = value
+        filt = SamplingFilter(**values)
+        check_sampling_filter(filt, self.targets.shape, self.targets.device, check_tensors=True)
+        return replace(self, sampling_filter=filt)
 
     def with_routing(self, routing) -> MicroBatch:
         """A copy that replays ``routing`` (recorded top-k indices, one tensor per MoE layer; see :attr:`routing`).

@@ -23,6 +23,11 @@ Forward — chunks of whole rows, ``[rows, V_local]``
        ``check_inputs`` one host read of the error counters raises on bad targets or unequal shards.
     Saved for backward: ``hidden`` and ``weight`` (not copies), targets, M, log S, entropy — 20 bytes
     a row; no logits.
+    With a ``sampling_filter``, step 1 first finds each chunk's per-row thresholds
+    (``ops/sampling_filter.py``: its passes over the chunk and its collectives, once per chunk) and the
+    statistics count only the kept columns; the thresholds (4 bytes a row) are saved for backward, whose
+    kernel gives the columns below them no gradient. Backward's blocks are then forward's chunks (whole
+    rows), so that the recomputed logits are bitwise forward's (see ``sampling_filter`` below).
 
 Backward — token blocks of ``backward_rows`` rows, each cut into ``[rows, cols]`` vocabulary chunks
     1. Recompute the chunk's logits ``hidden[block] @ weight[cols]ᵀ`` into one reused buffer.
@@ -84,12 +89,12 @@ rounding step — an error of the size of the bf16 rounding of the logits themse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, overload
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, group_rank
+from mp_grpo.collectives import ProcessGroup, group_rank, group_size
 from mp_grpo.ops.checks import (
     check_chunk_size,
     check_hidden_weight_and_target,
@@ -103,6 +108,12 @@ from mp_grpo.ops.logprob_launch import (
     logprob_backward,
     new_stats_buffer,
     shard_statistics,
+)
+from mp_grpo.ops.sampling_filter import (
+    SamplingFilter,
+    check_sampling_filter,
+    filter_threshold,
+    raise_on_targets_outside_filter,
 )
 
 LOGITS_CHUNK_BYTES = 512 * 2**20
@@ -242,20 +253,37 @@ def _forward_statistics(
     vocab_start: int,
     inv_temperature: float,
     with_entropy: bool,
-) -> None:
+    sampling_filter: SamplingFilter | None = None,
+    tp_group: ProcessGroup | None = None,
+) -> torch.Tensor | None:
     """Forward step 1: logits of ``plan.forward_rows`` rows at a time, into one reused buffer.
 
-    With no rows there is still one (empty) launch: the statistics kernel writes the shard-size row."""
+    With no rows there is still one (empty) launch: the statistics kernel writes the shard-size row.
+    With a ``sampling_filter``, each chunk's rows get their threshold first (``filter_threshold`` on the
+    chunk: its passes and collectives per chunk); returns the ``[N]`` fp32 thresholds (else None)."""
     n, v_local = h.shape[0], w.shape[0]
     chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
+    threshold = None
+    if sampling_filter is not None:
+        threshold = torch.empty(n, dtype=torch.float32, device=h.device)
+        per_row = sampling_filter.flattened()
     for r0 in range(0, max(n, 1), plan.forward_rows):
         r1 = min(r0 + plan.forward_rows, n)
         logits = _chunk_view(chunk, r1 - r0, v_local)
         torch.mm(h[r0:r1], w.t(), out=logits)
+        chunk_threshold = None
+        if threshold is not None:
+            chunk_threshold = threshold[r0:r1]
+            chunk_threshold.copy_(filter_threshold(
+                logits, per_row.rows(r0, r1), torch.Size([r1 - r0]), tp_group=tp_group,
+                inv_temperature=inv_temperature,
+            ))
         shard_statistics(
             logits, t[r0:r1], stats, row_start=r0,
             vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
+            threshold=chunk_threshold,
         )
+    return threshold
 
 
 def _backward_chunks(
@@ -275,6 +303,7 @@ def _backward_chunks(
     vocab_start: int,
     ignore_index: int,
     inv_temperature: float,
+    threshold: torch.Tensor | None = None,  # [N] fp32 sampling-filter thresholds
 ) -> None:
     """Backward steps 1-4 over token blocks x vocabulary chunks (see the module docstring)."""
     n, hidden_size = h.shape
@@ -306,6 +335,7 @@ def _backward_chunks(
                 grad_logprobs[b0:b1],
                 grad_entropy[b0:b1] if grad_entropy is not None else None,
                 vocab_start=vocab_start + c0, ignore_index=ignore_index, inv_temperature=inv_temperature,
+                threshold=threshold[b0:b1] if threshold is not None else None,
             )
 
             # --- 3. hidden gradient of the block, summed over vocabulary chunks in fp32 ---
@@ -335,6 +365,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         plan: ChunkPlan,
         accumulate_into_main_grad: bool,
         check_inputs: bool,
+        sampling_filter: SamplingFilter | None,
     ):
         ctx.set_materialize_grads(False)
         v_local, hidden_size = weight.shape
@@ -346,8 +377,9 @@ class FusedLinearLogProbs(torch.autograd.Function):
 
         # --- 1. per token chunk: logits (one GEMM) -> this chunk's rows of ONE stats buffer ---
         stats = new_stats_buffer(n, h.device)
-        _forward_statistics(
-            h, w, t, stats, plan, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy
+        threshold = _forward_statistics(
+            h, w, t, stats, plan, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
+            sampling_filter=sampling_filter, tp_group=tp_group,
         )
 
         # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
@@ -357,7 +389,13 @@ class FusedLinearLogProbs(torch.autograd.Function):
             check_inputs=check_inputs,
         )
 
-        ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.entropy)
+        outside = None
+        if threshold is not None:
+            # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
+            outside = torch.isneginf(merged.logprobs) & (t != ignore_index)
+            if check_inputs:
+                raise_on_targets_outside_filter(outside)
+        ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.entropy, threshold, outside)
         # Like Megatron's linear layer: main_grad is kept on ctx, not saved (no version-counter checks,
         # since DDP writes into it between forward and backward).
         ctx.main_grad = weight.main_grad if accumulate_into_main_grad else None
@@ -374,12 +412,14 @@ class FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
-        h, w, t, row_max, log_sum, entropy = ctx.saved_tensors
-        not_differentiable = (None,) * 8
+        h, w, t, row_max, log_sum, entropy, threshold, outside = ctx.saved_tensors
+        not_differentiable = (None,) * 9
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return (None, None, *not_differentiable)
         grad_logprobs, grad_entropy = flat_upstream_grads(grad_logprobs, grad_entropy, row_max.shape[0], row_max.device)
+        if outside is not None:
+            grad_logprobs = torch.where(outside, 0.0, grad_logprobs)
         n = h.shape[0]
         main_grad = ctx.main_grad
 
@@ -392,7 +432,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
             h, w, t, row_max, log_sum, entropy if grad_entropy is not None else None, grad_logprobs, grad_entropy,
             grad_h, grad_w, ctx.plan,
             weight_grad_accumulates=main_grad is not None, vocab_start=ctx.vocab_start,
-            ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature,
+            ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature, threshold=threshold,
         )
 
         grad_hidden = grad_h.view(ctx.hidden_shape) if need_hidden else None
@@ -407,14 +447,14 @@ def fused_linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ...,
     temperature: float = ..., with_entropy: Literal[False] = ..., ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
-    check_inputs: bool = ...,
+    check_inputs: bool = ..., sampling_filter: SamplingFilter | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def fused_linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ...,
     temperature: float = ..., with_entropy: Literal[True], ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
-    check_inputs: bool = ...,
+    check_inputs: bool = ..., sampling_filter: SamplingFilter | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -431,6 +471,7 @@ def fused_linear_logprobs(
     chunk_vocab: int | None = None,
     accumulate_into_main_grad: bool = False,
     check_inputs: bool = True,
+    sampling_filter: SamplingFilter | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What ``vocab_parallel_logprobs(hidden @ weight.T, target, ...)`` returns, without the logits.
 
@@ -459,6 +500,14 @@ def fused_linear_logprobs(
             ``[0, V_global)`` or on unequal shards (at once on the CPU, at the next
             ``mp_grpo.check_errors()`` on a GPU: no host read per call); with ``False`` nothing is
             recorded, and such outputs are NaN instead.
+        sampling_filter: as in :func:`~mp_grpo.vocab_parallel_logprobs` — the log-probs, entropy and
+            gradients of the rollout's filtered, renormalized distribution. The threshold search runs on
+            each forward chunk (whole rows; its passes and collectives once per chunk, so every TP rank must
+            cut the same chunks) and its ``[N]`` fp32 thresholds are saved for backward. Backward then
+            recomputes the logits in forward's chunks (whole rows; ``chunk_vocab`` is not used), with the
+            same GEMMs and so the same bits: a logit sits on the same side of the threshold in both — a
+            recompute in other shapes can differ by one rounding step, and the top-k threshold is itself
+            a logit.
 
     Returns:
         fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``.
@@ -476,7 +525,14 @@ def fused_linear_logprobs(
         target.numel(), weight.shape[1], weight.shape[0], hidden.dtype,
         chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
     )
+    if sampling_filter is not None:
+        check_sampling_filter(sampling_filter, target.shape, hidden.device, check_tensors=bool(check_inputs))
+        sampling_filter = sampling_filter.without_noops(weight.shape[0] * group_size(tp_group))
+    if sampling_filter is not None:
+        # Backward recomputes exactly forward's logits (the same GEMMs: whole-row chunks of the same rows), so
+        # every column falls on the same side of its row's threshold — the k-th largest logit IS the threshold.
+        plan = replace(plan, backward_rows=plan.forward_rows, backward_cols=weight.shape[0])
     return FusedLinearLogProbs.apply(
         hidden, weight, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
-        bool(accumulate_into_main_grad), bool(check_inputs),
+        bool(accumulate_into_main_grad), bool(check_inputs), sampling_filter,
     )

@@ -33,6 +33,9 @@ Forward — chunks of whole rows, ``[rows, V_local]`` (the plan of :func:`~mp_gr
        dtype (cuBLAS sums each chunk in fp32 and rounds once per chunk; one chunk: rounded once, as an
        fp32 buffer would be). Skipped when ``weight`` needs no gradient.
     Saved for backward: the two gradients (no logits, no inputs).
+    With a ``sampling_filter``: before step 1's statistics, the chunk's per-row thresholds
+    (``ops/sampling_filter.py``: its passes over the chunk and its collectives, once per chunk); steps 1
+    and 4 then count only the kept columns, and targets outside the kept set get no coefficient.
 
 Backward (``g`` = the upstream gradient of the loss, a 0-dim device tensor; no host read) — one pass of
 :func:`~mp_grpo.ops.scale.scale_into` (``kernels/scale.py``, ``g`` read from its device pointer) per gradient:
@@ -64,7 +67,7 @@ from typing import Any
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, group_rank
+from mp_grpo.collectives import ProcessGroup, group_rank, group_size
 from mp_grpo.ops.checks import (
     check_chunk_size,
     check_hidden_weight_and_target,
@@ -74,6 +77,12 @@ from mp_grpo.ops.checks import (
 )
 from mp_grpo.ops.fused_linear_logprobs import ChunkPlan, _chunk_view, _matmul_into, main_grad_placeholder, plan_chunks
 from mp_grpo.ops.logprob_launch import gather_and_merge, logprob_backward, new_stats_buffer, shard_statistics
+from mp_grpo.ops.sampling_filter import (
+    SamplingFilter,
+    check_sampling_filter,
+    filter_threshold,
+    raise_on_targets_outside_filter,
+)
 from mp_grpo.ops.scale import scale_into
 
 LOSS_LOGITS_CHUNK_BYTES = 768 * 2**20
@@ -138,6 +147,7 @@ class FusedLinearLoss(torch.autograd.Function):
         plan: ChunkPlan,
         accumulate_into_main_grad: bool,
         check_inputs: bool,
+        sampling_filter: SamplingFilter | None,
     ):
         v_local, hidden_size = weight.shape
         h = hidden.reshape(-1, hidden_size).contiguous()
@@ -159,6 +169,7 @@ class FusedLinearLoss(torch.autograd.Function):
         chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
         stats_buffer = new_stats_buffer(min(plan.forward_rows, max(n, 1)), h.device)
 
+        per_row = sampling_filter.flattened() if sampling_filter is not None else None
         loss = aux = None
         for r0 in range(0, max(n, 1), plan.forward_rows):
             r1 = min(r0 + plan.forward_rows, n)
@@ -168,8 +179,13 @@ class FusedLinearLoss(torch.autograd.Function):
 
             # --- 1. the chunk's logits and their shard statistics ---
             torch.mm(h[r0:r1], w.t(), out=x)
+            threshold = None
+            if per_row is not None:  # the sampling filter's per-row thresholds of the chunk
+                threshold = filter_threshold(x, per_row.rows(r0, r1), torch.Size([rows]), tp_group=tp_group,
+                                             inv_temperature=inv_temperature)
             shard_statistics(
-                x, t[r0:r1], stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy
+                x, t[r0:r1], stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
+                threshold=threshold,
             )
             # --- 2. the TP merge (one all-gather of the chunk's statistics) ---
             merged = gather_and_merge(
@@ -179,9 +195,17 @@ class FusedLinearLoss(torch.autograd.Function):
             logprobs[r0:r1] = merged.logprobs
             if entropy is not None:
                 entropy[r0:r1] = merged.entropy
+            outside = None
+            if threshold is not None:
+                # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
+                outside = torch.isneginf(merged.logprobs) & (t[r0:r1] != ignore_index)
+                if check_inputs:
+                    raise_on_targets_outside_filter(outside)
 
             # --- 3. the coefficients d loss / d logp, d loss / d entropy of the chunk's rows ---
             grad_lp, grad_ent, loss, aux = _coefficients(loss_fn, logprobs, entropy, target.shape)
+            if outside is not None:
+                grad_lp[r0:r1] = torch.where(outside, 0.0, grad_lp[r0:r1])
             if rows == 0 or not (need_hidden or need_weight):
                 continue
 
@@ -191,6 +215,7 @@ class FusedLinearLoss(torch.autograd.Function):
                 merged.entropy if grad_ent is not None else None,
                 grad_lp[r0:r1], grad_ent[r0:r1] if grad_ent is not None else None,
                 vocab_start=vocab_start, ignore_index=ignore_index, inv_temperature=inv_temperature,
+                threshold=threshold,
             )
             # --- 5. hidden gradient of the chunk's rows (whole local vocabulary: written once) ---
             if grad_h is not None:
@@ -211,7 +236,7 @@ class FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        not_differentiable = (None,) * 10
+        not_differentiable = (None,) * 11
         grad_hidden = grad_weight = None
         g = grad_loss.float()  # 0-dim on the device; a no-op for the fp32 loss
         # One pass of kernels/scale.py per gradient; it reads g from the device (no host read, nothing zero-filled).
@@ -243,6 +268,7 @@ def fused_linear_loss(
     chunk_tokens: int | None = None,
     accumulate_into_main_grad: bool = False,
     check_inputs: bool = True,
+    sampling_filter: SamplingFilter | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """``loss_fn(log-probs, entropy)`` of ``log softmax(hidden @ weightᵀ / T)[target]``, its gradient made in forward.
 
@@ -253,6 +279,9 @@ def fused_linear_loss(
             (see the module docstring); called once per forward chunk.
         with_entropy: pass the entropy to ``loss_fn`` (else None).
         chunk_tokens: rows per forward chunk; None: the largest within ``LOSS_LOGITS_CHUNK_BYTES``.
+        sampling_filter: as in :func:`~mp_grpo.vocab_parallel_logprobs`; the threshold search runs on each
+            forward chunk (its passes and collectives once per chunk). The gradient is formed from the same
+            logits the thresholds were found on (no recompute), so the kept set is the same in both.
 
     Returns:
         ``(loss, aux)``: the loss (0-dim, differentiable w.r.t. ``hidden`` and ``weight``) and ``loss_fn``'s
@@ -270,9 +299,12 @@ def fused_linear_loss(
         target.numel(), weight.shape[1], weight.shape[0], hidden.dtype, chunk_tokens=chunk_tokens,
         logits_chunk_bytes=LOSS_LOGITS_CHUNK_BYTES,
     )
+    if sampling_filter is not None:
+        check_sampling_filter(sampling_filter, target.shape, hidden.device, check_tensors=bool(check_inputs))
+        sampling_filter = sampling_filter.without_noops(weight.shape[0] * group_size(tp_group))
     aux = _Aux()
     loss = FusedLinearLoss.apply(
         hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
-        bool(accumulate_into_main_grad), bool(check_inputs),
+        bool(accumulate_into_main_grad), bool(check_inputs), sampling_filter,
     )
     return loss, aux.value

@@ -18,22 +18,34 @@ processor; order: temperature, min-p, top-k, top-p):
   group straddles the boundary. Inside a tie group vLLM's choice follows its (unstable) sort order;
   here the whole tie group is kept whenever vLLM keeps any member — ties kept, as for top-k.
 
-Schedule of :func:`filter_threshold` (``N`` rows, ``V_local`` columns on each of ``TP`` ranks;
-every collective is skipped for a group of size 1)
+Threshold search — one mechanism for top-k and top-p: an exact radix select over the order-preserving
+integer key of the logits (16 bits for bf16 / fp16, 32 for fp32; ``kernels/logprob_filter.py``). Each pass
+reads the shard once and builds, per row, a histogram of the next key digit among the columns whose
+higher digits equal the ones chosen so far and whose logit is >= the thresholds already applied; the
+histograms are summed over the TP group (**one all-reduce per pass**) and a tiny kernel picks the digit.
+Top-k counts tokens (256-digit passes, 8 key bits each); top-p sums probability mass exp((z - M)) with
+the row maximum M known beforehand (16-digit passes, 4 key bits each, then one 256-digit pass over the
+last 8 bits, whose digits are single logit values: count x weight, exact). The search is exact: the
+result is the key of the k-th largest logit, or of the smallest logit whose strictly-larger mass is < p S.
 
-    1. Row maximum and top-k: with top-k, ``torch.topk`` of each shard's ``k_max`` largest values,
-       **one all-gather of ``[N, min(k_max, V_local)]`` fp32**, and the k-th largest of the merged
-       ``TP * min(k_max, V_local)`` values (k_max = the largest k; a per-row k tensor costs one
-       host read of its maximum). Without top-k, **one all-reduce (max) of ``[N]`` fp32**.
-    2. min-p: ``tau = max(tau, x_max + T log(min_p))`` (no collective).
-    3. top-p: a radix search over an order-preserving integer key of the fp32 logit, 4 key bits a
-       round: ``logprob_filter_bins_kernel`` sums exp(z - M) of the kept columns in 16 sub-ranges
-       of the current key interval (one read of the shard), **one all-reduce (sum) of ``[N, 16]``
-       fp32** per round, and a 16-step scan picks the sub-range where the mass from the top crosses
-       p * S. The search is exact: 4 rounds for bf16 logits, 5 for fp16, 8 for fp32 (the key bits
-       that the logits' dtype can set).
+Schedule of :func:`filter_threshold` (``N`` rows, ``V_local`` columns on each of ``TP`` ranks, ``K`` key
+bits: 16 for bf16 / fp16, 32 for fp32; every collective is skipped for a group of size 1)
 
-The log-prob op then makes its usual all-gather of ``[N + 1, 4]`` statistics, restricted to the kept set.
+    1. Row maximum M (min-p and top-p need it): one ``amax`` read of the shard, or — with top-k and no
+       min-p — a by-product of top-k's first pass; **one all-reduce (max) of ``[N]`` fp32**.
+    2. min-p: ``tau = M + T log(min_p)`` (no pass, no collective).
+    3. top-k: ``K / 8`` counting passes (2 for bf16, 4 for fp32), each one read of the shard and
+       **one all-reduce (sum) of ``[N, 256]`` int32**; then ``tau = max(tau, k-th largest logit)``.
+    4. top-p: ``(K - 8) / 4`` mass passes (2 for bf16, 6 for fp32) with **one all-reduce (sum) of
+       ``[N, 16]`` fp32** each, then one exact pass with **one all-reduce (sum) of ``[N, 256]`` fp32**;
+       ``tau = max(tau, threshold logit)``.
+    No host read anywhere (per-row tensors included). Bitwise batch-invariant: every pass's launch
+    depends on V_local only, and the digit choice is per row.
+
+Cost (predicted, bf16, TP = 1): a counting pass ~ one read of the logits (the unfiltered forward's
+read); a mass pass is compute-bound (~3 instructions per element per digit, 16 digits), a few reads'
+worth. top-k = 2 reads + the filtered statistics; top-p = amax + 2 mass passes + 1 counting pass.
+Measured: ``docs/benchmarks/logprob_filter.md``.
 """
 
 from __future__ import annotations
@@ -43,15 +55,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, all_gather_stacked, all_reduce_max, all_reduce_sum, group_size
-from mp_grpo.ops.logprob_launch import FILTER_BINS, filter_bin_masses
-
-_KEY_BITS_PER_ROUND = 4  # log2(FILTER_BINS)
-# Rounds of the top-p search: the top key bits a logit of each dtype can set, 4 per round
-# (bf16 -> fp32 leaves 16 low bits constant, fp16 -> fp32 leaves 13).
-_SEARCH_ROUNDS = {torch.bfloat16: 4, torch.float16: 5, torch.float32: 8}
-_KEY_MIN = -(2**31)
-_NEG_KEY_FLIP = 0x7FFFFFFF
+from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum, group_size
+from mp_grpo.ops.checks import record_errors
+from mp_grpo.ops.logprob_launch import RADIX_COUNT_BITS, RADIX_MASS_BITS, radix_histogram, radix_select
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,20 @@ class SamplingFilter:
         return SamplingFilter(top_k=top_k, top_p=top_p, min_p=min_p)
 
 
+    def flattened(self) -> SamplingFilter:
+        """The same filter with every per-row tensor flattened to ``[N]`` (for callers that cut rows)."""
+        return SamplingFilter(**{name: value.reshape(-1) if isinstance(value, torch.Tensor) else value
+                                 for name, value in self._fields()})
+
+    def rows(self, start: int, stop: int) -> SamplingFilter:
+        """Rows ``start:stop`` of a :meth:`flattened` filter (Python numbers stay as they are)."""
+        return SamplingFilter(**{name: value[start:stop] if isinstance(value, torch.Tensor) else value
+                                 for name, value in self._fields()})
+
+    def _fields(self):
+        return (("top_k", self.top_k), ("top_p", self.top_p), ("min_p", self.min_p))
+
+
 def _per_row(value, name: str, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.shape != shape:
@@ -94,8 +114,8 @@ def _per_row(value, name: str, shape: torch.Size, device: torch.device, dtype: t
 
 def check_sampling_filter(filt: SamplingFilter, target_shape: torch.Size, device: torch.device,
                           *, check_tensors: bool) -> None:
-    """Types and ranges of the filter's fields; tensor values are checked (one host read) only with
-    ``check_tensors``."""
+    """Types and ranges of the filter's fields; tensor values are checked only with ``check_tensors``
+    (through the deferred error ledger: no host read on a GPU)."""
     if not isinstance(filt, SamplingFilter):
         raise TypeError(f"sampling_filter must be a SamplingFilter or None, got {type(filt).__name__}")
     ranges = {"top_k": None, "top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True)}
@@ -112,8 +132,11 @@ def check_sampling_filter(filt: SamplingFilter, target_shape: torch.Size, device
             if check_tensors and bounds is not None:
                 lo, hi, lo_closed = bounds
                 bad = ((value < lo) if lo_closed else (value <= lo)) | (value > hi) | torch.isnan(value)
-                if bool(bad.any()):
-                    raise ValueError(f"sampling_filter.{name} has values outside {'[' if lo_closed else '('}{lo}, {hi}]")
+                interval = f"{'[' if lo_closed else '('}{lo}, {hi}]"
+                # Through the deferred error ledger: at once on the CPU, at mp_grpo.check_errors() on a GPU.
+                record_errors(f"sampling_filter.{name} out of range", bad.sum(),
+                              lambda count, name=name, interval=interval:
+                              f"sampling_filter.{name} has values outside {interval} ({count} rows)")
             continue
         if name == "top_k":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -129,14 +152,6 @@ def check_sampling_filter(filt: SamplingFilter, target_shape: torch.Size, device
             )
 
 
-def _key_to_float(key: torch.Tensor) -> torch.Tensor:
-    """Inverse of the kernel's key map; keys below that of -inf (NaN patterns) become -inf."""
-    k32 = key.to(torch.int32)
-    bits = torch.where(k32 < 0, k32 ^ _NEG_KEY_FLIP, k32)
-    value = bits.view(torch.float32)
-    return torch.where(torch.isnan(value), torch.full_like(value, float("-inf")), value)
-
-
 def filter_threshold(
     x: torch.Tensor,  # [N, V_local] logits shard, last dim contiguous
     filt: SamplingFilter,
@@ -150,65 +165,53 @@ def filter_threshold(
     n, v_local = x.shape
     device = x.device
     v_global = v_local * group_size(tp_group)
-    threshold = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
+    key_bits = 16 if x.dtype in (torch.bfloat16, torch.float16) else 32
+    tau = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
     if n == 0:
-        return threshold
+        return tau
 
-    # --- 1. row maximum; top-k threshold from each shard's k largest values (one all-gather) ---
-    if filt.top_k is not None:
-        k_rows = _per_row(filt.top_k, "top_k", target_shape, device, torch.int64)
-        k_rows = torch.where(k_rows <= 0, v_global, k_rows).clamp(max=v_global)
-        k_max = int(k_rows.max()) if isinstance(filt.top_k, torch.Tensor) and n > 0 else int(min(filt.top_k, v_global))
-        local = x.topk(min(max(k_max, 1), v_local), dim=-1, sorted=False).values.float()  # [N, k_local]
-        gathered = all_gather_stacked(local, tp_group)  # [TP, N, k_local]
-        candidates = gathered.permute(1, 0, 2).reshape(n, -1)
-        top = candidates.topk(min(max(k_max, 1), candidates.shape[1]), dim=-1, sorted=True).values
-        row_max = top[:, 0].contiguous()
-        kth = top.gather(1, (k_rows.clamp(max=top.shape[1]) - 1).unsqueeze(1)).squeeze(1)
-        threshold = torch.where(k_rows < v_global, kth, threshold)
-    else:
+    # --- 1. row maximum over the whole vocabulary (from top-k's first pass when min-p does not need it first) ---
+    row_max = None
+    if filt.min_p is not None or filt.top_k is None:
         row_max = all_reduce_max(x.amax(dim=-1).float(), tp_group)
 
     # --- 2. min-p: p_j >= min_p * p_max  <=>  x_j >= x_max + T log(min_p) ---
     if filt.min_p is not None:
         min_p = _per_row(filt.min_p, "min_p", target_shape, device, torch.float32)
         # log(0) = -inf switches the filter off for that row.
-        threshold = torch.maximum(threshold, row_max + torch.log(min_p) / inv_temperature)
+        tau = torch.maximum(tau, row_max + torch.log(min_p) / inv_temperature)
 
-    # --- 3. top-p: radix search on the logit's key, one all-reduce of [N, 16] masses per round ---
+    # --- 3. top-k: radix select of the k-th largest key, 8 bits a pass, counts all-reduced ---
+    if filt.top_k is not None:
+        k = _per_row(filt.top_k, "top_k", target_shape, device, torch.int64)
+        budget = torch.where((k <= 0) | (k >= v_global), 0, k).to(torch.int32)  # 0: row off
+        prefix = torch.zeros(n, dtype=torch.int32, device=device)
+        passes = key_bits // RADIX_COUNT_BITS
+        for i in range(passes):
+            local_max = torch.empty(n, dtype=torch.float32, device=device) if row_max is None and i == 0 else None
+            hist = radix_histogram(x, tau, prefix, shift=key_bits - RADIX_COUNT_BITS * (i + 1),
+                                   digit_bits=RADIX_COUNT_BITS, mass=False, first=i == 0, row_max_out=local_max)
+            hist = all_reduce_sum(hist, tp_group)
+            if local_max is not None:
+                row_max = all_reduce_max(local_max, tp_group)
+            radix_select(hist, x, prefix, budget, tau, digit_bits=RADIX_COUNT_BITS, first=i == 0, last=i == passes - 1)
+
+    # --- 4. top-p: radix select on the mass strictly above, 4 bits a pass, then the last 8 bits exactly ---
     if filt.top_p is not None:
-        top_p = _per_row(filt.top_p, "top_p", target_shape, device, torch.float32)
-        key_lo = torch.full((n,), _KEY_MIN, dtype=torch.int64, device=device)
-        above = torch.zeros(n, dtype=torch.float32, device=device)  # kept mass with a key above the interval
-        target_mass = None
-        shift = 32
-        for _ in range(_SEARCH_ROUNDS[x.dtype]):
-            shift -= _KEY_BITS_PER_ROUND
-            masses = all_reduce_sum(
-                filter_bin_masses(x, threshold, row_max, key_lo, shift=shift, inv_temperature=inv_temperature),
-                tp_group,
-            )
-            if target_mass is None:  # the first round's interval holds every key: its total is S
-                total = masses[:, 0]
-                for b in range(1, FILTER_BINS):
-                    total = total + masses[:, b]
-                target_mass = top_p * total
-            # F_b = mass above sub-range b, summed in a fixed order (batch-invariant); the lowest b
-            # with F_b < p * S holds the threshold.
-            chosen = torch.zeros(n, dtype=torch.int64, device=device)
-            chosen_above = above
-            running = above
-            for b in range(FILTER_BINS - 1, -1, -1):
-                # F_b is non-increasing in b: the last ok while walking down is the lowest one.
-                ok = running < target_mass
-                chosen = torch.where(ok, b, chosen)
-                chosen_above = torch.where(ok, running, chosen_above)
-                running = running + masses[:, b]
-            above = chosen_above
-            key_lo = key_lo + (chosen << shift)
-        p_threshold = _key_to_float(key_lo)
-        threshold = torch.where(top_p < 1.0, torch.maximum(threshold, p_threshold), threshold)
-    return threshold
+        top_p = _per_row(filt.top_p, "top_p", target_shape, device, torch.float32).contiguous()
+        prefix = torch.zeros(n, dtype=torch.int32, device=device)
+        budget = torch.empty(n, dtype=torch.float32, device=device)
+        above = torch.zeros(n, dtype=torch.float32, device=device)
+        widths = [RADIX_MASS_BITS] * ((key_bits - RADIX_COUNT_BITS) // RADIX_MASS_BITS) + [RADIX_COUNT_BITS]
+        shift = key_bits
+        for i, bits in enumerate(widths):
+            shift -= bits
+            hist = radix_histogram(x, tau, prefix, shift=shift, digit_bits=bits, mass=True, row_max=row_max,
+                                   inv_temperature=inv_temperature, first=i == 0)
+            hist = all_reduce_sum(hist, tp_group)
+            radix_select(hist, x, prefix, budget, tau, digit_bits=bits, first=i == 0, last=i == len(widths) - 1,
+                         above=above, top_p=top_p)
+    return tau
 
 
 def count_outside_filter(logprobs: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -217,12 +220,13 @@ def count_outside_filter(logprobs: torch.Tensor, target: torch.Tensor, ignore_in
 
 
 def raise_on_targets_outside_filter(outside: torch.Tensor) -> None:
-    """Checked mode: one host read; raise naming the argument if any target lies outside the kept set."""
-    count = int(outside.sum())
-    if count:
-        rows = outside.nonzero().flatten()[:8].tolist()
-        raise ValueError(
+    """Checked mode, through the deferred error ledger (``mp_grpo.ops.checks.record_errors``): raised at once
+    on the CPU, at the next ``mp_grpo.check_errors()`` on a GPU — no host read here."""
+    def message(count: int) -> str:
+        return (
             f"target: {count} token id(s) lie outside the sampling_filter's kept set (probability 0 under the "
-            f"filtered distribution; first flattened rows: {rows}). Check that the filter matches the rollout's "
-            f"sampling params, or pass check_inputs=False to get log-prob -inf and no gradient for them"
+            f"filtered distribution). Check that the filter matches the rollout's sampling params, or pass "
+            f"check_inputs=False to get log-prob -inf and no gradient for them"
         )
+
+    record_errors("target outside the sampling filter", outside.sum(), message)

@@ -4,10 +4,11 @@ Schedule of :class:`VocabParallelLogProbs` (``N`` rows, ``V_local`` columns on e
 
 Forward
     0. Only with a ``sampling_filter``: ``filter_threshold`` (``ops/sampling_filter.py``) reduces the
-       filter to one raw-logit threshold per row — top-k: one all-gather of ``[N, min(k_max, V_local)]``
-       fp32 (else one all-reduce-max of ``[N]`` fp32); top-p: 4 (bf16) / 5 (fp16) / 8 (fp32) rounds of
-       one read of the shard and one all-reduce of ``[N, 16]`` fp32. Steps 1–3 and backward then
-       count only the kept columns (logit >= threshold): the filtered, renormalized distribution.
+       filter to one raw-logit threshold per row by an exact radix select on the logits' key, one read
+       of the shard and one all-reduce per pass — top-k: 2 (bf16 / fp16) / 4 (fp32) passes, ``[N, 256]``
+       int32 each; top-p: 3 / 7 passes, ``[N, 16]`` fp32 (and ``[N, 256]`` for the last); plus the row
+       maximum's all-reduce of ``[N]`` fp32. Steps 1–3 and backward then count only the kept columns
+       (logit >= threshold): the filtered, renormalized distribution.
     1. ``logprob_stats_kernel``: one pass over this rank's shard writes per-row (max, sum-exp,
        sum-exp·z, target logit) — 16 bytes a row; the logits are read once.
     2. One collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped
@@ -190,7 +191,8 @@ def vocab_parallel_logprobs(
         sampling_filter: replay the rollout's ``SamplingFilter(top_k=, top_p=, min_p=)`` (vLLM's
             convention, ties at the threshold kept; ``ops/sampling_filter.py``): the log-probs, entropy
             and gradient are those of the filtered, renormalized distribution. A target outside the
-            kept set raises ``ValueError`` with ``check_inputs`` (one more host read); otherwise its
+            kept set raises ``ValueError`` with ``check_inputs`` (deferred like the other checks: no
+            host read on a GPU); otherwise its
             log-prob is -inf and no gradient flows from it — count them with
             ``mp_grpo.ops.sampling_filter.count_outside_filter(logprobs, target, ignore_index)``.
             Collectives added: see the module docstring (step 0).

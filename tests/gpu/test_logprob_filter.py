@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mp_grpo import vocab_parallel_logprobs
+from mp_grpo import check_errors, vocab_parallel_logprobs
 from mp_grpo.ops import SamplingFilter, count_outside_filter
 from tests.reference import filtered_logprobs_reference, sampling_filter_keep_reference
 from tests.tolerances import assert_close
@@ -69,5 +69,66 @@ def test_per_row_filters_and_outside_targets_on_gpu():
     lp_ref, _ = filtered_logprobs_reference(logits.cpu(), target.cpu(), **{k: v.cpu() for k, v in filt.items()})
     assert_close(lp, lp_ref, torch.float32, "logprobs")
     assert int(count_outside_filter(lp, target)) == 1
+    # Checked: recorded on the device (no host read), raised at the next check_errors().
+    vocab_parallel_logprobs(logits, target, sampling_filter=SamplingFilter(**filt))
     with pytest.raises(ValueError, match="outside the sampling_filter's kept set"):
-        vocab_parallel_logprobs(logits, target, sampling_filter=SamplingFilter(**filt))
+        check_errors()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_threshold_search_kept_set_exact_on_gpu(dtype):
+    """The radix select's kept set equals the float64 reference's at V = 151936, rows with ties included."""
+    from mp_grpo.ops.sampling_filter import filter_threshold
+
+    logits = _peaky_logits(12, 151936, dtype, seed=5)
+    logits[:4] = (logits[:4].float() * 2).round().to(dtype) / 2  # heavy ties
+    for filt in (dict(top_k=20), dict(top_p=0.9), dict(top_k=50, top_p=0.95), dict(min_p=0.01, top_p=0.99)):
+        tau = filter_threshold(logits, SamplingFilter(**filt), logits.shape[:-1], tp_group=None, inv_temperature=1 / 0.9)
+        keep = (logits.float() >= tau[:, None]).cpu()
+        keep_ref = sampling_filter_keep_reference(logits.cpu(), temperature=0.9, **filt)
+        if "top_p" not in filt:  # counts and maxima are exact
+            assert torch.equal(keep, keep_ref), (filt, (keep != keep_ref).sum(-1))
+            continue
+        # Masses are fp32 sums (the reference's are float64): where p * S falls within their rounding of a
+        # boundary, one tie group at the boundary may be on the other side — nothing else.
+        for row in (keep != keep_ref).any(-1).nonzero().flatten().tolist():
+            differing = logits[row].float().cpu()[keep[row] != keep_ref[row]]
+            assert (differing == differing[0]).all(), (filt, row, differing[:8])
+
+
+def test_fused_ops_with_filter_on_gpu():
+    """fused_linear_logprobs / fused_linear_loss with a filter equal the per-token op on hidden @ weightᵀ (bf16)."""
+    from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs
+    from mp_grpo.ops.fused_linear_loss import fused_linear_loss
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    n, hidden_size, vocab = 512, 256, 18992
+    hidden = torch.randn(n, hidden_size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.2).bfloat16()
+    filt = SamplingFilter(top_k=torch.randint(0, 60, (n,), device="cuda", generator=gen),
+                          top_p=torch.rand(n, device="cuda", generator=gen) * 0.3 + 0.7)
+    logits = hidden @ weight.t()
+    keep = sampling_filter_keep_reference(logits.cpu(), top_k=filt.top_k.cpu(), top_p=filt.top_p.cpu())
+    target = torch.multinomial(keep.double(), 1, generator=torch.Generator().manual_seed(3)).squeeze(1).cuda()
+    g = torch.randn(n, device="cuda", generator=gen)
+    out = {}
+    for name in ("per_token", "fused", "fused_loss"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if name == "per_token":
+            lp = vocab_parallel_logprobs(h @ w.t(), target, sampling_filter=filt)
+        elif name == "fused":
+            lp = fused_linear_logprobs(h, w, target, sampling_filter=filt, chunk_tokens=128)
+        if name == "fused_loss":
+            loss, _ = fused_linear_loss(h, w, target, lambda lp, _e: ((lp * g).sum(), None), sampling_filter=filt,
+                                        chunk_tokens=128)
+            loss.backward()
+        else:
+            (lp * g).sum().backward()
+            out[name + "_lp"] = lp.detach()
+        out[name] = (h.grad.float(), w.grad.float())
+    check_errors()
+    assert_close(out["fused_lp"], out["per_token_lp"], torch.float32, "fused log-probs")
+    for name in ("fused", "fused_loss"):
+        for actual, expected, what in zip(out[name], out["per_token"], ("grad hidden", "grad weight")):
+            err = (actual - expected).norm() / expected.norm()
+            assert err < 2e-2, f"{name} {what}: relative L2 error {err:.2e}"

@@ -2,7 +2,7 @@
 GPU: Triton's real compiler (to PTX and, with the ptxas shipped in the triton wheel, to a cubin), not the
 interpreter the CPU suite runs them in — the interpreter accepts code the compiler rejects (a global that is
 not ``tl.constexpr`` did slip through it once). Every logits dtype, with and without entropy and a
-sampling filter's threshold, and the top-p search kernel, at the block
+sampling filter's threshold, and the threshold search's radix kernels, at the block
 sizes ``kernels/launch_config.py`` picks on a GPU.
 
 The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script; see ``sm90.py``).
@@ -17,12 +17,12 @@ from tests.kernels.sm90 import Sm90Compiler, needs_nvidia_backend, run_compile_s
 
 @needs_nvidia_backend
 def test_logprob_kernels_compile_for_sm90() -> None:
-    assert "compiled 23 kernels" in run_compile_script(__file__)
+    assert "compiled 50 kernels" in run_compile_script(__file__)
 
 
 def _compile_all() -> None:
     from mp_grpo.kernels.logprob_backward import logprob_backward_kernel
-    from mp_grpo.kernels.logprob_filter import logprob_filter_bins_kernel
+    from mp_grpo.kernels.logprob_filter import logprob_radix_hist_kernel, logprob_radix_select_kernel
     from mp_grpo.kernels.logprob_merge import logprob_merge_kernel
     from mp_grpo.kernels.logprob_stats import logprob_stats_kernel
 
@@ -43,11 +43,28 @@ def _compile_all() -> None:
             vocab_start="i32", ignore_index="i32", stride_x_row="i64", stride_grad_x_row="i64",
             inv_temperature="fp32",
         ), dict(HAS_ENTROPY_GRAD=with_entropy, HAS_THRESHOLD=with_threshold, BLOCK_V=block))
+    # The threshold search: every (dtype, pass kind) the host code launches, at the GPU block sizes.
+    passes = [  # (MODE, DIGIT_BITS, HAS_PREFIX, HAS_ROW_MAX_OUT, BLOCK_V)
+        (0, 8, False, True, 4096), (0, 8, False, False, 4096), (0, 8, True, False, 4096),  # top-k counts
+        (1, 4, False, False, 1024), (1, 4, True, False, 1024),  # top-p masses
+        (2, 8, True, False, 4096),  # top-p exact last byte
+    ]
     for logits in ("*bf16", "*fp16", "*fp32"):
-        compile_kernel(logprob_filter_bins_kernel, dict(
-            x_ptr=logits, threshold_ptr="*fp32", row_max_ptr="*fp32", key_lo_ptr="*i64", bins_ptr="*fp32",
-            V_local="i32", stride_x_row="i64", stride_bins_row="i32", inv_temperature="fp32", shift="i32",
-        ), dict(BINS=16, BLOCK_V=1024))
+        key_bits = 32 if logits == "*fp32" else 16
+        for mode, digit_bits, has_prefix, has_max, block_v in passes:
+            compile_kernel(logprob_radix_hist_kernel, dict(
+                x_ptr=logits, tau_ptr="*fp32", prefix_ptr="*i32", row_max_ptr="*fp32",
+                hist_ptr="*i32" if mode == 0 else "*fp32", row_max_out_ptr="*fp32", V_local="i32",
+                stride_x_row="i64", stride_hist_row="i32", inv_temperature="fp32", shift="i32",
+            ), dict(KEY_BITS=key_bits, DIGIT_BITS=digit_bits, MODE=mode, HAS_PREFIX=has_prefix,
+                    HAS_ROW_MAX_OUT=has_max, BLOCK_V=block_v))
+        for is_top_p, digit_bits, first, last in [(False, 8, True, False), (False, 8, False, True),
+                                                  (True, 4, True, False), (True, 8, False, True)]:
+            compile_kernel(logprob_radix_select_kernel, dict(
+                hist_ptr="*fp32" if is_top_p else "*i32", x_ptr=logits, prefix_ptr="*i32",
+                budget_ptr="*fp32" if is_top_p else "*i32", above_ptr="*fp32", top_p_ptr="*fp32",
+                tau_ptr="*fp32", N="i32", stride_hist_row="i32",
+            ), dict(KEY_BITS=key_bits, DIGIT_BITS=digit_bits, IS_TOP_P=is_top_p, IS_FIRST=first, IS_LAST=last))
     for with_entropy in (False, True):
         compile_kernel(logprob_merge_kernel, dict(
             stats_ptr="*fp32", target_ptr="*i64", logprob_ptr="*fp32", entropy_ptr="*fp32", row_max_ptr="*fp32",

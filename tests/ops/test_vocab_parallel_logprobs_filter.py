@@ -194,3 +194,40 @@ def test_unfiltered_reference_is_the_filter_off():
     a = filtered_logprobs_reference(logits, target)
     b = logprobs_reference(logits, target)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def _keep_from_threshold(logits, filt, temperature=1.0):
+    from mp_grpo.ops.sampling_filter import filter_threshold
+
+    x = logits.reshape(-1, logits.shape[-1])
+    tau = filter_threshold(x, SamplingFilter(**filt), logits.shape[:-1], tp_group=None, inv_temperature=1 / temperature)
+    return (x.float() >= tau[:, None]).reshape(logits.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("filt", [dict(top_k=7), dict(top_p=0.6), dict(top_k=30, top_p=0.9), dict(min_p=0.1, top_p=0.95)],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_radix_select_exact_with_ties_and_extremes(dtype, filt):
+    """The threshold search's kept set equals the reference's on rows full of ties (a few distinct values),
+    with -0 / +0, -inf, huge and tiny magnitudes, and wide rows (every digit of the key used)."""
+    gen = torch.Generator().manual_seed(sum(map(ord, repr(filt) + str(dtype))))
+    ties = torch.randint(-4, 5, (6, 300), generator=gen).float() / 2  # 9 distinct values
+    wide = torch.randn(6, 300, generator=gen) * torch.logspace(-6, 4, 300)[torch.randperm(300, generator=gen)]
+    wide[0, :5] = torch.tensor([-0.0, 0.0, float("-inf"), -1e4, 1e4])
+    wide[1, :] = -0.0
+    wide[1, 7] = 0.0
+    logits = torch.cat([ties, wide]).to(dtype)
+    keep_ref = sampling_filter_keep_reference(logits, temperature=0.8, **filt)
+    keep = _keep_from_threshold(logits, filt, temperature=0.8)
+    assert torch.equal(keep, keep_ref), (keep != keep_ref).nonzero()[:5]
+
+
+def test_top_p_tie_group_across_the_mass_passes():
+    """A tie group straddling p, in bf16 with 300 columns: kept whole (the search's strict 'mass above')."""
+    logits = torch.full((1, 300), -8.0)
+    logits[0, :3] = 2.0  # 3 tied tops
+    logits[0, 100:110] = 1.0
+    lp_tie = torch.softmax(logits.double(), -1)
+    p = float(lp_tie[0, :3].sum() + lp_tie[0, 100:103].sum())  # inside the group of ten 1.0s
+    keep = _keep_from_threshold(logits.bfloat16(), dict(top_p=p))
+    assert keep[0, :3].all() and keep[0, 100:110].all() and int(keep.sum()) == 13
