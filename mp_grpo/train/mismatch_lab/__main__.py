@@ -34,7 +34,7 @@ def _run_c(args: argparse.Namespace) -> tuple[dict, str]:
 
 def _run_d(args: argparse.Namespace) -> tuple[dict, str] | None:
     from mp_grpo.train.mismatch_lab import training
-    setup = training.TrainingSetup()
+    setup = training.TrainingSetup() if args.full else training.QUICK
     if args.training_steps is not None:
         setup = dataclasses.replace(setup, steps=args.training_steps)
     if args.training_variants is not None:
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiments", nargs="+", choices=sorted(EXPERIMENTS), default=sorted(EXPERIMENTS),
                         help="which experiments to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("docs/mismatch"), help="output folder")
+    parser.add_argument("--full", action="store_true",
+                        help="(d), (e): the documented sizes (default: quick runs of a few minutes)")
     parser.add_argument("--training-steps", type=int, default=None, help="(d): optimizer steps per run")
     parser.add_argument("--training-variants", nargs="+", default=None, help="(d): variant names (default: all)")
     args = parser.parse_args(argv)
