@@ -3,7 +3,7 @@
 Schedule
     1. Parse the experiments to run and the output folder.
     2. For each experiment: run it, print its markdown table, write ``<out>/<name>.json``, ``<out>/<name>.md``
-       and (a, b, d) ``<out>/<name>.png``.
+       and (a, b, d) ``<out>/<name>.png``. (d) and (e) run quick sizes unless ``--full``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def _run_d(args: argparse.Namespace) -> tuple[dict, str] | None:
     return None if result is None else (result, training.table(result))
 
 
+def _run_e(args: argparse.Namespace) -> tuple[dict, str]:
+    from mp_grpo.train.mismatch_lab import top_p_replay
+    result = top_p_replay.run(top_p_replay.TopPReplaySetup() if args.full else top_p_replay.QUICK)
+    return result, top_p_replay.table(result)
+
+
 def _plot_d(result: dict, path: Path) -> None:
     from mp_grpo.train.mismatch_lab import training
     training.plot(result, path)
@@ -54,7 +60,8 @@ def _plot_d(result: dict, path: Path) -> None:
 EXPERIMENTS = {"a": ("is_correction", _run_a, report.plot_is_correction),
                "b": ("normalizer", _run_b, report.plot_normalizer),
                "c": ("nan_guard", _run_c, None),
-               "d": ("training", _run_d, _plot_d)}
+               "d": ("training", _run_d, _plot_d),
+               "e": ("top_p_replay", _run_e, None)}
 """Letter → (output name, runner, plotter or None)."""
 
 
