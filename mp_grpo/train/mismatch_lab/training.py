@@ -9,7 +9,7 @@ Schedule of :func:`run`
     2. For every variant: :func:`mp_grpo.train.loop.run`, with the engine's ``logit_noise_std`` raised
        linearly from 0 to ``max_noise_std`` over the steps (set after each step for the next rollout).
     3. Per step: the mean reward of the rollout batch, vllm-kl (``mismatch/k3``), whether the step was
-       skipped, the grad norm.
+       skipped, the grad norm, the trainer's mean entropy on the batch.
 """
 
 from __future__ import annotations
@@ -97,22 +97,29 @@ def run(setup: TrainingSetup = TrainingSetup()) -> dict | None:
         runs[name] = {"overrides": overrides, "steps": [
             {"step": r["step"], "noise_std": noise_at(setup, r["step"]), "reward": float(r["reward"]),
              "vllm_kl": float(r["metrics"].get("mismatch/k3", math.nan)), "skipped": bool(r["skipped"]),
+             "entropy": float(r["metrics"].get("entropy", math.nan)),
              "grad_norm": float(r["grad_norm"]), "loss": float(r["metrics"]["loss"])} for r in records],
             "seconds": round(time.perf_counter() - start, 1)}
         print(f"(d) {name}: final reward {runs[name]['steps'][-1]['reward']:.3f}", flush=True)
     return {"experiment": "training", "config": str(config.name), "setup": dataclasses.asdict(setup), "runs": runs}
 
 
+TAIL_STEPS = 4
+"""The table's "late" columns average the last this many steps (the highest knob settings)."""
+
+
 def table(result: dict) -> str:
-    """Per variant: reward at the start, at the knob's midpoint and at the end; vllm-kl at the end; skips."""
-    lines = ["| variant | reward step 0 | reward mid | reward last | best reward | vllm-kl last | skipped steps |",
-             "|" + "---|" * 7]
+    """Per variant: reward at the start, the knob's midpoint and the end, and over the last :data:`TAIL_STEPS`
+    steps; vllm-kl at the midpoint and the end; the last entropy and grad norm (NaN: skipped); skips; seconds."""
+    lines = [f"| variant | reward step 0 | reward mid | reward last | mean reward, last {TAIL_STEPS} steps "
+             "| vllm-kl mid | vllm-kl last | entropy last | grad norm last | skipped steps | s |", "|" + "---|" * 11]
     for name, r in result["runs"].items():
         s = r["steps"]
-        mid = s[len(s) // 2]
+        mid, tail = s[len(s) // 2], s[-TAIL_STEPS:]
         lines.append(f"| {name} | {s[0]['reward']:.3f} | {mid['reward']:.3f} (σ={mid['noise_std']:.2g}) "
-                     f"| {s[-1]['reward']:.3f} (σ={s[-1]['noise_std']:.2g}) | {max(x['reward'] for x in s):.3f} "
-                     f"| {s[-1]['vllm_kl']:.3g} | {sum(x['skipped'] for x in s)} |")
+                     f"| {s[-1]['reward']:.3f} (σ={s[-1]['noise_std']:.2g}) "
+                     f"| {sum(x['reward'] for x in tail) / len(tail):.3f} | {mid['vllm_kl']:.3g} | {s[-1]['vllm_kl']:.3g} "
+                     f"| {s[-1].get('entropy', math.nan):.3g} | {s[-1]['grad_norm']:.3g} | {sum(x['skipped'] for x in s)} of {len(s)} | {r.get('seconds', math.nan):.0f} |")
     return "\n".join(lines)
 
 
