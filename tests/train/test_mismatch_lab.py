@@ -147,7 +147,7 @@ def test_top_p_replay_removes_the_filter_mismatch(world_of_one):
     # replay with the same (fp32) numerics: the same nucleus, ratios 1 to fp32 rounding
     assert replay["outside_trainer_filter"] == 0
     assert abs(replay["token_is_mean"] - 1) < 1e-5 and abs(replay["sequence_is_mean"] - 1) < 1e-5
-    assert replay["vllm_kl_k3"] < 1e-9
+    assert replay["vllm_kl_k3"] < 1e-9 and replay["vllm_kl_k3_inside"] == replay["vllm_kl_k3"]
     assert "| fp32 | 0.8 |" in top_p_replay.table({"rows": list(rows.values())})
 
 
@@ -164,4 +164,6 @@ def test_mismatch_statistics_match_explicit_formulas():
     assert s["vllm_kl_k3"] == pytest.approx(sum(math.exp(d) - d - 1 for d in flat) / len(flat), rel=1e-12)
     assert s["token_is_mean"] == pytest.approx(sum(math.exp(d) for d in flat) / len(flat), rel=1e-12)
     assert s["token_is_min"] == pytest.approx(min(math.exp(d) for d in flat), rel=1e-12)
+    inside = [d for d in flat[1:]]  # row 0's first token is the one outside
+    assert s["vllm_kl_k3_inside"] == pytest.approx(sum(math.exp(d) - d - 1 for d in inside) / len(inside), rel=1e-12)
     assert s["sequence_is_mean"] == pytest.approx(sum(math.exp(max(-20.0, sum(r))) for r in ds) / 5, rel=1e-12)

@@ -21,7 +21,8 @@ Schedule of :func:`run`
     4. Per (dtype, top_p, trainer): with d = clamp(trainer − engine, ±``policy.log_ratio_clamp``) on
        the completion tokens (mp_grpo's formulas): vllm-kl = mean k3(d) (``mismatch/k3``), the token
        IS-ratio mean = mean e^d, the sequence IS-ratio mean = mean over sequences of e^{clamp(Σd)}, the
-       smallest token ratio, and the count of tokens outside the trainer's nucleus.
+       smallest token ratio, the count of tokens outside the trainer's nucleus (trainer log-prob −inf,
+       d clamped to −20) and vllm-kl over the tokens inside it.
 """
 
 from __future__ import annotations
@@ -71,12 +72,15 @@ def _trainer_logprobs(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.
 
 def mismatch_statistics(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, clamp: float | None) -> dict:
     """vllm-kl, token and sequence IS-ratio means, the smallest token ratio and the tokens with trainer
-    log-prob −inf, over the valid tokens of ``[N, S]`` log-probs (mp_grpo's clamped d = trainer − engine)."""
+    log-prob −inf, over the valid tokens of ``[N, S]`` log-probs (mp_grpo's clamped d = trainer − engine);
+    ``vllm_kl_k3_inside``: vllm-kl over the valid tokens whose trainer log-prob is finite."""
     from mp_grpo.loss.clamps import symmetric_clamp
     from mp_grpo.loss.mismatch import k3
     from mp_grpo.loss.rollout_correction import token_log_ratio
 
     d = token_log_ratio(trainer.double(), engine.double(), mask, clamp)
+    outside = torch.isneginf(trainer) & mask  # sampled by the engine, outside the trainer's own nucleus
+    inside = mask & ~outside
     n = int(mask.sum())
     token_ratio = torch.where(mask, d.exp(), torch.zeros_like(d))
     seq_ratio = symmetric_clamp(d.sum(1), clamp).exp()
@@ -85,7 +89,8 @@ def mismatch_statistics(trainer: torch.Tensor, engine: torch.Tensor, mask: torch
             "token_is_mean": float(token_ratio.sum() / n),
             "token_is_min": float(torch.where(mask, token_ratio, torch.full_like(d, float("inf"))).min()),
             "sequence_is_mean": float(seq_ratio.mean()),
-            "outside_trainer_filter": int((torch.isneginf(trainer) & mask).sum())}
+            "outside_trainer_filter": int(outside.sum()),
+            "vllm_kl_k3_inside": float(torch.where(inside, k3(d), torch.zeros_like(d)).sum() / max(int(inside.sum()), 1))}
 
 
 def run(setup: TopPReplaySetup = TopPReplaySetup()) -> dict:
@@ -148,9 +153,9 @@ def run(setup: TopPReplaySetup = TopPReplaySetup()) -> dict:
 def table(result: dict) -> str:
     """One row per (engine dtype, top_p, trainer mode)."""
     lines = ["| engine | top_p | trainer log-probs | tokens | vllm-kl (k3) | token IS mean | min token IS "
-             "| sequence IS mean | tokens outside the trainer's nucleus |", "|" + "---|" * 9]
+             "| sequence IS mean | tokens outside the trainer's nucleus | vllm-kl, tokens inside |", "|" + "---|" * 10]
     for r in result["rows"]:
         lines.append(f"| {r['engine_dtype']} | {r['top_p']:g} | {r['trainer']} | {r['tokens']} | {r['vllm_kl_k3']:.3g} "
                      f"| {r['token_is_mean']:.4g} | {r['token_is_min']:.3g} | {r['sequence_is_mean']:.4g} "
-                     f"| {r['outside_trainer_filter']} |")
+                     f"| {r['outside_trainer_filter']} | {r['vllm_kl_k3_inside']:.3g} |")
     return "\n".join(lines)
