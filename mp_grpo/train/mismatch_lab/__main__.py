@@ -43,7 +43,7 @@ def _run_d(args: argparse.Namespace) -> tuple[dict, str] | None:
             raise SystemExit(f"--training-variants: unknown {unknown}; allowed: {sorted(training.VARIANTS)}")
         setup = dataclasses.replace(setup, variants=tuple(args.training_variants))
     result = training.run(setup)
-    return None if result is None else (result, training.table(result))
+    return None if result is None else (result, training.report(result))
 
 
 def _run_e(args: argparse.Namespace) -> tuple[dict, str]:

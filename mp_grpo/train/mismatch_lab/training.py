@@ -123,6 +123,24 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def steps_table(result: dict, key: str = "reward", fmt: str = ".3f") -> str:
+    """One row per variant, one column per step: ``key`` of each step's record ("S": the step was skipped)."""
+    first = next(iter(result["runs"].values()))["steps"]
+    lines = ["| variant | " + " | ".join(f"{x['step']} (σ={x['noise_std']:.2g})" for x in first) + " |",
+             "|" + "---|" * (len(first) + 1)]
+    for name, r in result["runs"].items():
+        cells = [f"{x[key]:{fmt}}" + (" S" if x["skipped"] else "") for x in r["steps"]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """The markdown of ``training.md``: the summary table, then reward, vllm-kl and entropy per step."""
+    return "\n\n".join([table(result), "Reward per step (S: skipped):", steps_table(result),
+                         "vllm-kl per step:", steps_table(result, "vllm_kl", ".2g"),
+                         "Trainer entropy per step (nats):", steps_table(result, "entropy", ".2f")])
+
+
 def plot(result: dict, path: Path) -> None:
     """Reward and vllm-kl per step, one line per variant, side by side."""
     import matplotlib
