@@ -216,8 +216,16 @@ class EngineConfig:
     weight_lag: int = 0
     """Mismatch knob: the engine samples with the trainer's weights of ``weight_lag`` optimizer steps ago
     (off-policy staleness, as asynchronous RL)."""
+    top_p: float = 1.0
+    """Nucleus sampling, as vLLM: the engine samples from the renormalized distribution over the tokens whose
+    strictly-larger probability mass is < top_p (ties at the threshold kept; vLLM's convention,
+    :mod:`mp_grpo.ops.sampling_filter`) and reports log-probs of that filtered distribution — a systematic
+    mismatch with the trainer's full-vocabulary log-probs unless the trainer replays the filter. In (0, 1];
+    1 = off. Found vocab-parallel, without gathering the logits (:func:`mp_grpo.train.sampler.top_p_filter`)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"engine.top_p: got {self.top_p!r}; allowed: a float in (0, 1] (1 = off)")
         if not self.logit_noise_std >= 0.0:
             raise ConfigError(f"engine.logit_noise_std: got {self.logit_noise_std}; allowed: a float ≥ 0")
         if not isinstance(self.weight_lag, int) or self.weight_lag < 0:

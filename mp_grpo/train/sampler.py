@@ -15,6 +15,14 @@ Schedule of :func:`gumbel_max_sample` (one decoding position of N sequences, on 
 3. One all-reduce over the TP group (:func:`mp_grpo.collectives.all_reduce_argmax`, MAX of packed
    (score, id) words): the id with the largest score over the whole vocabulary. The logits are never
    gathered. ``argmax(z + g)`` is a sample of ``softmax(z)`` (the Gumbel-max trick).
+
+Top-p (:func:`top_p_filter`): the engine first masks the logits outside the nucleus to −inf, then samples
+as above — a sample of the renormalized top-p distribution. The per-row keep set is a raw-logit threshold
+found by mp_grpo's own replay machinery (:func:`mp_grpo.ops.sampling_filter.filter_threshold`, vLLM's
+convention): one all-reduce (max) of ``[N]`` and 8 all-reduces (sum) of ``[N, 16]`` fp32 bin masses for
+fp32 logits, never the logits themselves. The same function is what the trainer runs when it replays the
+filter (``vocab_parallel_logprobs(..., sampling_filter=SamplingFilter(top_p=p))``), so with equal logits
+the engine's and the trainer's kept sets are the same.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from mp_grpo.collectives import ProcessGroup, all_reduce_argmax
+from mp_grpo.ops.sampling_filter import SamplingFilter, filter_threshold
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a product with a 32-bit value stays below 2**63, so int64 never overflows.
@@ -95,3 +104,33 @@ def gumbel_max_sample(
 def keyed_normal(seed: int, step: int, sequence: torch.Tensor, position: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """float64 standard normals keyed like :func:`keyed_uniform` (the engine's logit-noise knob)."""
     return torch.special.ndtri(keyed_uniform(seed + NOISE_SALT, step, sequence, position, token))
+
+
+def top_p_filter(z: torch.Tensor, top_p: float, tp_group: ProcessGroup | None) -> torch.Tensor:
+    """``[N, V_local]`` bool: this shard's tokens in each row's top-p nucleus of ``softmax(z)`` (sharded vocabulary).
+
+    vLLM's convention: token j is kept iff the probability mass of the tokens with a strictly larger
+    logit is < ``top_p`` (ties at the threshold kept; the largest logit always). Schedule:
+
+    1. :func:`~mp_grpo.ops.sampling_filter.filter_threshold` on fp32 ``z`` (already divided by the
+       temperature, so ``inv_temperature = 1``): a per-row threshold τ from a radix search over the
+       logits' order-preserving keys — one all-reduce (max) of ``[N]`` and, for fp32, 8 rounds of one
+       all-reduce (sum) of ``[N, 16]`` bin masses over ``tp_group``; the logits are never gathered.
+    2. Keep ``z ≥ τ`` (no collective).
+
+    Args:
+        z: ``[N, V_local]`` fp32 logits shard / temperature (every rank of ``tp_group`` passes its shard).
+        top_p: in (0, 1]; 1 keeps every token.
+        tp_group: the group the vocabulary is split over (None: the whole vocabulary is here).
+    """
+    if z.dim() != 2 or z.dtype != torch.float32:
+        raise ValueError(f"z must be a [N, V_local] float32 tensor, got {tuple(z.shape)} {z.dtype}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be a float in (0, 1], got {top_p!r}")
+    if top_p >= 1.0:
+        return torch.ones_like(z, dtype=torch.bool)
+    # --- 1. the per-row threshold, vocab-parallel ---
+    threshold = filter_threshold(z.contiguous(), SamplingFilter(top_p=float(top_p)), z.shape[:1], tp_group=tp_group,
+                                 inv_temperature=1.0)
+    # --- 2. the keep set ---
+    return z >= threshold.unsqueeze(1)

@@ -1,4 +1,4 @@
-"""The mismatch lab's experiments (a)–(c) at tiny sizes: the qualitative effects the docs report."""
+"""The mismatch lab's experiments (a)–(e) at tiny sizes: the qualitative effects the docs report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from mp_grpo.train.mismatch_lab import __main__ as lab_cli
 from mp_grpo.config import load_config
-from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, training
+from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, top_p_replay, training
 from mp_grpo.train.mismatch_lab.policy import PolicyShape, RolloutEngine, TinyPolicy, make_rollouts
 from tests.tolerances import tolerance
 
@@ -95,3 +95,75 @@ def test_training_variants_are_valid_loss_configs(variant):
 def test_training_knob_rises_linearly_from_zero():
     setup = training.TrainingSetup(steps=5, max_noise_std=2.0)
     assert [training.noise_at(setup, s) for s in range(5)] == [0.0, 0.5, 1.0, 1.5, 2.0]
+
+
+TINY_JOB = ("train.num_microbatches=1", "train.micro_batch_size=8", "rollout.group_size=4", "task.completion_length=3",
+            "output.progress_bar=false")
+"""A learning job of 8 sequences × 3 completion tokens (the lab's (d) / (e) at test size)."""
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """The lab's runs start a gloo world of one (mp_grpo.train.loop.setup_distributed) on a free port; the
+    environment it sets is restored and the group destroyed afterwards, for the tests that follow."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    assert not dist.is_initialized()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_training_skip_variant_stops_updating_once_the_knob_rises(world_of_one):
+    setup = training.TrainingSetup(steps=2, variants=("no correction", "mismatch skip (vllm-kl > 0.1)"),
+                                   extra_overrides=("parallel.tensor_model_parallel_size=1", *TINY_JOB))
+    runs = training.run(setup)["runs"]
+    plain, skip = runs["no correction"]["steps"], runs["mismatch skip (vllm-kl > 0.1)"]["steps"]
+    assert [s["noise_std"] for s in plain] == [0.0, 2.0]
+    # σ = 0: bf16 only, below the threshold; σ = 2: far above it
+    assert plain[0]["vllm_kl"] < 1e-3 < 0.1 < plain[1]["vllm_kl"]
+    assert [s["skipped"] for s in plain] == [False, False]
+    assert [s["skipped"] for s in skip] == [False, True]
+    assert math.isnan(skip[1]["grad_norm"]) and math.isfinite(plain[1]["grad_norm"])  # skipped: no optimizer step
+    assert "| mismatch skip (vllm-kl > 0.1) |" in training.table({"runs": runs})
+
+
+def test_top_p_replay_removes_the_filter_mismatch(world_of_one):
+    p = 0.8
+    setup = top_p_replay.TopPReplaySetup(top_ps=(p,), engine_dtypes=("fp32",), batches=1, extra_overrides=TINY_JOB)
+    rows = {r["trainer"]: r for r in top_p_replay.run(setup)["rows"]}
+    full, replay = rows[top_p_replay.TRAINER_MODES[0]], rows[top_p_replay.TRAINER_MODES[1]]
+    assert full["tokens"] == replay["tokens"] == 24
+    # no replay: every token ratio is the kept mass of its row, in [p, 1), so the mean IS ratio is below 1
+    assert p - 1e-5 <= full["token_is_min"] and full["token_is_mean"] < 0.99
+    assert full["sequence_is_mean"] < full["token_is_mean"] and full["vllm_kl_k3"] > 1e-4
+    # replay with the same (fp32) numerics: the same nucleus, ratios 1 to fp32 rounding
+    assert replay["outside_trainer_filter"] == 0
+    assert abs(replay["token_is_mean"] - 1) < 1e-5 and abs(replay["sequence_is_mean"] - 1) < 1e-5
+    assert replay["vllm_kl_k3"] < 1e-9 and replay["vllm_kl_k3_inside"] == replay["vllm_kl_k3"]
+    assert "| fp32 | 0.8 |" in top_p_replay.table({"rows": list(rows.values())})
+
+
+def test_mismatch_statistics_match_explicit_formulas():
+    gen = torch.Generator().manual_seed(4)
+    trainer, engine = -torch.rand(5, 6, generator=gen, dtype=torch.float64) * 3, -torch.rand(5, 6, generator=gen, dtype=torch.float64) * 3
+    mask = torch.rand(5, 6, generator=gen) < 0.7
+    mask[:, 0] = True
+    trainer[0, 0] = float("-inf")  # a token outside the trainer's nucleus: d clamped to -20
+    s = top_p_replay.mismatch_statistics(trainer, engine, mask, clamp=20.0)
+    ds = [[max(-20.0, float(trainer[i, j] - engine[i, j])) for j in range(6) if mask[i, j]] for i in range(5)]
+    flat = [d for row in ds for d in row]
+    assert s["tokens"] == len(flat) and s["outside_trainer_filter"] == 1
+    assert s["vllm_kl_k3"] == pytest.approx(sum(math.exp(d) - d - 1 for d in flat) / len(flat), rel=1e-12)
+    assert s["token_is_mean"] == pytest.approx(sum(math.exp(d) for d in flat) / len(flat), rel=1e-12)
+    assert s["token_is_min"] == pytest.approx(min(math.exp(d) for d in flat), rel=1e-12)
+    inside = [d for d in flat[1:]]  # row 0's first token is the one outside
+    assert s["vllm_kl_k3_inside"] == pytest.approx(sum(math.exp(d) - d - 1 for d in inside) / len(inside), rel=1e-12)
+    assert s["sequence_is_mean"] == pytest.approx(sum(math.exp(max(-20.0, sum(r))) for r in ds) / 5, rel=1e-12)

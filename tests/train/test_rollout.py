@@ -14,7 +14,7 @@ from mp_grpo.config.job import EngineConfig, EngineDtype
 from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
 from mp_grpo.train.rollout import RolloutEngine
 from mp_grpo.train.task import make_prompts, successor_reward
-from tests.reference import logprobs_reference
+from tests.reference import filtered_logprobs_reference, logprobs_reference
 from tests.tolerances import assert_close
 
 VOCAB, HIDDEN, MAX_LEN, T = 32, 16, 16, 0.8
@@ -84,6 +84,24 @@ def test_bf16_engine_and_knobs_move_the_logprobs() -> None:
     assert not torch.equal(noisy.tokens, fp32.tokens)
 
 
+def test_top_p_engine_samples_the_nucleus_and_reports_its_logprobs() -> None:
+    """fp32 engine, top_p = 0.8: every sampled token is in the float64 nucleus and the engine's log-probs are
+    those of the filtered, renormalized softmax (as vLLM reports them) — above the full-vocabulary ones."""
+    trainer = _model()
+    gen, _ = _generate(EngineConfig(dtype=EngineDtype.FP32, top_p=0.8), trainer)
+    with torch.no_grad():
+        logits = trainer(gen.tokens, torch.arange(gen.tokens.shape[1]).expand_as(gen.tokens))
+    target = torch.where(gen.completion_mask[:, 1:], gen.tokens[:, 1:], torch.full_like(gen.tokens[:, 1:], -100))
+    ref, _ = filtered_logprobs_reference(logits[:, :-1], target, top_p=0.8, temperature=T)
+    ref = torch.cat([torch.zeros(ref.shape[0], 1, dtype=ref.dtype), ref], dim=1)
+    mask = gen.completion_mask
+    assert bool(torch.isfinite(ref[mask]).all()), "a sampled token lies outside the float64 nucleus"
+    assert_close(gen.rollout_logprobs, ref, torch.float32, msg="top-p engine vs float64 filtered reference")
+    full = _reference_logprobs(trainer, gen)
+    assert bool((gen.rollout_logprobs[mask] >= full[mask].float() - 1e-6).all())
+    assert float((gen.rollout_logprobs - full)[mask].mean()) > 0.05  # the nucleus drops real mass at T = 0.8
+
+
 def test_lagging_weights() -> None:
     engine = RolloutEngine(_model(seed=99), EngineConfig(dtype=EngineDtype.FP32, weight_lag=1), temperature=T, seed=5, tp_group=None)
     first, second = _model(seed=2), _model(seed=3)
@@ -109,3 +127,6 @@ def test_engine_config_errors_name_the_key() -> None:
         EngineConfig(logit_noise_std=-1.0)
     with pytest.raises(ConfigError, match="engine.weight_lag"):
         EngineConfig(weight_lag=-1)
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match="engine.top_p"):
+            EngineConfig(top_p=bad)

@@ -2,7 +2,9 @@
 
 Draws are a function of (seed, step, sequence, position, token id) only: the same on any slicing of
 the vocabulary or the batch; the sample follows softmax(logits); TP = 2 (gloo) samples exactly the
-tokens TP = 1 samples, through one all-reduce of packed (score, id) words.
+tokens TP = 1 samples, through one all-reduce of packed (score, id) words. Top-p: the keep set equals
+a float64 reference that filters the full-vocabulary softmax (vLLM's convention, ties kept), samples
+follow the filtered softmax, and TP = 2 keeps and samples exactly what TP = 1 does.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from mp_grpo.collectives import all_reduce_argmax
-from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, keyed_uniform
+from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, keyed_uniform, top_p_filter
 from tests.distributed import torchrun, worker_main
+from tests.reference import sampling_filter_keep_reference
 
 
 def test_keyed_uniform_is_a_function_of_its_key() -> None:
@@ -53,6 +56,52 @@ def test_gumbel_max_follows_softmax() -> None:
     assert bool(((freq - p).abs() < 5 * sigma).all()), f"{freq} vs {p}"
 
 
+def _top_p_logits(n: int, v: int, seed: int) -> torch.Tensor:
+    """Rows of several sharpnesses, and rows of quantized logits with many ties."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.3, 1.0, 3.0, 8.0]).repeat(n // 4 + 1)[:n].unsqueeze(1)
+    z = torch.randn(n, v, generator=gen) * scale
+    z[: n // 4] = torch.round(z[: n // 4] * 2) / 2  # ties at (and around) the threshold
+    return z
+
+
+def test_top_p_keep_set_matches_float64_reference() -> None:
+    z = _top_p_logits(64, 48, seed=3)  # 64 rows: the bin-mass kernel runs under Triton's CPU interpreter
+    for p in (0.3, 0.8, 0.95, 1.0):
+        keep = top_p_filter(z, p, None)
+        ref = sampling_filter_keep_reference(z, top_p=p)
+        assert torch.equal(keep, ref), f"top_p={p}: {int((keep != ref).sum())} entries differ"
+        assert bool(keep.any(dim=1).all())  # the largest logit is always kept
+        if p < 1.0:
+            # the kept mass reaches p; the kept set without its smallest tie group does not
+            prob = torch.softmax(z.double(), dim=1)
+            assert bool(((prob * keep).sum(1) >= p - 1e-6).all())
+
+
+def test_top_p_samples_follow_the_filtered_softmax() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 3.0, 0.5])
+    n, p = 40000, 0.8
+    keep = top_p_filter(logits.unsqueeze(0), p, None)  # one row (the interpreter's time goes per row)
+    filtered = torch.where(keep, logits, torch.full_like(logits, float("-inf"))).expand(n, -1).contiguous()
+    tokens = gumbel_max_sample(filtered, vocab_start=0, seed=2, step=0, sequence=torch.arange(n),
+                               position=torch.zeros(n, dtype=torch.int64), tp_group=None)
+    freq = torch.bincount(tokens, minlength=7).double() / n
+    ref_keep = sampling_filter_keep_reference(logits, top_p=p)
+    expected = torch.softmax(torch.where(ref_keep, logits.double(), torch.tensor(float("-inf"), dtype=torch.float64)), 0)
+    assert bool((freq[~ref_keep] == 0).all()), f"sampled outside the nucleus: {freq}"
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert bool(((freq - expected).abs() <= 5 * sigma).all()), f"{freq} vs {expected}"
+
+
+def test_top_p_bad_arguments_are_named() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="top_p must be"):
+        top_p_filter(torch.zeros(2, 4), 0.0, None)
+    with pytest.raises(ValueError, match="z must be"):
+        top_p_filter(torch.zeros(2, 4, dtype=torch.float64), 0.9, None)
+
+
 def test_bad_shapes_are_named() -> None:
     import pytest
 
@@ -80,6 +129,20 @@ def case_tp2() -> None:
     index = torch.tensor([10, 3, 7, 1]) + rank * 100
     merged = all_reduce_argmax(value if rank == 0 else torch.tensor([1.5, -1.0, 0.0, -1e30]), index, dist.group.WORLD)
     assert merged.tolist() == [10, 103, 107, 101], merged.tolist()
+    # top-p: the split keep set is the full one's shard, and the filtered samples are the same
+    z = _top_p_logits(64, v, seed=4)
+    seq, pos = seq[:64], pos[:64]
+    for p in (0.5, 0.9):
+        keep_full = top_p_filter(z, p, None)
+        z_shard = z[:, rank * shard:(rank + 1) * shard].contiguous()
+        keep_split = top_p_filter(z_shard, p, dist.group.WORLD)
+        assert torch.equal(keep_split, keep_full[:, rank * shard:(rank + 1) * shard]), f"top_p={p}: keep sets differ"
+        neg = torch.tensor(float("-inf"))
+        full = gumbel_max_sample(torch.where(keep_full, z, neg), vocab_start=0, seed=3, step=5, sequence=seq,
+                                 position=pos, tp_group=None)
+        split = gumbel_max_sample(torch.where(keep_split, z_shard, neg), vocab_start=rank * shard, seed=3, step=5,
+                                  sequence=seq, position=pos, tp_group=dist.group.WORLD)
+        assert torch.equal(split, full), f"top_p={p}: {int((split != full).sum())} of 64 samples differ"
 
 
 def test_tp2_samples_equal_tp1() -> None:

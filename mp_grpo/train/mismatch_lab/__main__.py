@@ -3,7 +3,7 @@
 Schedule
     1. Parse the experiments to run and the output folder.
     2. For each experiment: run it, print its markdown table, write ``<out>/<name>.json``, ``<out>/<name>.md``
-       and (a, b, d) ``<out>/<name>.png``.
+       and (a, b, d) ``<out>/<name>.png``. (d) and (e) run quick sizes unless ``--full``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _run_c(args: argparse.Namespace) -> tuple[dict, str]:
 
 def _run_d(args: argparse.Namespace) -> tuple[dict, str] | None:
     from mp_grpo.train.mismatch_lab import training
-    setup = training.TrainingSetup()
+    setup = training.TrainingSetup() if args.full else training.QUICK
     if args.training_steps is not None:
         setup = dataclasses.replace(setup, steps=args.training_steps)
     if args.training_variants is not None:
@@ -43,7 +43,13 @@ def _run_d(args: argparse.Namespace) -> tuple[dict, str] | None:
             raise SystemExit(f"--training-variants: unknown {unknown}; allowed: {sorted(training.VARIANTS)}")
         setup = dataclasses.replace(setup, variants=tuple(args.training_variants))
     result = training.run(setup)
-    return None if result is None else (result, training.table(result))
+    return None if result is None else (result, training.report(result))
+
+
+def _run_e(args: argparse.Namespace) -> tuple[dict, str]:
+    from mp_grpo.train.mismatch_lab import top_p_replay
+    result = top_p_replay.run(top_p_replay.TopPReplaySetup() if args.full else top_p_replay.QUICK)
+    return result, top_p_replay.table(result)
 
 
 def _plot_d(result: dict, path: Path) -> None:
@@ -54,7 +60,8 @@ def _plot_d(result: dict, path: Path) -> None:
 EXPERIMENTS = {"a": ("is_correction", _run_a, report.plot_is_correction),
                "b": ("normalizer", _run_b, report.plot_normalizer),
                "c": ("nan_guard", _run_c, None),
-               "d": ("training", _run_d, _plot_d)}
+               "d": ("training", _run_d, _plot_d),
+               "e": ("top_p_replay", _run_e, None)}
 """Letter → (output name, runner, plotter or None)."""
 
 
@@ -64,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experiments", nargs="+", choices=sorted(EXPERIMENTS), default=sorted(EXPERIMENTS),
                         help="which experiments to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("docs/mismatch"), help="output folder")
+    parser.add_argument("--full", action="store_true",
+                        help="(d), (e): the documented sizes (default: quick runs of a few minutes)")
     parser.add_argument("--training-steps", type=int, default=None, help="(d): optimizer steps per run")
     parser.add_argument("--training-variants", nargs="+", default=None, help="(d): variant names (default: all)")
     args = parser.parse_args(argv)
