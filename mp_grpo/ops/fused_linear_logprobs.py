@@ -20,7 +20,7 @@ Forward — chunks of whole rows, ``[rows, V_local]``
     2. one collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped for
        a group of size 1; row N carries ``V_local``, so unequal shards are reported, not hung on);
     3. ``logprob_merge_kernel``: log-prob, entropy, and logZ as (M, log S) per row; with
-       ``check_inputs`` one host read of the error counters raises on bad targets or unequal shards.
+       ``check_inputs`` the error counters go to the deferred ledger (``mp_grpo.ops.checks``): no host read.
     Saved for backward: ``hidden`` and ``weight`` (not copies), targets, M, log S, entropy — 20 bytes
     a row; no logits.
 
@@ -91,8 +91,10 @@ import torch
 
 from mp_grpo.collectives import ProcessGroup, group_rank
 from mp_grpo.ops.checks import (
+    CheckInputs,
     check_chunk_size,
     check_hidden_weight_and_target,
+    check_inputs_mode,
     check_main_grad,
     check_runs_here,
     check_temperature,
@@ -334,7 +336,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         ignore_index: int,
         plan: ChunkPlan,
         accumulate_into_main_grad: bool,
-        check_inputs: bool,
+        check_inputs: CheckInputs,
     ):
         ctx.set_materialize_grads(False)
         v_local, hidden_size = weight.shape
@@ -407,14 +409,14 @@ def fused_linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ...,
     temperature: float = ..., with_entropy: Literal[False] = ..., ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
-    check_inputs: bool = ...,
+    check_inputs: CheckInputs | bool = ...,
 ) -> torch.Tensor: ...
 @overload
 def fused_linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ...,
     temperature: float = ..., with_entropy: Literal[True], ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
-    check_inputs: bool = ...,
+    check_inputs: CheckInputs | bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -430,7 +432,7 @@ def fused_linear_logprobs(
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     accumulate_into_main_grad: bool = False,
-    check_inputs: bool = True,
+    check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What ``vocab_parallel_logprobs(hidden @ weight.T, target, ...)`` returns, without the logits.
 
@@ -455,10 +457,10 @@ def fused_linear_logprobs(
         accumulate_into_main_grad: Megatron's gradient-accumulation fusion — add the weight gradient
             into ``weight.main_grad`` (fp32, or weight's dtype) and return Megatron's placeholder as
             the weight's gradient. Pass the output layer's ``gradient_accumulation_fusion``.
-        check_inputs: as in :func:`~mp_grpo.vocab_parallel_logprobs`: raise on a target outside
-            ``[0, V_global)`` or on unequal shards (at once on the CPU, at the next
-            ``mp_grpo.check_errors()`` on a GPU: no host read per call); with ``False`` nothing is
-            recorded, and such outputs are NaN instead.
+        check_inputs: as in :func:`~mp_grpo.vocab_parallel_logprobs` (a ``CheckInputs``; ``True``:
+            ``DEFERRED``): raise on a target outside ``[0, V_global)`` or on unequal shards (at once on
+            the CPU, at the next ``mp_grpo.check_errors()`` on a GPU: no host read per call; ``SYNC``: at
+            the call); with ``OFF`` / ``False`` nothing is recorded, and such outputs are NaN instead.
 
     Returns:
         fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``.
@@ -478,5 +480,5 @@ def fused_linear_logprobs(
     )
     return FusedLinearLogProbs.apply(
         hidden, weight, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
-        bool(accumulate_into_main_grad), bool(check_inputs),
+        bool(accumulate_into_main_grad), check_inputs_mode(check_inputs),
     )

@@ -62,8 +62,10 @@ import torch
 
 from mp_grpo.collectives import ProcessGroup, group_rank
 from mp_grpo.ops.checks import (
+    CheckInputs,
     check_chunk_size,
     check_hidden_weight_and_target,
+    check_inputs_mode,
     check_main_grad,
     check_runs_here,
     check_temperature,
@@ -130,7 +132,7 @@ class FusedLinearLoss(torch.autograd.Function):
         ignore_index: int,
         plan: ChunkPlan,
         accumulate_into_main_grad: bool,
-        check_inputs: bool,
+        check_inputs: CheckInputs,
     ):
         v_local, hidden_size = weight.shape
         h = hidden.reshape(-1, hidden_size).contiguous()
@@ -232,7 +234,7 @@ def fused_linear_loss(
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
     accumulate_into_main_grad: bool = False,
-    check_inputs: bool = True,
+    check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
 ) -> tuple[torch.Tensor, Any]:
     """``loss_fn(log-probs, entropy)`` of ``log softmax(hidden @ weightᵀ / T)[target]``, its gradient made in forward.
 
@@ -263,6 +265,6 @@ def fused_linear_loss(
     aux = _Aux()
     loss = FusedLinearLoss.apply(
         hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
-        bool(accumulate_into_main_grad), bool(check_inputs),
+        bool(accumulate_into_main_grad), check_inputs_mode(check_inputs),
     )
     return loss, aux.value

@@ -20,7 +20,7 @@ from mp_grpo.kernels import (
     logprob_merge_kernel,
     logprob_stats_kernel,
 )
-from mp_grpo.ops.checks import raise_on_kernel_errors
+from mp_grpo.ops.checks import CheckInputs, raise_on_kernel_errors
 
 STATS_WIDTH = 4
 """Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit)."""
@@ -114,17 +114,17 @@ def gather_and_merge(
     v_local: int,
     ignore_index: int,
     with_entropy: bool,
-    check_inputs: bool,
+    check_inputs: CheckInputs,
 ) -> Merged:
     """Forward steps 2–3 of both log-prob ops: the one all-gather of the statistics over ``tp_group``,
-    the merge, and (with ``check_inputs``) the host read that raises on bad targets or unequal shards."""
+    the merge, and the merge's error counts to the ledger (``check_inputs``; no host read unless SYNC)."""
     n = stats.shape[0] - 1
     gathered = all_gather_stacked(stats, tp_group)
     merged = merge_statistics(gathered, target, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
-    if check_inputs:
+    if check_inputs is not CheckInputs.OFF:
         raise_on_kernel_errors(
             merged.errors, v_global=gathered.shape[0] * v_local, ignore_index=ignore_index,
-            shard_sizes=gathered[:, n, 0],
+            shard_sizes=gathered[:, n, 0], mode=check_inputs,
         )
     return merged
 
