@@ -164,9 +164,9 @@ def check_temperature(temperature: float) -> float:
 
 def check_runs_here(x: torch.Tensor, name: str) -> None:
     """Triton runs on CUDA tensors, or on CPU tensors only under its interpreter."""
-    from triton import knobs
+    from mp_grpo.kernels.launch_config import INTERPRETER
 
-    if x.device.type != "cuda" and not knobs.runtime.interpret:
+    if x.device.type != "cuda" and not INTERPRETER:
         raise RuntimeError(
             f"{name} is on {x.device}: the Triton kernels run on CUDA tensors, or on CPU tensors only with "
             "TRITON_INTERPRET=1 set before mp_grpo is imported"

@@ -32,7 +32,6 @@ from typing import NamedTuple
 
 import torch
 import triton
-from triton import knobs
 
 from mp_grpo.collectives import ProcessGroup, all_reduce_sum, group_size
 from mp_grpo.config.loss import LossConfig
@@ -41,6 +40,7 @@ from mp_grpo.kernels.grpo_loss_combine import grpo_loss_combine_kernel
 from mp_grpo.kernels.grpo_loss_common import NUM_EXTREMES, NUM_PAIRS, PARTIAL_COLS
 from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
 from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
+from mp_grpo.kernels.launch_config import INTERPRETER
 from mp_grpo.ops.checks import check_runs_here
 from mp_grpo.ops.grpo_loss_plan import FusedLossPlan, InputsKey, build_plan, config_parameters
 
@@ -61,12 +61,13 @@ class _LaunchConfig(NamedTuple):
     finalize_block: int
 
 
+_LAUNCH = _LaunchConfig(16, 1, 16, 1, 16, 1, 4) if INTERPRETER else _LaunchConfig(1024, 4, 256, 4, 1024, 4, 64)
+"""Block sizes. Under the interpreter (CPU tests) small blocks, so that sequences span blocks; on a GPU
+the combine pass keeps ~2 tokens a thread (it holds many values per token), the light passes 8."""
+
+
 def _launch_config() -> _LaunchConfig:
-    """Block sizes. Under the interpreter (CPU tests) small blocks, so that sequences span blocks; on a GPU
-    the combine pass keeps ~2 tokens a thread (it holds many values per token), the light passes 8."""
-    if knobs.runtime.interpret:
-        return _LaunchConfig(16, 1, 16, 1, 16, 1, 4)
-    return _LaunchConfig(1024, 4, 256, 4, 1024, 4, 64)
+    return _LAUNCH
 
 
 class SequenceInfo(NamedTuple):
