@@ -37,7 +37,7 @@ from mp_grpo.collectives import ProcessGroup, all_reduce_sum, group_size
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.kernels.grpo_loss_backward import grpo_loss_backward_kernel
 from mp_grpo.kernels.grpo_loss_combine import grpo_loss_combine_kernel
-from mp_grpo.kernels.grpo_loss_common import NUM_EXTREMES, NUM_PAIRS, PARTIAL_COLS
+from mp_grpo.kernels.grpo_loss_common import CONSTANTS_KEY, NUM_EXTREMES, NUM_PAIRS, PARTIAL_COLS
 from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
 from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
 from mp_grpo.kernels.launch_config import INTERPRETER
@@ -216,6 +216,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
             grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
             n, row_length, s, search_steps,
             **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=launch.combine_block,
+            CONSTANTS_KEY=CONSTANTS_KEY,
             num_warps=launch.combine_warps,
         )
 
@@ -226,6 +227,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
         grpo_loss_finalize_kernel[(1,)](
             partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
             programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=launch.finalize_block,
+            CONSTANTS_KEY=CONSTANTS_KEY,
         )
 
         ctx.mark_non_differentiable(pairs, extremes)
