@@ -17,6 +17,12 @@ INTERPRETER: bool = bool(knobs.runtime.interpret)
 reading the knob per launch cost a few microseconds of host time each)."""
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grid sizes, in plain Python (``triton.cdiv`` is a constexpr function: a few
+    microseconds of host time per call)."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class LogprobLaunchConfig:
     stats_block_v: int

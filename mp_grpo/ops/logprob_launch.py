@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from mp_grpo.collectives import ProcessGroup, all_gather_stacked
 from mp_grpo.kernels import (
@@ -20,6 +19,7 @@ from mp_grpo.kernels import (
     logprob_merge_kernel,
     logprob_stats_kernel,
 )
+from mp_grpo.kernels.launch_config import ceil_div
 from mp_grpo.ops.checks import CheckInputs, raise_on_kernel_errors
 
 STATS_WIDTH = 4
@@ -96,7 +96,7 @@ def merge_statistics(
     log_sum = torch.empty(n, dtype=torch.float32, device=device)
     errors = torch.zeros(2, dtype=torch.int32, device=device)
     block_n = logprob_launch_config(v_local).merge_block_n
-    logprob_merge_kernel[(max(triton.cdiv(n, block_n), 1),)](
+    logprob_merge_kernel[(max(ceil_div(n, block_n), 1),)](
         stats, target, logprobs, entropy, row_max, log_sum, errors,
         n, tp, tp * v_local, ignore_index,
         stats.stride(0), stats.stride(1),
@@ -164,7 +164,7 @@ def logprob_backward(
         return
     cfg = logprob_launch_config(v_local)
     has_entropy_grad = grad_entropy is not None
-    logprob_backward_kernel[(n, triton.cdiv(v_local, cfg.backward_block_v))](
+    logprob_backward_kernel[(n, ceil_div(v_local, cfg.backward_block_v))](
         logits, grad_logits, target, row_max, log_sum,
         entropy if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
         grad_logprobs,
