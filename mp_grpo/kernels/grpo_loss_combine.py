@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from mp_grpo.kernels import grpo_loss_common as K
+from mp_grpo.kernels.token_math import kl_estimator
 from mp_grpo.kernels.grpo_loss_common import (
     block_ends,
     clamp_sym,
@@ -208,22 +209,7 @@ def grpo_loss_combine_kernel(
     if HAS_REF:
         ref = load_clean(ref_ptr, offs, valid, COMPUTE)
         x, x_inside = clamp_sym(ref - lp, param(params_ptr, K.P_KL_INPUT_CLAMP, COMPUTE))
-        if KL_ESTIMATOR == K.KL_K1:
-            base = -x
-            d_base_d_x = zero - 1.0
-        elif KL_ESTIMATOR == K.KL_K2:
-            base = 0.5 * (x * x)
-            d_base_d_x = x
-        else:
-            x_expm1 = expm1(x)
-            k3 = x_expm1 - x
-            if KL_STRAIGHT_THROUGH:
-                k2 = 0.5 * (x * x)
-                base = k2 + (k3 - k2)
-                d_base_d_x = x
-            else:
-                base = k3
-                d_base_d_x = x_expm1
+        base, d_base_d_x = kl_estimator(x, KL_ESTIMATOR, KL_STRAIGHT_THROUGH)  # token_math: written once
         d_base = tl.where(x_inside, -d_base_d_x, 0.0)  # ∂x/∂log π_θ = −1 inside the input clamp
         if KL_RATIO == K.KL_RATIO_BIAS_CORRECTION:
             before_clamp = base * ratio_token
