@@ -15,7 +15,7 @@
 import mp_grpo.kernels  # noqa: F401  isort: skip
 
 from mp_grpo.ops import fused_linear_logprobs, vocab_parallel_logprobs
-from mp_grpo.ops.checks import check_errors
+from mp_grpo.ops.checks import CheckInputs, check_errors
 
 # The GRPO-family loss layer (plain torch) and its typed config (omegaconf is only needed by load_config).
 from mp_grpo.config import LossConfig, load_config  # noqa: E402  isort: skip
@@ -23,6 +23,6 @@ from mp_grpo.loss import (  # noqa: E402  isort: skip
     GlobalBatch, GRPOLoss, LossBackend, PackedSequences, PaddedSequences, SequenceLayout, reduce_metrics,
 )
 
-__all__ = ["check_errors", "fused_linear_logprobs", "vocab_parallel_logprobs"]
+__all__ = ["CheckInputs", "check_errors", "fused_linear_logprobs", "vocab_parallel_logprobs"]
 __all__ += ["GRPOLoss", "GlobalBatch", "LossBackend", "LossConfig", "PackedSequences", "PaddedSequences",
             "SequenceLayout", "load_config", "reduce_metrics"]

@@ -10,7 +10,15 @@ Single GPU (default)::
   them twice and write a bf16 gradient once, at the copy bandwidth measured in the same run.
   Baselines: torch log_softmax(fp32)+gather, megatron-core vocab_parallel_cross_entropy and
   fused_vocab_parallel_cross_entropy, Liger-Kernel's LigerVocabParallelCEFunction and
-  triton_grpo_loss (each skipped, and said so, when its package is missing).
+  triton_grpo_loss, Transformer Engine's parallel_cross_entropy (each skipped, and said so, when its
+  package is missing). Our rows: the op unchecked (``CheckInputs.OFF``), checked (the default,
+  ``DEFERRED``: no host read) and ``SYNC`` (one host read per call); and logits -> loss —
+  ``GRPOLoss(vocab_parallel_logprobs(logits))`` with default arguments, ``loss.backward()`` timed as a
+  training step calls it (host time included) — for the three configs of ``bench_loss.py`` (DAPO
+  token-mean; GSPO + sequence TIS + seq-mean-token-mean; "everything"). For our rows also: the host
+  time of one forward+backward call (perf_counter, no synchronization inside the timed calls) and the
+  CUDA-graph replay of the same forward+backward (captured with default arguments). The report ends with
+  one met / not-met line per target of issue 17.
 
 Tensor parallel (any number of ranks, 1 included)::
 
@@ -43,7 +51,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mp_grpo.ops.logprob_launch as logprob_launch  # noqa: E402
-from mp_grpo import vocab_parallel_logprobs  # noqa: E402
+from mp_grpo import CheckInputs, GlobalBatch, GRPOLoss, vocab_parallel_logprobs  # noqa: E402
 from mp_grpo.kernels import logprob_launch_config  # noqa: E402
 from tests.reference import logprobs_reference  # noqa: E402
 
@@ -78,7 +86,7 @@ def _fwd_and_fwd_bwd(x, f, *grads):
 def cases(n: int, v: int):
     """name -> builder returning (fwd, fwd_bwd); builders import their library lazily."""
 
-    def ours(with_entropy: bool, check_inputs: bool):
+    def ours(with_entropy: bool, check_inputs: CheckInputs):
         def build():
             x, t, g = make_inputs(n, v)
             g2 = torch.randn_like(g)
@@ -147,17 +155,102 @@ def cases(n: int, v: int):
         )[0]
         return _fwd_and_fwd_bwd(x, f, torch.ones((), device="cuda"))
 
+    def transformer_engine_ce():
+        # Importing megatron-core first (run_single_gpu does): it probes for TE when imported.
+        from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy
+
+        x, t, g = make_inputs(n, v)
+        return _fwd_and_fwd_bwd(
+            x, lambda: -parallel_cross_entropy(x.view(n, 1, v), t.view(n, 1), 0.0, False, None).view(n), g
+        )
+
+    def logits_to_loss(cfg_name: str):
+        def build():
+            from bench_loss import CONFIGS, N_TOKENS
+            from bench_loss import make_inputs as loss_inputs
+
+            if n != N_TOKENS:
+                raise ImportError(f"bench_loss's inputs are {N_TOKENS} tokens, not {n}")
+            cfg = CONFIGS[cfg_name]
+            x, t, _ = make_inputs(n, v)
+            li = loss_inputs("padded")
+            rc = cfg.rollout_correction
+            use_rollout = (rc.weight_level is not None or rc.reject_level is not None or cfg.opsm.delta is not None
+                           or cfg.mismatch.skip_threshold is not None)
+            use_ref = cfg.kl.coef != 0.0
+            use_entropy = cfg.entropy.bonus_coef != 0.0 or cfg.entropy.top_quantile < 1.0
+            rollout = li.rollout if use_rollout else None
+            batch = GlobalBatch.from_rollouts(
+                cfg, [li.mask], old_logprobs=[li.old], rollout_logprobs=None if rollout is None else [rollout],
+                entropies=[li.entropy] if use_entropy else None)
+            loss_fn = GRPOLoss(cfg)  # AUTO: the fused Triton loss on CUDA tensors
+
+            def f():
+                ent = None
+                if use_entropy:
+                    lp, ent = vocab_parallel_logprobs(x, t, with_entropy=True)
+                    ent = ent.view_as(li.entropy)
+                else:
+                    lp = vocab_parallel_logprobs(x, t)
+                loss, _ = loss_fn(lp.view_as(li.logprobs), li.old, li.advantages, li.mask, rollout_logprobs=rollout,
+                                  ref_logprobs=li.ref if use_ref else None, entropy=ent, batch=batch)
+                return loss
+
+            return _fwd_and_fwd_bwd(x, f, torch.ones((), device="cuda"))
+
+        return build
+
     return {
-        "mp_grpo vocab_parallel_logprobs": ours(False, False),
-        "mp_grpo vocab_parallel_logprobs +entropy": ours(True, False),
-        "mp_grpo vocab_parallel_logprobs check_inputs=True (1 host sync)": ours(False, True),
+        "mp_grpo vocab_parallel_logprobs unchecked (OFF)": ours(False, CheckInputs.OFF),
+        "mp_grpo vocab_parallel_logprobs checked (default DEFERRED)": ours(False, CheckInputs.DEFERRED),
+        "mp_grpo vocab_parallel_logprobs check_inputs=SYNC (1 host read)": ours(False, CheckInputs.SYNC),
+        "mp_grpo vocab_parallel_logprobs +entropy (default)": ours(True, CheckInputs.DEFERRED),
+        "mp_grpo logits->loss DAPO token-mean": logits_to_loss("dapo (ppo_clip, token_mean)"),
+        "mp_grpo logits->loss GSPO + seq TIS": logits_to_loss("gspo + sequence TIS"),
+        "mp_grpo logits->loss everything": logits_to_loss("everything"),
         "torch log_softmax(fp32)+gather": torch_log_softmax,
         "torch log_softmax(fp32)+gather +entropy": torch_with_entropy,
         "megatron-core vocab_parallel_cross_entropy": megatron_ce,
         "megatron-core fused_vocab_parallel_cross_entropy": megatron_fused_ce,
         "Liger LigerVocabParallelCEFunction": liger_vocab_parallel_ce,
         "Liger triton_grpo_loss (not TP-aware)": liger_grpo,
+        "TE parallel_cross_entropy": transformer_engine_ce,
     }
+
+
+HOST_CALLS = 20
+"""Calls whose host time is averaged (few enough that the launch queue never fills and blocks the host)."""
+
+
+def host_us(fwd_bwd) -> float:
+    """Mean host time of one call in microseconds: the GPU is idle at the start and nothing inside synchronizes
+    (the default checks read nothing on the host), so this is the CPU time to issue the call."""
+    import time
+
+    fwd_bwd()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fwd_bwd()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / HOST_CALLS
+
+
+def graph_replay_ms(fwd_bwd) -> float:
+    """Median time of one replay of ``fwd_bwd`` captured into a CUDA graph (warm-up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    ms = median_ms(graph.replay)
+    del graph
+    return ms
 
 
 def check_correctness(n: int = 512, v: int = 18992) -> float:
@@ -202,6 +295,16 @@ def run_single_gpu(args) -> dict:
                 )
                 row["fwd_floor_frac"] = floor_fwd_ms / row["fwd_ms"]
                 row["fwd_bwd_floor_frac"] = floor_fb_ms / row["fwd_bwd_ms"]
+                if name.startswith("mp_grpo"):
+                    row["host_us"] = host_us(fwd_bwd)
+                    if "SYNC" not in name:
+                        try:
+                            row["graph_ms"] = graph_replay_ms(fwd_bwd)
+                            row["graph_floor_frac"] = floor_fb_ms / row["graph_ms"]
+                        except Exception as err:  # not capturable: reported, not hidden
+                            traceback.print_exc()
+                            row["graph_error"] = repr(err)[:300]
+                    mp_grpo_check_errors()
             except ImportError as err:
                 row["skipped"] = f"not installed: {err}"
             except Exception as err:  # a baseline that fails is reported, not hidden
@@ -210,7 +313,58 @@ def run_single_gpu(args) -> dict:
             print(json.dumps(row), flush=True)
             rows.append(row)
             del build
-    return {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "tokens": args.tokens, "rows": rows}
+    result = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "tokens": args.tokens, "rows": rows,
+              "torch": torch.__version__}
+    result["summary"] = targets_summary(result)
+    return result
+
+
+def mp_grpo_check_errors() -> None:
+    import mp_grpo
+
+    mp_grpo.check_errors()  # the benchmark's inputs are valid: nothing may be pending
+
+
+LOSS_ROWS = ("mp_grpo logits->loss DAPO token-mean", "mp_grpo logits->loss GSPO + seq TIS",
+             "mp_grpo logits->loss everything")
+FLOOR_TARGET = 0.90
+HOST_TARGET_US = 100.0
+CHECK_COST_TARGET = 0.03
+
+
+def targets_summary(result: dict) -> list[str]:
+    """One met / not-met line per target of issue 17, from this run's rows."""
+    rows = {(r["case"], r["V"]): r for r in result["rows"]}
+    vocabs = sorted({r["V"] for r in result["rows"]}, reverse=True)
+    lines = []
+    for v in vocabs:
+        for case in LOSS_ROWS:
+            r = rows.get((case, v), {})
+            if "fwd_bwd_ms" not in r:
+                lines.append(f"{case}, V={v}: not measured ({r.get('error') or r.get('skipped')})")
+                continue
+            frac, host = r["fwd_bwd_floor_frac"], r["host_us"]
+            floor_verdict = "MET" if frac >= FLOOR_TARGET else f"NOT MET by {100 * (FLOOR_TARGET - frac):.0f} points"
+            host_verdict = "MET" if host <= HOST_TARGET_US else f"NOT MET ({host / HOST_TARGET_US:.1f}x)"
+            graph = (f"CUDA graph replay {r['graph_ms']:.3f} ms = {100 * r['graph_floor_frac']:.0f} % of the floor"
+                     if "graph_ms" in r else f"graph: {r.get('graph_error')}")
+            lines.append(
+                f"{case}, V={v}: {100 * frac:.0f} % of the memory floor (target >= {100 * FLOOR_TARGET:.0f} %): "
+                f"{floor_verdict}; host {host:.0f} us per fwd+bwd call (target <= {HOST_TARGET_US:.0f} us): "
+                f"{host_verdict}; {graph}"
+            )
+        off = rows.get(("mp_grpo vocab_parallel_logprobs unchecked (OFF)", v), {})
+        on = rows.get(("mp_grpo vocab_parallel_logprobs checked (default DEFERRED)", v), {})
+        if "fwd_bwd_ms" in off and "fwd_bwd_ms" in on:
+            cost = on["fwd_bwd_ms"] / off["fwd_bwd_ms"] - 1.0
+            lines.append(f"checking costs nothing, V={v}: default checked {on['fwd_bwd_ms']:.3f} ms vs unchecked "
+                         f"{off['fwd_bwd_ms']:.3f} ms ({100 * cost:+.1f} %, target within {100 * CHECK_COST_TARGET:.0f} %): "
+                         f"{'MET' if cost <= CHECK_COST_TARGET else 'NOT MET'}")
+        graphed = [r for (c, vv), r in rows.items() if vv == v and c.startswith("mp_grpo") and "SYNC" not in c]
+        bad = [r["case"] for r in graphed if "graph_ms" not in r]
+        lines.append(f"CUDA-graph capturable with default arguments, V={v}: "
+                     + ("MET (every mp_grpo row captured and replayed)" if graphed and not bad else f"NOT MET: {bad}"))
+    return lines
 
 
 # ----------------------------------------------------------------------------- tensor parallel
@@ -342,21 +496,29 @@ def write_single_gpu_report(result: dict, out: Path) -> None:
         f"N = {result['tokens']} tokens; copy bandwidth measured in the same run: {result['copy_TBps']:.2f} TB/s. "
         "Floor: forward reads the logits once; forward+backward reads them twice and writes the bf16 gradient "
         "once. Extra peak: memory beyond the inputs and one gradient buffer. mp_grpo rows run with "
-        "`check_inputs=False` (no host synchronization) unless the row says otherwise. Command: "
-        "`python scripts/bench_logprob.py --out docs/benchmarks`.",
+        "the check mode the row names (the default is `CheckInputs.DEFERRED`: no host read). logits->loss rows: "
+        "`GRPOLoss(vocab_parallel_logprobs(logits))` with default arguments and `loss.backward()`, the loss "
+        "fused (Triton), a GlobalBatch built beforehand; same floor as the op. *host us*: CPU time to issue one "
+        "forward+backward call. *graph*: the same forward+backward captured in a CUDA graph, median replay. "
+        f"torch {result.get('torch')}. Command: `python scripts/bench_logprob.py --out docs/benchmarks`.",
         "",
-        "| implementation | V | fwd ms | fwd+bwd ms | extra peak | % of floor fwd / fwd+bwd |",
-        "|---|---|---|---|---|---|",
+        *(f"- {line}" for line in result.get("summary", [])),
+        "",
+        "| implementation | V | fwd ms | fwd+bwd ms | extra peak | % of floor fwd / fwd+bwd | host us | graph ms (% floor) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "fwd_ms" in r:
             extra = f"{r['extra_peak_GiB']:.2f} GiB" if r["extra_peak_GiB"] >= 0.01 else f"{r['extra_peak_bytes_per_row']:.0f} B/row"
+            host = f"{r['host_us']:.0f}" if "host_us" in r else ""
+            graph = (f"{r['graph_ms']:.3f} ({100 * r['graph_floor_frac']:.0f})" if "graph_ms" in r
+                     else (f"failed: {r['graph_error'][:60]}" if "graph_error" in r else ""))
             lines.append(
                 f"| {r['case']} | {r['V']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {extra} | "
-                f"{100 * r['fwd_floor_frac']:.0f} / {100 * r['fwd_bwd_floor_frac']:.0f} |"
+                f"{100 * r['fwd_floor_frac']:.0f} / {100 * r['fwd_bwd_floor_frac']:.0f} | {host} | {graph} |"
             )
         else:
-            lines.append(f"| {r['case']} | {r['V']} | — | — | — | {r.get('skipped') or r.get('error')} |")
+            lines.append(f"| {r['case']} | {r['V']} | — | — | — | {(r.get('skipped') or r.get('error'))[:100]} | | |")
     (out / "logprob.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_single_gpu(result, out / "logprob.png")

@@ -29,7 +29,6 @@ every metric). ``--variants`` picks a subset (compiling takes most of the run's 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import platform
 import sys
@@ -149,8 +148,8 @@ def gpu_kernel_ms(fn, iters: int = 20) -> tuple[float, float]:
 
 
 def kernel_kwargs() -> dict:
-    params = inspect.signature(vocab_parallel_logprobs).parameters
-    return {"check_inputs": False} if "check_inputs" in params else {}
+    """The kernel's arguments beyond the tensors: the defaults (input checks on, deferred: no host read)."""
+    return {}
 
 
 # ----------------------------------------------------------------------------- the cases
@@ -190,16 +189,42 @@ def check_against_eager(cfg: LossConfig, x: Inputs, batch: GlobalBatch, loss_fn:
     return worst
 
 
-def run(out_dir: Path, variants: tuple[str, ...]) -> None:
+def host_us(fn, calls: int = 20) -> float:
+    """Mean CPU time to issue one call, in microseconds (GPU idle at the start, no synchronization inside)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def run(out_dir: Path, variants: tuple[str, ...], vocabs: tuple[int, ...] = (VOCAB,)) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.cuda.get_device_name()
     results: dict = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-                     "n_tokens": N_TOKENS, "vocab": VOCAB, "budget_percent": BUDGET_PERCENT, "rows": []}
+                     "n_tokens": N_TOKENS, "vocab": list(vocabs), "budget_percent": BUDGET_PERCENT, "rows": [],
+                     "kernel_fwd_bwd_ms": {}}
+    for vocab in vocabs:
+        run_vocab(results, vocab, variants)
+    results["summary"] = summary(results)
+    print(results["summary"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "loss.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "loss.md").write_text(markdown(results))
+    print(f"wrote {out_dir / 'loss.json'} and {out_dir / 'loss.md'}")
 
+
+def run_vocab(results: dict, vocab: int, variants: tuple[str, ...]) -> None:
+    """The kernel alone and every config x layout x variant at one V (rows appended to ``results``)."""
     # --- the kernel, forward + backward, with entropy ---
     gen = torch.Generator(device="cuda").manual_seed(1)
-    logits = (torch.randn(N_TOKENS, VOCAB, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
-    target = torch.randint(0, VOCAB, (N_TOKENS,), generator=gen, device="cuda")
+    logits = (torch.randn(N_TOKENS, vocab, generator=gen, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, vocab, (N_TOKENS,), generator=gen, device="cuda")
     g_lp = torch.randn(N_TOKENS, generator=gen, device="cuda")
     g_ent = torch.randn(N_TOKENS, generator=gen, device="cuda")
     kw = kernel_kwargs()
@@ -209,8 +234,8 @@ def run(out_dir: Path, variants: tuple[str, ...]) -> None:
         torch.autograd.backward([lp, ent], [g_lp, g_ent])
 
     kernel_ms = median_ms(kernel_fwd_bwd, grad_to_none=[logits])
-    results["kernel_fwd_bwd_ms"] = kernel_ms
-    print(f"kernel vocab_parallel_logprobs(+entropy) fwd+bwd, V={VOCAB}: {kernel_ms:.3f} ms")
+    results["kernel_fwd_bwd_ms"][str(vocab)] = kernel_ms
+    print(f"kernel vocab_parallel_logprobs(+entropy) fwd+bwd, V={vocab}: {kernel_ms:.3f} ms")
 
     for cfg_name, cfg in CONFIGS.items():
         for layout_name in ("padded", "packed"):
@@ -221,7 +246,8 @@ def run(out_dir: Path, variants: tuple[str, ...]) -> None:
             batch = build()
             build_ms = median_ms(build)
             for variant in variants:
-                row = {"config": cfg_name, "layout": layout_name, "variant": variant, "global_batch_ms": build_ms}
+                row = {"config": cfg_name, "layout": layout_name, "variant": variant, "global_batch_ms": build_ms,
+                       "vocab": vocab}
                 try:
                     loss_fn = make_loss(cfg, variant)
                     if variant != "eager":
@@ -234,6 +260,7 @@ def run(out_dir: Path, variants: tuple[str, ...]) -> None:
                         loss.backward()
 
                     row["alone_ms"] = median_ms(loss_fwd_bwd, grad_to_none=[lp, ent])
+                    row["host_us"] = host_us(loss_fwd_bwd)
                     row["gpu_ms"], row["kernels_per_call"] = gpu_kernel_ms(loss_fwd_bwd)
 
                     def chained():
@@ -242,6 +269,7 @@ def run(out_dir: Path, variants: tuple[str, ...]) -> None:
                         loss.backward()
 
                     row["chained_ms"] = median_ms(chained, grad_to_none=[logits])
+                    row["chained_host_us"] = host_us(chained)
                     row["marginal_ms"] = row["chained_ms"] - kernel_ms
                     for key in ("alone", "gpu", "marginal"):
                         row[f"{key}_percent"] = 100.0 * row[f"{key}_ms"] / kernel_ms
@@ -250,13 +278,6 @@ def run(out_dir: Path, variants: tuple[str, ...]) -> None:
                     traceback.print_exc()
                 results["rows"].append(row)
                 print(json.dumps(row))
-
-    results["summary"] = summary(results)
-    print(results["summary"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "loss.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out_dir / "loss.md").write_text(markdown(results))
-    print(f"wrote {out_dir / 'loss.json'} and {out_dir / 'loss.md'}")
 
 
 def summary(results: dict) -> str:
@@ -277,31 +298,33 @@ def summary(results: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    k = results["kernel_fwd_bwd_ms"]
+    k = ", ".join(f"{ms:.3f} ms at V = {v}" for v, ms in results["kernel_fwd_bwd_ms"].items())
     lines = [
         f"# GRPO loss vs. the log-prob kernel — {results['device']}",
         "",
         f"N = {results['n_tokens']} tokens. Kernel: `vocab_parallel_logprobs` with entropy, bf16 logits, "
-        f"V = {results['vocab']}, forward + backward = **{k:.3f} ms** (median, same run). Loss: `GRPOLoss` forward + "
+        f"forward + backward = **{k}** (median, same run). Loss: `GRPOLoss` forward + "
         "backward with a prebuilt GlobalBatch, metrics included. *alone*: median wall time of the loss by itself "
         "(includes kernel-launch CPU time when that dominates); *GPU*: summed CUDA kernel time (torch.profiler), its "
         "cost when the launches overlap earlier GPU work; *marginal*: (kernel → loss → backward chained) − kernel "
-        f"alone. Target: ≤ {results['budget_percent']:.0f} % of the kernel. torch {results['torch']}. "
+        f"alone; *host us*: CPU time to issue one call of the loss alone / of the chain. Target: ≤ "
+        f"{results['budget_percent']:.0f} % of the kernel. torch {results['torch']}. "
         "Command: `python scripts/bench_loss.py --out docs/benchmarks`.",
         "",
         *(f"- {line}" for line in results["summary"].splitlines()),
         "",
-        "| config | layout | variant | alone ms (%) | GPU ms (%) | kernels | marginal ms (%) | GlobalBatch ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| V | config | layout | variant | alone ms (%) | GPU ms (%) | kernels | marginal ms (%) | host us alone / chain | GlobalBatch ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['layout']} | {r['variant']} | failed: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['vocab']} | {r['config']} | {r['layout']} | {r['variant']} | failed: {r['error'][:80]} | | | | | |")
             continue
         lines.append(
-            f"| {r['config']} | {r['layout']} | {r['variant']} | {r['alone_ms']:.3f} ({r['alone_percent']:.1f}) | "
+            f"| {r['vocab']} | {r['config']} | {r['layout']} | {r['variant']} | {r['alone_ms']:.3f} ({r['alone_percent']:.1f}) | "
             f"{r['gpu_ms']:.3f} ({r['gpu_percent']:.1f}) | {r['kernels_per_call']:.0f} | "
-            f"{r['marginal_ms']:.3f} ({r['marginal_percent']:.1f}) | {r['global_batch_ms']:.3f} |"
+            f"{r['marginal_ms']:.3f} ({r['marginal_percent']:.1f}) | {r['host_us']:.0f} / {r['chained_host_us']:.0f} | "
+            f"{r['global_batch_ms']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -311,6 +334,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="directory for loss.json / loss.md")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--vocab", type=int, nargs="+", default=[VOCAB], help="V of the log-prob kernel (default 18992)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = [v for v in variants if v not in VARIANTS]
@@ -318,7 +342,7 @@ def main() -> None:
         parser.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_loss.py needs a CUDA GPU")
-    run(args.out, variants)
+    run(args.out, variants, tuple(args.vocab))
 
 
 if __name__ == "__main__":

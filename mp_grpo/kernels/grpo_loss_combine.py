@@ -26,70 +26,9 @@ Schedule (one program per BLOCK positions):
 import triton
 import triton.language as tl
 
+from mp_grpo.kernels import grpo_loss_common as K
+from mp_grpo.kernels.token_math import kl_estimator
 from mp_grpo.kernels.grpo_loss_common import (
-    AGG_SEQ_MEAN_TOKEN_MEAN,
-    AGG_SEQ_MEAN_TOKEN_SUM_NORM,
-    AGG_TOKEN_MEAN,
-    COUNT_FLOOR,
-    EXT_RATIO_MAX,
-    EXT_RATIO_MIN,
-    EXT_WEIGHT_APPLIED_MAX,
-    EXT_WEIGHT_APPLIED_MIN,
-    EXT_WEIGHT_RAW_MAX,
-    EXT_WEIGHT_RAW_MIN,
-    EXT_WEIGHT_TRUNCATED_MAX,
-    EXT_WEIGHT_TRUNCATED_MIN,
-    KL_K1,
-    KL_K2,
-    KL_RATIO_BIAS_CORRECTION,
-    KL_RATIO_SCORE_FUNCTION,
-    LEVEL_NONE,
-    LEVEL_SEQUENCE,
-    LEVEL_TOKEN,
-    OBJ_CISPO,
-    OBJ_GMPO,
-    OBJ_GSPO,
-    OBJ_PPO_CLIP,
-    OBJ_SAPO,
-    P_CLIP_HIGH,
-    P_CLIP_LOW,
-    P_DELTA,
-    P_DUAL_CLIP_C,
-    P_ENTROPY_BONUS,
-    P_KL_COEF,
-    P_KL_INPUT_CLAMP,
-    P_KL_OUTPUT_CLAMP,
-    P_LOG_RATIO_CLAMP,
-    P_NORM_CONSTANT,
-    P_OPSM_DELTA,
-    P_REJECT_MAX,
-    P_REJECT_MIN,
-    P_TAU_NEG,
-    P_TAU_POS,
-    P_WEIGHT_MAX,
-    P_WEIGHT_MIN,
-    PARTIAL_COLS,
-    SUM_CHI2_SEQ,
-    SUM_CHI2_SEQ_COUNT,
-    SUM_CHI2_TOKEN,
-    SUM_CLIP_DUAL,
-    SUM_CLIP_HIGH,
-    SUM_CLIP_LOW,
-    SUM_ENTROPY,
-    SUM_KL,
-    SUM_MISMATCH_K1,
-    SUM_MISMATCH_K3,
-    SUM_POLICY,
-    SUM_RATIO,
-    SUM_REJECTED_ENTROPY,
-    SUM_REJECTED_OPSM,
-    SUM_REJECTED_ROLLOUT,
-    SUM_SHARE,
-    SUM_VALID,
-    SUM_WEIGHT_APPLIED,
-    SUM_WEIGHT_RAW,
-    SUM_WEIGHT_TRUNCATED,
-    WEIGHT_MEAN_FLOOR,
     block_ends,
     clamp_sym,
     expm1,
@@ -109,9 +48,9 @@ from mp_grpo.kernels.grpo_loss_common import (
 @triton.jit
 def _level_log_ratio(d, sum_d, count_floor, clamp, LEVEL: tl.constexpr):
     """Rollout-correction log-ratio at LEVEL: d, clamp(Σd), or Σd / n (mp_grpo.loss.rollout_correction)."""
-    if LEVEL == LEVEL_TOKEN:
+    if LEVEL == K.LEVEL_TOKEN:
         out = d
-    elif LEVEL == LEVEL_SEQUENCE:
+    elif LEVEL == K.LEVEL_SEQUENCE:
         out, _ = clamp_sym(sum_d, clamp)
     else:
         out = sum_d / count_floor
@@ -141,6 +80,7 @@ def grpo_loss_combine_kernel(
     # meta-parameters: pass-1 columns, dtype, block
     NUM_COLS: tl.constexpr, COL_SEQ_IN: tl.constexpr, COL_D: tl.constexpr, COL_OPSM: tl.constexpr,
     COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
+    CONSTANTS_KEY: tl.constexpr,  # grpo_loss_common.CONSTANTS_KEY: its constants' values in Triton's cache key
 ):
     pid = tl.program_id(0)
     # --- 1. positions, validity, sanitized inputs, log-ratios ---
@@ -149,7 +89,7 @@ def grpo_loss_combine_kernel(
         lp_ptr, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
         HAS_OLD, HAS_ROLLOUT, BYPASS, ADV_PER_TOKEN, COMPUTE,
     )
-    clamp = param(params_ptr, P_LOG_RATIO_CLAMP, COMPUTE)
+    clamp = param(params_ptr, K.P_LOG_RATIO_CLAMP, COMPUTE)
     zero = tl.zeros_like(lp)
     no = offs < 0  # all False
     ent = zero
@@ -157,11 +97,11 @@ def grpo_loss_combine_kernel(
         ent = load_clean(ent_ptr, offs, valid, COMPUTE)
 
     # --- 2. per-sequence values (whole sequences, all CP ranks) ---
-    count_floor = zero + COUNT_FLOOR
+    count_floor = zero + K.COUNT_FLOOR
     row = seq_sums_ptr + seq * NUM_COLS
     if NUM_COLS > 0:
         count = tl.load(row, mask=valid, other=0.0).to(COMPUTE)
-        count_floor = tl.maximum(count, COUNT_FLOOR)
+        count_floor = tl.maximum(count, K.COUNT_FLOOR)
     sum_d = zero
     if COL_D >= 0:
         sum_d = tl.load(row + COL_D, mask=valid, other=0.0).to(COMPUTE)
@@ -174,15 +114,15 @@ def grpo_loss_combine_kernel(
     clip_low = no
     clip_high = no
     dual = no
-    if OBJECTIVE == OBJ_PPO_CLIP or OBJECTIVE == OBJ_GSPO:
+    if OBJECTIVE == K.OBJ_PPO_CLIP or OBJECTIVE == K.OBJ_GSPO:
         ratio = ratio_token
-        if OBJECTIVE == OBJ_GSPO:
+        if OBJECTIVE == K.OBJ_GSPO:
             seq_mean = tl.load(row + COL_SEQ_IN, mask=valid, other=0.0).to(COMPUTE) / count_floor
             ratio = tl.exp(seq_mean)
             seq_input_grad = tl.where(log_ratio_inside, 1.0, 0.0).to(COMPUTE)
-        low_bound = param(params_ptr, P_CLIP_LOW, COMPUTE)
-        high_bound = param(params_ptr, P_CLIP_HIGH, COMPUTE)
-        delta = param(params_ptr, P_DELTA, COMPUTE)
+        low_bound = param(params_ptr, K.P_CLIP_LOW, COMPUTE)
+        high_bound = param(params_ptr, K.P_CLIP_HIGH, COMPUTE)
+        delta = param(params_ptr, K.P_DELTA, COMPUTE)
         r2 = tl.minimum(tl.maximum(ratio, low_bound), high_bound)
         r1 = tl.minimum(ratio, delta)
         u1 = r1 * adv
@@ -192,33 +132,33 @@ def grpo_loss_combine_kernel(
         passes = tl.where(first, ratio <= delta, (ratio >= low_bound) & (ratio <= high_bound))
         d_term_d_ratio = tl.where(passes, -adv, 0.0)
         if DUAL_CLIP:
-            cap = -adv * param(params_ptr, P_DUAL_CLIP_C, COMPUTE)
+            cap = -adv * param(params_ptr, K.P_DUAL_CLIP_C, COMPUTE)
             dual = (adv < 0) & (term > cap)
             term = tl.where(dual, cap, term)
             d_term_d_ratio = tl.where(dual, 0.0, d_term_d_ratio)
         clip_low = (ratio < low_bound) & (adv < 0)
         clip_high = (ratio > high_bound) & (adv > 0)
-        if OBJECTIVE == OBJ_GSPO:
+        if OBJECTIVE == K.OBJ_GSPO:
             along_mean = d_term_d_ratio * ratio
         else:
             direct = tl.where(log_ratio_inside, d_term_d_ratio * ratio, 0.0)
-    elif OBJECTIVE == OBJ_CISPO:
+    elif OBJECTIVE == K.OBJ_CISPO:
         ratio = ratio_token
-        low_bound = param(params_ptr, P_CLIP_LOW, COMPUTE)
-        high_bound = param(params_ptr, P_CLIP_HIGH, COMPUTE)
+        low_bound = param(params_ptr, K.P_CLIP_LOW, COMPUTE)
+        high_bound = param(params_ptr, K.P_CLIP_HIGH, COMPUTE)
         weight = tl.minimum(tl.maximum(ratio, low_bound), high_bound)
         direct = -weight * adv
         term = direct * lp
         clip_low = ratio < low_bound
         clip_high = ratio > high_bound
-    elif OBJECTIVE == OBJ_SAPO:
+    elif OBJECTIVE == K.OBJ_SAPO:
         ratio = ratio_token
-        tau = tl.where(adv > 0, param(params_ptr, P_TAU_POS, COMPUTE), param(params_ptr, P_TAU_NEG, COMPUTE))
+        tau = tl.where(adv > 0, param(params_ptr, K.P_TAU_POS, COMPUTE), param(params_ptr, K.P_TAU_NEG, COMPUTE))
         gate = 1.0 / (1.0 + tl.exp(-(tau * (ratio - 1.0))))
         term = -(4.0 / tau) * gate * adv
         d_term_d_ratio = -(4.0 / tau) * (gate * (1.0 - gate)) * tau * adv
         direct = tl.where(log_ratio_inside, d_term_d_ratio * ratio, 0.0)
-    elif OBJECTIVE == OBJ_GMPO:
+    elif OBJECTIVE == K.OBJ_GMPO:
         clipped, clip_low, clip_high = gmpo_clip(log_ratio, adv, params_ptr, COMPUTE)
         seq_mean = tl.load(row + COL_SEQ_IN, mask=valid, other=0.0).to(COMPUTE) / count_floor
         ratio = tl.exp(seq_mean)
@@ -234,28 +174,28 @@ def grpo_loss_combine_kernel(
     applied = zero + 1.0
     raw_weight = applied
     truncated = applied
-    if WEIGHT_LEVEL != LEVEL_NONE:
+    if WEIGHT_LEVEL != K.LEVEL_NONE:
         weight_log = _level_log_ratio(d, sum_d, count_floor, clamp, WEIGHT_LEVEL)
         raw_weight = tl.exp(weight_log)
         truncated = tl.minimum(
-            tl.maximum(raw_weight, param(params_ptr, P_WEIGHT_MIN, COMPUTE)), param(params_ptr, P_WEIGHT_MAX, COMPUTE)
+            tl.maximum(raw_weight, param(params_ptr, K.P_WEIGHT_MIN, COMPUTE)), param(params_ptr, K.P_WEIGHT_MAX, COMPUTE)
         )
         applied = truncated
         if NORMALIZE_WEIGHTS:
             mean = tl.load(weight_mean_ptr).to(COMPUTE)
-            applied = truncated / tl.where(mean > WEIGHT_MEAN_FLOOR, mean, 1.0)
+            applied = truncated / tl.where(mean > K.WEIGHT_MEAN_FLOOR, mean, 1.0)
         term = term * applied
     keep_rollout = valid
     keep_opsm = valid
     keep_entropy = valid
-    if REJECT_LEVEL != LEVEL_NONE:
+    if REJECT_LEVEL != K.LEVEL_NONE:
         reject_ratio = tl.exp(_level_log_ratio(d, sum_d, count_floor, clamp, REJECT_LEVEL))
-        keep_rollout = (reject_ratio >= param(params_ptr, P_REJECT_MIN, COMPUTE)) & (
-            reject_ratio <= param(params_ptr, P_REJECT_MAX, COMPUTE)
+        keep_rollout = (reject_ratio >= param(params_ptr, K.P_REJECT_MIN, COMPUTE)) & (
+            reject_ratio <= param(params_ptr, K.P_REJECT_MAX, COMPUTE)
         )
     if OPSM:
         drift = tl.load(row + COL_OPSM, mask=valid, other=0.0).to(COMPUTE) / count_floor
-        keep_opsm = ~((adv < 0) & (drift > param(params_ptr, P_OPSM_DELTA, COMPUTE)))
+        keep_opsm = ~((adv < 0) & (drift > param(params_ptr, K.P_OPSM_DELTA, COMPUTE)))
     if TOP_ENTROPY:
         keep_entropy = ent.to(tl.float64) >= tl.load(threshold_ptr).to(tl.float64)
     keep = valid & keep_rollout & keep_opsm & keep_entropy
@@ -268,60 +208,45 @@ def grpo_loss_combine_kernel(
     kl = zero
     if HAS_REF:
         ref = load_clean(ref_ptr, offs, valid, COMPUTE)
-        x, x_inside = clamp_sym(ref - lp, param(params_ptr, P_KL_INPUT_CLAMP, COMPUTE))
-        if KL_ESTIMATOR == KL_K1:
-            base = -x
-            d_base_d_x = zero - 1.0
-        elif KL_ESTIMATOR == KL_K2:
-            base = 0.5 * (x * x)
-            d_base_d_x = x
-        else:
-            x_expm1 = expm1(x)
-            k3 = x_expm1 - x
-            if KL_STRAIGHT_THROUGH:
-                k2 = 0.5 * (x * x)
-                base = k2 + (k3 - k2)
-                d_base_d_x = x
-            else:
-                base = k3
-                d_base_d_x = x_expm1
+        x, x_inside = clamp_sym(ref - lp, param(params_ptr, K.P_KL_INPUT_CLAMP, COMPUTE))
+        base, d_base_d_x = kl_estimator(x, KL_ESTIMATOR, KL_STRAIGHT_THROUGH)  # token_math: written once
         d_base = tl.where(x_inside, -d_base_d_x, 0.0)  # ∂x/∂log π_θ = −1 inside the input clamp
-        if KL_RATIO == KL_RATIO_BIAS_CORRECTION:
+        if KL_RATIO == K.KL_RATIO_BIAS_CORRECTION:
             before_clamp = base * ratio_token
             d_before_clamp = d_base * ratio_token + tl.where(log_ratio_inside, base * ratio_token, 0.0)
-        elif KL_RATIO == KL_RATIO_SCORE_FUNCTION:
+        elif KL_RATIO == K.KL_RATIO_SCORE_FUNCTION:
             before_clamp = base * 1.0
             d_before_clamp = d_base + base
         else:
             before_clamp = base
             d_before_clamp = d_base
-        kl, kl_inside = clamp_sym(before_clamp, param(params_ptr, P_KL_OUTPUT_CLAMP, COMPUTE))
+        kl, kl_inside = clamp_sym(before_clamp, param(params_ptr, K.P_KL_OUTPUT_CLAMP, COMPUTE))
         if KL_IN_LOSS:
-            kl_coef = param(params_ptr, P_KL_COEF, COMPUTE)
+            kl_coef = param(params_ptr, K.P_KL_COEF, COMPUTE)
             contribution = contribution + kl_coef * kl
             d_contribution = d_contribution + kl_coef * tl.where(kl_inside, d_before_clamp, 0.0)
     d_entropy = zero
     if ENTROPY_BONUS:
-        bonus = param(params_ptr, P_ENTROPY_BONUS, COMPUTE)
+        bonus = param(params_ptr, K.P_ENTROPY_BONUS, COMPUTE)
         contribution = contribution - bonus * ent
         d_entropy = zero - bonus
     live = valid
     if SKIP:
         live = valid & (tl.load(skip_ptr) == 0)
-    sequences = tl.maximum(tl.load(sequences_ptr).to(COMPUTE), COUNT_FLOOR)
-    if AGGREGATION == AGG_TOKEN_MEAN:
-        divisor = zero + tl.maximum(tl.load(tokens_ptr).to(COMPUTE), COUNT_FLOOR)
-    elif AGGREGATION == AGG_SEQ_MEAN_TOKEN_MEAN:
+    sequences = tl.maximum(tl.load(sequences_ptr).to(COMPUTE), K.COUNT_FLOOR)
+    if AGGREGATION == K.AGG_TOKEN_MEAN:
+        divisor = zero + tl.maximum(tl.load(tokens_ptr).to(COMPUTE), K.COUNT_FLOOR)
+    elif AGGREGATION == K.AGG_SEQ_MEAN_TOKEN_MEAN:
         divisor = count_floor * sequences
-    elif AGGREGATION == AGG_SEQ_MEAN_TOKEN_SUM_NORM:
-        divisor = zero + sequences * param(params_ptr, P_NORM_CONSTANT, COMPUTE)
+    elif AGGREGATION == K.AGG_SEQ_MEAN_TOKEN_SUM_NORM:
+        divisor = zero + sequences * param(params_ptr, K.P_NORM_CONSTANT, COMPUTE)
     else:
         divisor = zero + sequences
     share = tl.where(live, contribution / divisor, 0.0)
     tl.store(grad_lp_ptr + offs, tl.where(live, d_contribution / divisor, 0.0), mask=offs < N)
     if ENTROPY_BONUS:
         tl.store(grad_ent_ptr + offs, tl.where(live, d_entropy / divisor, 0.0), mask=offs < N)
-    if OBJECTIVE == OBJ_GSPO or OBJECTIVE == OBJ_GMPO:
+    if OBJECTIVE == K.OBJ_GSPO or OBJECTIVE == K.OBJ_GMPO:
         tl.store(seq_factor_ptr + offs, tl.where(valid, seq_input_grad / count_floor, 0.0), mask=offs < N)
         to_mean = tl.where(live, policy_scale * along_mean / divisor, 0.0)
         seq_next = sequence_index(offs + 1, cu_ptr, T, S, search_steps, PACKED)
@@ -329,31 +254,31 @@ def grpo_loss_combine_kernel(
         segment_add(seq_grad_ptr, to_mean.to(tl.float64), seq, seq_next, end, last, S, 1, 0)
 
     # --- 6. metric partials of this block ---
-    out = partial_ptr + pid * PARTIAL_COLS
+    out = partial_ptr + pid * K.PARTIAL_COLS
     none = tl.zeros([], dtype=tl.float64)
-    tl.store(out + SUM_SHARE, masked_sum(share, valid))
-    tl.store(out + SUM_VALID, masked_sum(valid, valid))
-    tl.store(out + SUM_POLICY, masked_sum(policy, valid))
-    tl.store(out + SUM_RATIO, masked_sum(ratio, valid))
-    tl.store(out + EXT_RATIO_MIN, masked_min(ratio, valid))
-    tl.store(out + EXT_RATIO_MAX, masked_max(ratio, valid))
-    tl.store(out + SUM_CLIP_LOW, masked_sum(clip_low, valid))
-    tl.store(out + SUM_CLIP_HIGH, masked_sum(clip_high, valid))
-    tl.store(out + SUM_CLIP_DUAL, masked_sum(dual, valid))
-    tl.store(out + SUM_WEIGHT_RAW, masked_sum(raw_weight, valid))
-    tl.store(out + SUM_WEIGHT_TRUNCATED, masked_sum(truncated, valid))
-    tl.store(out + SUM_WEIGHT_APPLIED, masked_sum(applied, valid))
-    tl.store(out + EXT_WEIGHT_RAW_MIN, masked_min(raw_weight, valid))
-    tl.store(out + EXT_WEIGHT_RAW_MAX, masked_max(raw_weight, valid))
-    tl.store(out + EXT_WEIGHT_TRUNCATED_MIN, masked_min(truncated, valid))
-    tl.store(out + EXT_WEIGHT_TRUNCATED_MAX, masked_max(truncated, valid))
-    tl.store(out + EXT_WEIGHT_APPLIED_MIN, masked_min(applied, valid))
-    tl.store(out + EXT_WEIGHT_APPLIED_MAX, masked_max(applied, valid))
-    tl.store(out + SUM_REJECTED_ROLLOUT, masked_sum(~keep_rollout, valid))
-    tl.store(out + SUM_REJECTED_OPSM, masked_sum(~keep_opsm, valid))
-    tl.store(out + SUM_REJECTED_ENTROPY, masked_sum(~keep_entropy, valid))
-    tl.store(out + SUM_KL, masked_sum(kl, valid))
-    tl.store(out + SUM_ENTROPY, masked_sum(ent, valid))
+    tl.store(out + K.SUM_SHARE, masked_sum(share, valid))
+    tl.store(out + K.SUM_VALID, masked_sum(valid, valid))
+    tl.store(out + K.SUM_POLICY, masked_sum(policy, valid))
+    tl.store(out + K.SUM_RATIO, masked_sum(ratio, valid))
+    tl.store(out + K.EXT_RATIO_MIN, masked_min(ratio, valid))
+    tl.store(out + K.EXT_RATIO_MAX, masked_max(ratio, valid))
+    tl.store(out + K.SUM_CLIP_LOW, masked_sum(clip_low, valid))
+    tl.store(out + K.SUM_CLIP_HIGH, masked_sum(clip_high, valid))
+    tl.store(out + K.SUM_CLIP_DUAL, masked_sum(dual, valid))
+    tl.store(out + K.SUM_WEIGHT_RAW, masked_sum(raw_weight, valid))
+    tl.store(out + K.SUM_WEIGHT_TRUNCATED, masked_sum(truncated, valid))
+    tl.store(out + K.SUM_WEIGHT_APPLIED, masked_sum(applied, valid))
+    tl.store(out + K.EXT_WEIGHT_RAW_MIN, masked_min(raw_weight, valid))
+    tl.store(out + K.EXT_WEIGHT_RAW_MAX, masked_max(raw_weight, valid))
+    tl.store(out + K.EXT_WEIGHT_TRUNCATED_MIN, masked_min(truncated, valid))
+    tl.store(out + K.EXT_WEIGHT_TRUNCATED_MAX, masked_max(truncated, valid))
+    tl.store(out + K.EXT_WEIGHT_APPLIED_MIN, masked_min(applied, valid))
+    tl.store(out + K.EXT_WEIGHT_APPLIED_MAX, masked_max(applied, valid))
+    tl.store(out + K.SUM_REJECTED_ROLLOUT, masked_sum(~keep_rollout, valid))
+    tl.store(out + K.SUM_REJECTED_OPSM, masked_sum(~keep_opsm, valid))
+    tl.store(out + K.SUM_REJECTED_ENTROPY, masked_sum(~keep_entropy, valid))
+    tl.store(out + K.SUM_KL, masked_sum(kl, valid))
+    tl.store(out + K.SUM_ENTROPY, masked_sum(ent, valid))
     chi2_seq = none
     chi2_seq_count = none
     mismatch_k1 = none
@@ -372,8 +297,8 @@ def grpo_loss_combine_kernel(
             seq_log_ratio, _ = clamp_sym(seq_sum_d, clamp)
             chi2_seq = masked_sum(expm1(2.0 * seq_log_ratio), has_token)
             chi2_seq_count = masked_sum(has_token, has_token)
-    tl.store(out + SUM_MISMATCH_K1, mismatch_k1)
-    tl.store(out + SUM_MISMATCH_K3, mismatch_k3)
-    tl.store(out + SUM_CHI2_TOKEN, chi2_token)
-    tl.store(out + SUM_CHI2_SEQ, chi2_seq)
-    tl.store(out + SUM_CHI2_SEQ_COUNT, chi2_seq_count)
+    tl.store(out + K.SUM_MISMATCH_K1, mismatch_k1)
+    tl.store(out + K.SUM_MISMATCH_K3, mismatch_k3)
+    tl.store(out + K.SUM_CHI2_TOKEN, chi2_token)
+    tl.store(out + K.SUM_CHI2_SEQ, chi2_seq)
+    tl.store(out + K.SUM_CHI2_SEQ_COUNT, chi2_seq_count)

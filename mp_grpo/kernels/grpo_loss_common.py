@@ -14,6 +14,8 @@
   the Triton interpreter has no libdevice, so it is a short series below |x| = 0.5.
 """
 
+import hashlib
+
 import triton
 import triton.language as tl
 
@@ -268,3 +270,17 @@ def masked_min(x, valid):
 def masked_max(x, valid):
     """max x where valid, float64; −inf when nothing is valid."""
     return tl.max(tl.where(valid, x.to(tl.float64), float("-inf")), axis=0)
+
+
+def _constants_key() -> int:
+    """A hash of every ``tl.constexpr`` of this module (name and value)."""
+    values = sorted((name, repr(value.value)) for name, value in globals().items() if isinstance(value, tl.constexpr))
+    return int(hashlib.sha256(repr(values).encode()).hexdigest()[:15], 16)
+
+
+CONSTANTS_KEY: int = _constants_key()
+"""Passed to the kernels that read this module's constants as ``K.NAME`` (combine, finalize) as their
+``CONSTANTS_KEY`` compile-time argument. Why: Triton checks, at every launch, each module global a kernel
+names bare (``NAME``) against its value at compile time — about a microsecond each, ~68 µs of host time per
+combine launch. Read as attributes of the module (``K.NAME``) they are not checked, and not hashed into
+Triton's cache key either: this key puts their values back into it, so that editing a constant recompiles."""

@@ -13,19 +13,7 @@ Every slot is written; the host names only those the config and the inputs repor
 import triton
 import triton.language as tl
 
-from mp_grpo.kernels.grpo_loss_common import (
-    NUM_EXTREMES,
-    NUM_PAIRS,
-    NUM_SUMS,
-    PAIR_CHI2_SEQ,
-    PAIR_LOSS,
-    PAIR_SKIPPED,
-    PAIR_VALID_TOKENS,
-    PARTIAL_COLS,
-    SUM_CHI2_SEQ_COUNT,
-    SUM_SHARE,
-    SUM_VALID,
-)
+from mp_grpo.kernels import grpo_loss_common as K
 
 
 @triton.jit
@@ -46,36 +34,37 @@ def grpo_loss_finalize_kernel(
     HAS_SKIP: tl.constexpr,
     COLS: tl.constexpr,  # power of two ≥ PARTIAL_COLS
     BLOCK_P: tl.constexpr,
+    CONSTANTS_KEY: tl.constexpr,  # grpo_loss_common.CONSTANTS_KEY: its constants' values in Triton's cache key
 ):
     cols = tl.arange(0, COLS)
-    is_sum = cols < NUM_SUMS
-    is_extreme = (cols >= NUM_SUMS) & (cols < PARTIAL_COLS)
-    is_min = is_extreme & ((cols - NUM_SUMS) % 2 == 0)
+    is_sum = cols < K.NUM_SUMS
+    is_extreme = (cols >= K.NUM_SUMS) & (cols < K.PARTIAL_COLS)
+    is_min = is_extreme & ((cols - K.NUM_SUMS) % 2 == 0)
     # --- 1. reduce the partials ---
     sums = tl.zeros([COLS], dtype=tl.float64)
     lows = tl.full([COLS], float("inf"), dtype=tl.float64)
     highs = tl.full([COLS], float("-inf"), dtype=tl.float64)
     for start in range(0, P, BLOCK_P):
         rows = start + tl.arange(0, BLOCK_P)
-        inside = (rows[:, None] < P) & (cols[None, :] < PARTIAL_COLS)
-        block = tl.load(partial_ptr + rows[:, None] * PARTIAL_COLS + cols[None, :], mask=inside, other=0.0)
+        inside = (rows[:, None] < P) & (cols[None, :] < K.PARTIAL_COLS)
+        block = tl.load(partial_ptr + rows[:, None] * K.PARTIAL_COLS + cols[None, :], mask=inside, other=0.0)
         sums += tl.sum(tl.where(inside & is_sum[None, :], block, 0.0), axis=0)
         lows = tl.minimum(lows, tl.min(tl.where(inside & is_extreme[None, :], block, float("inf")), axis=0))
         highs = tl.maximum(highs, tl.max(tl.where(inside & is_extreme[None, :], block, float("-inf")), axis=0))
     # --- 2. the loss ---
-    tl.store(loss_ptr, _pick(sums, cols, SUM_SHARE).to(loss_ptr.dtype.element_ty))
+    tl.store(loss_ptr, _pick(sums, cols, K.SUM_SHARE).to(loss_ptr.dtype.element_ty))
     # --- 3. metric pairs and extremes ---
     inv_micro_batches = 1.0 / tl.load(micro_batches_ptr).to(tl.float64)
-    counts = tl.zeros([COLS], dtype=tl.float64) + _pick(sums, cols, SUM_VALID)
-    counts = tl.where((cols == PAIR_LOSS) | (cols == PAIR_VALID_TOKENS), inv_micro_batches, counts)
-    counts = tl.where(cols == PAIR_CHI2_SEQ, _pick(sums, cols, SUM_CHI2_SEQ_COUNT), counts)
+    counts = tl.zeros([COLS], dtype=tl.float64) + _pick(sums, cols, K.SUM_VALID)
+    counts = tl.where((cols == K.PAIR_LOSS) | (cols == K.PAIR_VALID_TOKENS), inv_micro_batches, counts)
+    counts = tl.where(cols == K.PAIR_CHI2_SEQ, _pick(sums, cols, K.SUM_CHI2_SEQ_COUNT), counts)
     values = sums
     if HAS_SKIP:
         skip = tl.load(skip_ptr).to(tl.float64)
-        values = tl.where(cols == PAIR_SKIPPED, skip, values)
-    counts = tl.where(cols == PAIR_SKIPPED, 1.0, counts)
-    is_pair = cols < NUM_PAIRS
+        values = tl.where(cols == K.PAIR_SKIPPED, skip, values)
+    counts = tl.where(cols == K.PAIR_SKIPPED, 1.0, counts)
+    is_pair = cols < K.NUM_PAIRS
     tl.store(pairs_ptr + 2 * cols, values, mask=is_pair)
     tl.store(pairs_ptr + 2 * cols + 1, counts, mask=is_pair)
     extremes = tl.where(is_min, lows, highs)
-    tl.store(extremes_ptr + (cols - NUM_SUMS), extremes, mask=is_extreme & (cols - NUM_SUMS < NUM_EXTREMES))
+    tl.store(extremes_ptr + (cols - K.NUM_SUMS), extremes, mask=is_extreme & (cols - K.NUM_SUMS < K.NUM_EXTREMES))

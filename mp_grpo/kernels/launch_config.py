@@ -6,10 +6,21 @@ Chosen by a sweep on one GPU (``scripts/bench_logprob.py --sweep``, results in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import triton
 from triton import knobs
+
+INTERPRETER: bool = bool(knobs.runtime.interpret)
+"""Whether Triton runs its interpreter (read once: Triton decides it when the kernels are defined, at import;
+reading the knob per launch cost a few microseconds of host time each)."""
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grid sizes, in plain Python (``triton.cdiv`` is a constexpr function: a few
+    microseconds of host time per call)."""
+    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -30,6 +41,7 @@ class LogprobLaunchConfig:
     filter_mass_warps: int
 
 
+@functools.lru_cache(maxsize=256)
 def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
     """Launch parameters for a shard of ``v_local`` columns.
 
@@ -37,7 +49,7 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
     reduction order is fixed by these block sizes, which is what makes the log-probs batch-invariant
     (docs/kernel.md, "Batch invariance").
     """
-    if knobs.runtime.interpret:
+    if INTERPRETER:
         block = min(triton.next_power_of_2(v_local), 64)
         return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1, block, 1)
     # H200 sweep, N = 16384, bf16 (docs/benchmarks/logprob_sweep.json): 4096 columns with 4 warps

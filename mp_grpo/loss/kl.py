@@ -3,7 +3,8 @@
 Schedule of :func:`kl_penalty`
     1. ``x = clamp(ref − log π_θ, ±input_clamp)`` (0 on masked tokens, whose inputs were zeroed).
     2. ``k1 = −x``, ``k2 = x²/2``, ``k3 = eˣ − x − 1``; with ``straight_through`` the value of k3 with the
-       gradient of k2 (verl's ``k3+``).
+       gradient of k2 (verl's ``k3+``) — :func:`mp_grpo.kernels.token_math.kl_estimator`, the one definition
+       the fused kernels use too, run on torch tensors (:mod:`mp_grpo.loss.dialect`).
     3. ``bias_correction``: times the ratio π_θ/π_old at ``bias_correction_level`` (token: the clamped token
        ratio, DeepSeek-V3.2's unbiased estimate; geometric / sequence: the sequence's), with its gradient. ``score_function``: times ``exp(log π_θ − stopgrad(log π_θ))`` (value 1; adds the
        score-function gradient, NeMo-RL's default).
@@ -17,7 +18,13 @@ from __future__ import annotations
 import torch
 
 from mp_grpo.config.loss import KLConfig, KLEstimator
+from mp_grpo.kernels.token_math import kl_estimator
 from mp_grpo.loss.clamps import symmetric_clamp
+from mp_grpo.loss.dialect import CODES, torch_formula
+
+_kl_estimator = torch_formula(kl_estimator)
+"""The estimator of ``mp_grpo/kernels/token_math.py`` (one definition for this path and the fused kernels)."""
+_ESTIMATOR_CODES = {KLEstimator.K1: CODES.KL_K1, KLEstimator.K2: CODES.KL_K2, KLEstimator.K3: CODES.KL_K3}
 
 
 def kl_penalty(
@@ -31,18 +38,8 @@ def kl_penalty(
     """
     # --- 1. the clamped log-ratio of the reference to the policy ---
     x = symmetric_clamp(ref_logprobs.detach() - logprobs, cfg.input_clamp)
-    # --- 2. the estimator ---
-    if cfg.estimator == KLEstimator.K1:
-        kl = -x
-    elif cfg.estimator == KLEstimator.K2:
-        kl = 0.5 * x.square()
-    else:
-        k3 = torch.expm1(x) - x
-        if cfg.straight_through:
-            k2 = 0.5 * x.square()
-            kl = k2 + (k3 - k2).detach()
-        else:
-            kl = k3
+    # --- 2. the estimator (mp_grpo/kernels/token_math.py; autograd differentiates its value) ---
+    kl, _ = _kl_estimator(x, _ESTIMATOR_CODES[cfg.estimator], cfg.straight_through)
     # --- 3. importance ratio for the sampling policy ---
     if cfg.bias_correction:
         kl = kl * log_ratio.exp()

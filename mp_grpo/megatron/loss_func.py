@@ -47,6 +47,7 @@ from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
 from mp_grpo.megatron.moe import MoEStats, RoutedTokenAccount, check_moe_config, end_routing_replay, is_moe, replay_routing
 from mp_grpo.megatron.scaling import MegatronScaling
 from mp_grpo.ops import fused_linear_logprobs, vocab_parallel_logprobs
+from mp_grpo.ops.checks import CheckInputs, check_inputs_mode
 
 
 class MegatronGRPO:
@@ -78,7 +79,7 @@ class MegatronGRPO:
         vocab_size: int | None = None,
         with_entropy: bool = True,
         output_path: OutputPath = OutputPath.LOGITS,
-        check_inputs: bool = True,
+        check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     ) -> None:
         """
         Args:
@@ -123,7 +124,7 @@ class MegatronGRPO:
         self.num_microbatches = num_microbatches
         self.vocab_size = vocab_size
         self.with_entropy = with_entropy or config.needs_entropy
-        self.check_inputs = bool(check_inputs)
+        self.check_inputs = check_inputs_mode(check_inputs)
         self.moe_stats: MoEStats | None = None
         """The routers' statistics of the current step (MoE models; set at the first forward step)."""
         self._replayed_routing = False

@@ -3,65 +3,119 @@
 **Checks that never synchronize** (:func:`record_errors`, :func:`check_errors`). Some input errors can only
 be seen on the device — a target id outside the vocabulary, vocabulary shards of unequal size across the
 TP group (counted by the log-prob merge kernel), a loss mask whose content differs from the one the step's
-GlobalBatch counted. Reading such a count on the host costs a synchronization per call. Instead:
+GlobalBatch counted. Reading such a count on the host costs a synchronization per call. Instead
+(:class:`CheckInputs`, the ops' ``check_inputs``):
 
-* on the CPU the count is read at once (a CPU read is free) and the error raised immediately;
-* on a GPU the count is added, in place and asynchronously, into a per-(kind, device) accumulator of
-  this ledger — no host read; the outputs concerned are NaN meanwhile, so nothing is silently wrong —
-  and :func:`check_errors` reads every accumulator with one host read per device and raises the first
-  error, naming the argument. ``mp_grpo.reduce_metrics`` and ``GlobalBatch.skip_step`` call it (sync
-  points a step already has); call ``mp_grpo.check_errors()`` yourself anywhere else, e.g. after a
-  forward-only pass.
+* ``DEFERRED`` (the default): on the CPU the count is read at once (a CPU read is free) and the error
+  raised immediately; on a GPU the count is added, in place and asynchronously, into one slot of a
+  per-device int64 counter vector (one slot per kind of error, allocated once) — no host read, nothing
+  allocated, so a call can be captured into a CUDA graph and every replay adds its own count; the
+  outputs concerned are NaN meanwhile, so nothing is silently wrong — and :func:`check_errors` reads
+  every counter vector (one host read per device), zeroes it and raises the first error, naming the
+  argument. ``mp_grpo.reduce_metrics`` and ``GlobalBatch.skip_step`` call it (sync points a step already
+  has); call ``mp_grpo.check_errors()`` yourself anywhere else, e.g. after a forward-only pass or after
+  replaying a graph.
+* ``SYNC``: read the count at the call (one host read) and raise there, on a GPU too (debugging).
+* ``OFF``: nothing recorded; the outputs concerned are still NaN.
 
-:func:`deferred_checks` makes the CPU defer too (tests of the mechanism).
+A device's counter vector is allocated by its first eager record: capture a graph after one eager
+(warm-up) call, as ``torch.cuda.graphs`` asks anyway. :func:`deferred_checks` makes the CPU defer too
+(tests of the mechanism).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Callable, Iterator
 
 import torch
 
-_ledger: dict[tuple[str, torch.device], tuple[torch.Tensor, Callable[[int], str], type[Exception]]] = {}
+
+class CheckInputs(enum.Enum):
+    """How the ops check what only the device can see (``check_inputs=``; see the module docstring).
+    ``True`` means ``DEFERRED``, ``False`` means ``OFF``."""
+
+    DEFERRED = "deferred"
+    """Count on the device, raise at the next :func:`check_errors` (at once on the CPU). No host read."""
+    SYNC = "sync"
+    """Read the count at the call and raise there (one host read per call, on a GPU too)."""
+    OFF = "off"
+    """Record nothing (bad rows are NaN all the same)."""
+
+
+def check_inputs_mode(value: CheckInputs | bool) -> CheckInputs:
+    """``check_inputs`` as a :class:`CheckInputs` (``True``: DEFERRED, ``False``: OFF)."""
+    if isinstance(value, CheckInputs):
+        return value
+    if isinstance(value, bool):
+        return CheckInputs.DEFERRED if value else CheckInputs.OFF
+    allowed = ", ".join(f"CheckInputs.{m.name}" for m in CheckInputs)
+    raise TypeError(f"check_inputs must be a bool or one of {allowed}, got {value!r}")
+
+
+LEDGER_SLOTS = 32
+"""Kinds of deferred error one counter vector holds (the package records a handful)."""
+
+_slots: dict[str, int] = {}
+_counters: dict[torch.device, torch.Tensor] = {}
+_messages: dict[tuple[str, torch.device], tuple[Callable[[int], str], type[Exception]]] = {}
 _defer_on_cpu = False
 
 
+def _counter_vector(device: torch.device) -> torch.Tensor:
+    counter = _counters.get(device)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "mp_grpo's deferred input checks allocate their error counters on the first eager call: run the "
+                "op once before capturing a CUDA graph (the usual warm-up), or pass check_inputs=CheckInputs.OFF"
+            )
+        counter = _counters[device] = torch.zeros(LEDGER_SLOTS, dtype=torch.int64, device=device)
+    return counter
+
+
 def record_errors(
-    kind: str, count: torch.Tensor, message: Callable[[int], str], error: type[Exception] = ValueError
+    kind: str,
+    count: torch.Tensor,
+    message: Callable[[int], str],
+    error: type[Exception] = ValueError,
+    mode: CheckInputs = CheckInputs.DEFERRED,
 ) -> None:
-    """Raise ``error(message(n))`` if the 0-dim integer ``count`` n is nonzero — at once on the CPU, at the
-    next :func:`check_errors` on a GPU (``count`` is then accumulated on the device without a host read)."""
-    if count.device.type == "cpu" and not _defer_on_cpu:
+    """Raise ``error(message(n))`` if the 0-dim integer ``count`` n is nonzero — at once on the CPU or with
+    ``mode=SYNC``, at the next :func:`check_errors` otherwise (``count`` is then added into the device's
+    counter vector without a host read); nothing with ``mode=OFF``."""
+    if mode is CheckInputs.OFF:
+        return
+    device = count.device
+    if mode is CheckInputs.SYNC or (device.type == "cpu" and not _defer_on_cpu):
         n = int(count)
         if n:
             raise error(message(n))
         return
-    key = (kind, count.device)
-    held = _ledger.get(key)
-    if held is None:
-        _ledger[key] = (count.detach().reshape(()).to(torch.int64).clone(), message, error)
-    else:
-        held[0].add_(count.detach().reshape(()))
-        _ledger[key] = (held[0], message, error)  # the latest call's message (its shapes) describes the error
+    slot = _slots.get(kind)
+    if slot is None:
+        if len(_slots) >= LEDGER_SLOTS:
+            raise RuntimeError(f"more than {LEDGER_SLOTS} kinds of deferred error: raise LEDGER_SLOTS")
+        slot = _slots[kind] = len(_slots)
+    _counter_vector(device)[slot].add_(count.detach().reshape(()))
+    _messages[(kind, device)] = (message, error)  # the latest call's message (its shapes) describes the error
 
 
 def check_errors() -> None:
-    """Raise the first error recorded by :func:`record_errors` since the last check (one host read per device)."""
-    if not _ledger:
-        return
-    held = list(_ledger.items())
-    _ledger.clear()
-    by_device: dict[torch.device, list[int]] = {}
-    for i, ((_, device), _) in enumerate(held):
-        by_device.setdefault(device, []).append(i)
-    counts = [0] * len(held)
-    for device, idx in by_device.items():
-        for i, n in zip(idx, torch.stack([held[i][1][0] for i in idx]).tolist()):
-            counts[i] = int(n)
-    for ((kind, _), (_, message, error)), n in zip(held, counts):
-        if n:
-            raise error(f"{message(n)} [recorded on the device since the last mp_grpo.check_errors(): {kind}]")
+    """Raise the first error recorded by :func:`record_errors` since the last check (one host read per device
+    that ever recorded one; the counters are zeroed when read nonzero)."""
+    names = {slot: kind for kind, slot in _slots.items()}
+    for device, counter in _counters.items():
+        counts = counter.tolist()
+        if not any(counts):
+            continue
+        counter.zero_()
+        for slot, n in enumerate(counts):
+            if n:
+                kind = names[slot]
+                message, error = _messages[(kind, device)]
+                raise error(f"{message(n)} [recorded on the device since the last mp_grpo.check_errors(): {kind}]")
 
 
 @contextlib.contextmanager
@@ -110,18 +164,21 @@ def check_temperature(temperature: float) -> float:
 
 def check_runs_here(x: torch.Tensor, name: str) -> None:
     """Triton runs on CUDA tensors, or on CPU tensors only under its interpreter."""
-    from triton import knobs
+    from mp_grpo.kernels.launch_config import INTERPRETER
 
-    if x.device.type != "cuda" and not knobs.runtime.interpret:
+    if x.device.type != "cuda" and not INTERPRETER:
         raise RuntimeError(
             f"{name} is on {x.device}: the Triton kernels run on CUDA tensors, or on CPU tensors only with "
             "TRITON_INTERPRET=1 set before mp_grpo is imported"
         )
 
 
-def raise_on_kernel_errors(errors: torch.Tensor, *, v_global: int, ignore_index: int, shard_sizes: torch.Tensor) -> None:
-    """The merge kernel's error counters, through :func:`record_errors`: raised at once on the CPU, at the next
-    :func:`check_errors` on a GPU (no host read here)."""
+def raise_on_kernel_errors(
+    errors: torch.Tensor, *, v_global: int, ignore_index: int, shard_sizes: torch.Tensor,
+    mode: CheckInputs = CheckInputs.DEFERRED,
+) -> None:
+    """The merge kernel's error counters, through :func:`record_errors` (``mode``): raised at once on the CPU,
+    at the next :func:`check_errors` on a GPU (no host read here), at the call with ``SYNC``."""
     def shards(n: int) -> str:
         sizes = [int(v) for v in shard_sizes.tolist()]
         return (f"logits: the vocabulary shards differ in size across the tensor-parallel group (V_local per rank: "
@@ -130,8 +187,8 @@ def raise_on_kernel_errors(errors: torch.Tensor, *, v_global: int, ignore_index:
     def targets(n: int) -> str:
         return f"target has {n} token id(s) outside [0, {v_global}) that are not ignore_index ({ignore_index})"
 
-    record_errors("unequal vocabulary shards", errors[1], shards)
-    record_errors("target id outside the vocabulary", errors[0], targets)
+    record_errors("unequal vocabulary shards", errors[1], shards, mode=mode)
+    record_errors("target id outside the vocabulary", errors[0], targets, mode=mode)
 
 
 def check_hidden_weight_and_target(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ Forward — chunks of whole rows, ``[rows, V_local]``
     2. one collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped for
        a group of size 1; row N carries ``V_local``, so unequal shards are reported, not hung on);
     3. ``logprob_merge_kernel``: log-prob, entropy, and logZ as (M, log S) per row; with
-       ``check_inputs`` one host read of the error counters raises on bad targets or unequal shards.
+       ``check_inputs`` the error counters go to the deferred ledger (``mp_grpo.ops.checks``): no host read.
     Saved for backward: ``hidden`` and ``weight`` (not copies), targets, M, log S, entropy — 20 bytes
     a row; no logits.
     With a ``sampling_filter``, step 1 first finds each chunk's per-row thresholds
@@ -96,8 +96,10 @@ import torch
 
 from mp_grpo.collectives import ProcessGroup, group_rank, group_size
 from mp_grpo.ops.checks import (
+    CheckInputs,
     check_chunk_size,
     check_hidden_weight_and_target,
+    check_inputs_mode,
     check_main_grad,
     check_runs_here,
     check_temperature,
@@ -364,7 +366,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         ignore_index: int,
         plan: ChunkPlan,
         accumulate_into_main_grad: bool,
-        check_inputs: bool,
+        check_inputs: CheckInputs,
         sampling_filter: SamplingFilter | None,
     ):
         ctx.set_materialize_grads(False)
@@ -393,8 +395,8 @@ class FusedLinearLogProbs(torch.autograd.Function):
         if threshold is not None:
             # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
             outside = torch.isneginf(merged.logprobs) & (t != ignore_index)
-            if check_inputs:
-                raise_on_targets_outside_filter(outside)
+            if check_inputs is not CheckInputs.OFF:
+                raise_on_targets_outside_filter(outside, check_inputs)
         ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.entropy, threshold, outside)
         # Like Megatron's linear layer: main_grad is kept on ctx, not saved (no version-counter checks,
         # since DDP writes into it between forward and backward).
@@ -447,14 +449,14 @@ def fused_linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ...,
     temperature: float = ..., with_entropy: Literal[False] = ..., ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
-    check_inputs: bool = ..., sampling_filter: SamplingFilter | None = ...,
+    check_inputs: CheckInputs | bool = ..., sampling_filter: SamplingFilter | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def fused_linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ...,
     temperature: float = ..., with_entropy: Literal[True], ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
-    check_inputs: bool = ..., sampling_filter: SamplingFilter | None = ...,
+    check_inputs: CheckInputs | bool = ..., sampling_filter: SamplingFilter | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -470,7 +472,7 @@ def fused_linear_logprobs(
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     accumulate_into_main_grad: bool = False,
-    check_inputs: bool = True,
+    check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     sampling_filter: SamplingFilter | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What ``vocab_parallel_logprobs(hidden @ weight.T, target, ...)`` returns, without the logits.
@@ -496,10 +498,10 @@ def fused_linear_logprobs(
         accumulate_into_main_grad: Megatron's gradient-accumulation fusion — add the weight gradient
             into ``weight.main_grad`` (fp32, or weight's dtype) and return Megatron's placeholder as
             the weight's gradient. Pass the output layer's ``gradient_accumulation_fusion``.
-        check_inputs: as in :func:`~mp_grpo.vocab_parallel_logprobs`: raise on a target outside
-            ``[0, V_global)`` or on unequal shards (at once on the CPU, at the next
-            ``mp_grpo.check_errors()`` on a GPU: no host read per call); with ``False`` nothing is
-            recorded, and such outputs are NaN instead.
+        check_inputs: as in :func:`~mp_grpo.vocab_parallel_logprobs` (a ``CheckInputs``; ``True``:
+            ``DEFERRED``): raise on a target outside ``[0, V_global)`` or on unequal shards (at once on
+            the CPU, at the next ``mp_grpo.check_errors()`` on a GPU: no host read per call; ``SYNC``: at
+            the call); with ``OFF`` / ``False`` nothing is recorded, and such outputs are NaN instead.
         sampling_filter: as in :func:`~mp_grpo.vocab_parallel_logprobs` — the log-probs, entropy and
             gradients of the rollout's filtered, renormalized distribution. The threshold search runs on
             each forward chunk (whole rows; its passes and collectives once per chunk, so every TP rank must
@@ -525,8 +527,10 @@ def fused_linear_logprobs(
         target.numel(), weight.shape[1], weight.shape[0], hidden.dtype,
         chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
     )
+    check_inputs = check_inputs_mode(check_inputs)
     if sampling_filter is not None:
-        check_sampling_filter(sampling_filter, target.shape, hidden.device, check_tensors=bool(check_inputs))
+        check_sampling_filter(sampling_filter, target.shape, hidden.device,
+                              check_tensors=check_inputs is not CheckInputs.OFF)
         sampling_filter = sampling_filter.without_noops(weight.shape[0] * group_size(tp_group))
     if sampling_filter is not None:
         # Backward recomputes exactly forward's logits (the same GEMMs: whole-row chunks of the same rows), so
@@ -534,5 +538,5 @@ def fused_linear_logprobs(
         plan = replace(plan, backward_rows=plan.forward_rows, backward_cols=weight.shape[0])
     return FusedLinearLogProbs.apply(
         hidden, weight, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
-        bool(accumulate_into_main_grad), bool(check_inputs), sampling_filter,
+        bool(accumulate_into_main_grad), check_inputs, sampling_filter,
     )

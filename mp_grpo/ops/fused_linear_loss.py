@@ -69,8 +69,10 @@ import torch
 
 from mp_grpo.collectives import ProcessGroup, group_rank, group_size
 from mp_grpo.ops.checks import (
+    CheckInputs,
     check_chunk_size,
     check_hidden_weight_and_target,
+    check_inputs_mode,
     check_main_grad,
     check_runs_here,
     check_temperature,
@@ -146,7 +148,7 @@ class FusedLinearLoss(torch.autograd.Function):
         ignore_index: int,
         plan: ChunkPlan,
         accumulate_into_main_grad: bool,
-        check_inputs: bool,
+        check_inputs: CheckInputs,
         sampling_filter: SamplingFilter | None,
     ):
         v_local, hidden_size = weight.shape
@@ -199,8 +201,8 @@ class FusedLinearLoss(torch.autograd.Function):
             if threshold is not None:
                 # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
                 outside = torch.isneginf(merged.logprobs) & (t[r0:r1] != ignore_index)
-                if check_inputs:
-                    raise_on_targets_outside_filter(outside)
+                if check_inputs is not CheckInputs.OFF:
+                    raise_on_targets_outside_filter(outside, check_inputs)
 
             # --- 3. the coefficients d loss / d logp, d loss / d entropy of the chunk's rows ---
             grad_lp, grad_ent, loss, aux = _coefficients(loss_fn, logprobs, entropy, target.shape)
@@ -267,7 +269,7 @@ def fused_linear_loss(
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
     accumulate_into_main_grad: bool = False,
-    check_inputs: bool = True,
+    check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     sampling_filter: SamplingFilter | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """``loss_fn(log-probs, entropy)`` of ``log softmax(hidden @ weightᵀ / T)[target]``, its gradient made in forward.
@@ -299,12 +301,14 @@ def fused_linear_loss(
         target.numel(), weight.shape[1], weight.shape[0], hidden.dtype, chunk_tokens=chunk_tokens,
         logits_chunk_bytes=LOSS_LOGITS_CHUNK_BYTES,
     )
+    check_inputs = check_inputs_mode(check_inputs)
     if sampling_filter is not None:
-        check_sampling_filter(sampling_filter, target.shape, hidden.device, check_tensors=bool(check_inputs))
+        check_sampling_filter(sampling_filter, target.shape, hidden.device,
+                              check_tensors=check_inputs is not CheckInputs.OFF)
         sampling_filter = sampling_filter.without_noops(weight.shape[0] * group_size(tp_group))
     aux = _Aux()
     loss = FusedLinearLoss.apply(
         hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
-        bool(accumulate_into_main_grad), bool(check_inputs), sampling_filter,
+        bool(accumulate_into_main_grad), check_inputs, sampling_filter,
     )
     return loss, aux.value

@@ -32,15 +32,15 @@ from typing import NamedTuple
 
 import torch
 import triton
-from triton import knobs
 
 from mp_grpo.collectives import ProcessGroup, all_reduce_sum, group_size
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.kernels.grpo_loss_backward import grpo_loss_backward_kernel
 from mp_grpo.kernels.grpo_loss_combine import grpo_loss_combine_kernel
-from mp_grpo.kernels.grpo_loss_common import NUM_EXTREMES, NUM_PAIRS, PARTIAL_COLS
+from mp_grpo.kernels.grpo_loss_common import CONSTANTS_KEY, NUM_EXTREMES, NUM_PAIRS, PARTIAL_COLS
 from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
 from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
+from mp_grpo.kernels.launch_config import INTERPRETER, ceil_div
 from mp_grpo.ops.checks import check_runs_here
 from mp_grpo.ops.grpo_loss_plan import FusedLossPlan, InputsKey, build_plan, config_parameters
 
@@ -61,12 +61,13 @@ class _LaunchConfig(NamedTuple):
     finalize_block: int
 
 
+_LAUNCH = _LaunchConfig(16, 1, 16, 1, 16, 1, 4) if INTERPRETER else _LaunchConfig(1024, 4, 256, 4, 1024, 4, 64)
+"""Block sizes. Under the interpreter (CPU tests) small blocks, so that sequences span blocks; on a GPU
+the combine pass keeps ~2 tokens a thread (it holds many values per token), the light passes 8."""
+
+
 def _launch_config() -> _LaunchConfig:
-    """Block sizes. Under the interpreter (CPU tests) small blocks, so that sequences span blocks; on a GPU
-    the combine pass keeps ~2 tokens a thread (it holds many values per token), the light passes 8."""
-    if knobs.runtime.interpret:
-        return _LaunchConfig(16, 1, 16, 1, 16, 1, 4)
-    return _LaunchConfig(1024, 4, 256, 4, 1024, 4, 64)
+    return _LAUNCH
 
 
 class SequenceInfo(NamedTuple):
@@ -190,7 +191,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
             if plan.seq_grad:
                 seq_grad = workspace[sums_size:]
             # --- 2. per-sequence sums ---
-            grpo_loss_token_kernel[(max(triton.cdiv(n, launch.token_block), 1),)](
+            grpo_loss_token_kernel[(max(ceil_div(n, launch.token_block), 1),)](
                 lp, old, rollout, adv, mask, cu, call.params, seq_sums,
                 n, row_length, s, search_steps,
                 **plan.token_flags, COMPUTE=tl_compute, BLOCK=launch.token_block, num_warps=launch.token_warps,
@@ -200,7 +201,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
                 seq_sums = all_reduce_sum(seq_sums, seqs.cp_group)
 
         # --- 4. per-token shares, gradients, metric partials ---
-        programs = max(triton.cdiv(n, launch.combine_block), triton.cdiv(s, launch.combine_block), 1)
+        programs = max(ceil_div(n, launch.combine_block), ceil_div(s, launch.combine_block), 1)
         grad_lp = torch.empty(n, dtype=compute, device=device)
         grad_ent = torch.empty(n, dtype=compute, device=device) if plan.entropy_grad else None
         seq_factor = torch.empty(n, dtype=compute, device=device) if plan.seq_grad else None
@@ -215,6 +216,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
             grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
             n, row_length, s, search_steps,
             **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=launch.combine_block,
+            CONSTANTS_KEY=CONSTANTS_KEY,
             num_warps=launch.combine_warps,
         )
 
@@ -225,6 +227,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
         grpo_loss_finalize_kernel[(1,)](
             partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
             programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=launch.finalize_block,
+            CONSTANTS_KEY=CONSTANTS_KEY,
         )
 
         ctx.mark_non_differentiable(pairs, extremes)
@@ -256,7 +259,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
         grad_ent = torch.empty(n, dtype=ent_meta[1], device=device) if entropy_grad else None
         launch = _launch_config()
         if n:
-            grpo_loss_backward_kernel[(triton.cdiv(n, launch.backward_block),)](
+            grpo_loss_backward_kernel[(ceil_div(n, launch.backward_block),)](
                 grad_loss, grad_lp_fwd, grad_lp_fwd if grad_ent_fwd is None else grad_ent_fwd,
                 grad_lp_fwd if seq_grad is None else seq_grad, grad_lp_fwd if seq_factor is None else seq_factor,
                 cu, grad_lp, grad_lp if grad_ent is None else grad_ent,

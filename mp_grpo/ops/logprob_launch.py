@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from mp_grpo.collectives import ProcessGroup, all_gather_stacked
 from mp_grpo.kernels import (
@@ -21,7 +20,8 @@ from mp_grpo.kernels import (
     logprob_merge_kernel,
     logprob_stats_kernel,
 )
-from mp_grpo.ops.checks import raise_on_kernel_errors
+from mp_grpo.kernels.launch_config import ceil_div
+from mp_grpo.ops.checks import CheckInputs, raise_on_kernel_errors
 
 STATS_WIDTH = 4
 """Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit)."""
@@ -97,7 +97,7 @@ def merge_statistics(
     log_sum = torch.empty(n, dtype=torch.float32, device=device)
     errors = torch.zeros(2, dtype=torch.int32, device=device)
     block_n = logprob_launch_config(v_local).merge_block_n
-    logprob_merge_kernel[(max(triton.cdiv(n, block_n), 1),)](
+    logprob_merge_kernel[(max(ceil_div(n, block_n), 1),)](
         stats, target, logprobs, entropy, row_max, log_sum, errors,
         n, tp, tp * v_local, ignore_index,
         stats.stride(0), stats.stride(1),
@@ -115,17 +115,17 @@ def gather_and_merge(
     v_local: int,
     ignore_index: int,
     with_entropy: bool,
-    check_inputs: bool,
+    check_inputs: CheckInputs,
 ) -> Merged:
     """Forward steps 2–3 of both log-prob ops: the one all-gather of the statistics over ``tp_group``,
-    the merge, and (with ``check_inputs``) the host read that raises on bad targets or unequal shards."""
+    the merge, and the merge's error counts to the ledger (``check_inputs``; no host read unless SYNC)."""
     n = stats.shape[0] - 1
     gathered = all_gather_stacked(stats, tp_group)
     merged = merge_statistics(gathered, target, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
-    if check_inputs:
+    if check_inputs is not CheckInputs.OFF:
         raise_on_kernel_errors(
             merged.errors, v_global=gathered.shape[0] * v_local, ignore_index=ignore_index,
-            shard_sizes=gathered[:, n, 0],
+            shard_sizes=gathered[:, n, 0], mode=check_inputs,
         )
     return merged
 
@@ -165,7 +165,7 @@ def logprob_backward(
         return
     cfg = logprob_launch_config(v_local)
     has_entropy_grad = grad_entropy is not None
-    logprob_backward_kernel[(n, triton.cdiv(v_local, cfg.backward_block_v))](
+    logprob_backward_kernel[(n, ceil_div(v_local, cfg.backward_block_v))](
         logits, grad_logits, target, row_max, log_sum,
         entropy if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
         grad_logprobs,

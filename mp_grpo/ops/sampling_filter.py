@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum, group_size
-from mp_grpo.ops.checks import record_errors
+from mp_grpo.ops.checks import CheckInputs, record_errors
 from mp_grpo.ops.logprob_launch import RADIX_COUNT_BITS, RADIX_MASS_BITS, radix_histogram, radix_select
 
 
@@ -219,9 +219,9 @@ def count_outside_filter(logprobs: torch.Tensor, target: torch.Tensor, ignore_in
     return (torch.isneginf(logprobs) & (target != ignore_index)).sum()
 
 
-def raise_on_targets_outside_filter(outside: torch.Tensor) -> None:
+def raise_on_targets_outside_filter(outside: torch.Tensor, mode: CheckInputs = CheckInputs.DEFERRED) -> None:
     """Checked mode, through the deferred error ledger (``mp_grpo.ops.checks.record_errors``): raised at once
-    on the CPU, at the next ``mp_grpo.check_errors()`` on a GPU — no host read here."""
+    on the CPU or with ``mode=SYNC``, at the next ``mp_grpo.check_errors()`` on a GPU — no host read here."""
     def message(count: int) -> str:
         return (
             f"target: {count} token id(s) lie outside the sampling_filter's kept set (probability 0 under the "
@@ -229,4 +229,4 @@ def raise_on_targets_outside_filter(outside: torch.Tensor) -> None:
             f"check_inputs=False to get log-prob -inf and no gradient for them"
         )
 
-    record_errors("target outside the sampling filter", outside.sum(), message)
+    record_errors("target outside the sampling filter", outside.sum(), message, mode=mode)

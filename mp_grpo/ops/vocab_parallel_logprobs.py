@@ -36,6 +36,8 @@ import torch
 
 from mp_grpo.collectives import ProcessGroup, group_rank, group_size
 from mp_grpo.ops.checks import (
+    CheckInputs,
+    check_inputs_mode,
     check_logits_and_target,
     check_runs_here,
     check_temperature,
@@ -68,7 +70,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
         with_entropy: bool,
         ignore_index: int,
         inplace_backward: bool,
-        check_inputs: bool,
+        check_inputs: CheckInputs,
         sampling_filter: SamplingFilter | None,
     ):
         ctx.set_materialize_grads(False)
@@ -105,8 +107,8 @@ class VocabParallelLogProbs(torch.autograd.Function):
         if threshold is not None:
             # A target outside the kept set has log-prob -inf (its stats row wrote z_t = -inf).
             outside = torch.isneginf(merged.logprobs) & (t != ignore_index)
-            if check_inputs:
-                raise_on_targets_outside_filter(outside)
+            if check_inputs is not CheckInputs.OFF:
+                raise_on_targets_outside_filter(outside, check_inputs)
         ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy, threshold, outside)
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
@@ -142,13 +144,13 @@ class VocabParallelLogProbs(torch.autograd.Function):
 def vocab_parallel_logprobs(
     logits: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ..., temperature: float = ...,
     with_entropy: Literal[False] = ..., ignore_index: int = ..., inplace_backward: bool = ...,
-    check_inputs: bool = ..., sampling_filter: SamplingFilter | None = ...,
+    check_inputs: CheckInputs | bool = ..., sampling_filter: SamplingFilter | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def vocab_parallel_logprobs(
     logits: torch.Tensor, target: torch.Tensor, *, tp_group: ProcessGroup | None = ..., temperature: float = ...,
     with_entropy: Literal[True], ignore_index: int = ..., inplace_backward: bool = ...,
-    check_inputs: bool = ..., sampling_filter: SamplingFilter | None = ...,
+    check_inputs: CheckInputs | bool = ..., sampling_filter: SamplingFilter | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -161,7 +163,7 @@ def vocab_parallel_logprobs(
     with_entropy: bool = False,
     ignore_index: int = -100,
     inplace_backward: bool = False,
-    check_inputs: bool = True,
+    check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     sampling_filter: SamplingFilter | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(logits / temperature)[target]`` over the whole vocabulary, shape ``target.shape``.
@@ -180,13 +182,15 @@ def vocab_parallel_logprobs(
         inplace_backward: write the gradient into the logits buffer, saving one ``[N, V_local]``
             allocation. The logits are overwritten during backward: use it only when nothing else
             reads them afterwards (for example the output of the model's last linear layer).
-        check_inputs: raise ``ValueError`` on a target outside ``[0, V_global)`` (other than
-            ``ignore_index``) or on shards of unequal size across ``tp_group`` — at once on the CPU;
-            on a GPU the kernel's error counters are accumulated on the device without a host read
-            and the error is raised at the next sync point (``mp_grpo.check_errors()``, which
-            ``reduce_metrics`` and ``GlobalBatch.skip_step`` call; see ``mp_grpo.ops.checks``).
-            With ``False`` nothing is recorded, and bad input is still never silently wrong: a bad
-            target's log-prob is NaN, and unequal shards make every output NaN.
+        check_inputs: a :class:`~mp_grpo.ops.checks.CheckInputs` (``True``: ``DEFERRED``, the default;
+            ``False``: ``OFF``). ``DEFERRED`` raises ``ValueError`` on a target outside ``[0, V_global)``
+            (other than ``ignore_index``) or on shards of unequal size across ``tp_group`` — at once on
+            the CPU; on a GPU the kernel's error counters are added on the device without a host read
+            (the call stays CUDA-graph capturable) and the error is raised at the next sync point
+            (``mp_grpo.check_errors()``, which ``reduce_metrics`` and ``GlobalBatch.skip_step`` call;
+            see ``mp_grpo.ops.checks``). ``SYNC`` raises at the call (one host read). ``OFF`` records
+            nothing. Bad input is never silently wrong: a bad target's log-prob is NaN, and unequal
+            shards make every output NaN.
 
         sampling_filter: replay the rollout's ``SamplingFilter(top_k=, top_p=, min_p=)`` (vLLM's
             convention, ties at the threshold kept; ``ops/sampling_filter.py``): the log-probs, entropy
@@ -209,11 +213,14 @@ def vocab_parallel_logprobs(
     check_logits_and_target(logits, target)
     check_runs_here(logits, "logits")
     inv_temperature = check_temperature(temperature)
+    check_inputs = check_inputs_mode(check_inputs)
     if sampling_filter is not None:
-        check_sampling_filter(sampling_filter, target.shape, logits.device, check_tensors=bool(check_inputs))
+        check_sampling_filter(
+            sampling_filter, target.shape, logits.device, check_tensors=check_inputs is not CheckInputs.OFF
+        )
         # Fields that keep everything (top_p = 1, top_k >= V, min_p = 0) cost nothing.
         sampling_filter = sampling_filter.without_noops(logits.shape[-1] * group_size(tp_group))
     return VocabParallelLogProbs.apply(
         logits, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), bool(inplace_backward),
-        bool(check_inputs), sampling_filter,
+        check_inputs, sampling_filter,
     )

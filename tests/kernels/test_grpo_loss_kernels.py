@@ -25,6 +25,7 @@ def _compile_all() -> None:
     from mp_grpo.config import load_config
     from mp_grpo.kernels.grpo_loss_backward import grpo_loss_backward_kernel
     from mp_grpo.kernels.grpo_loss_combine import grpo_loss_combine_kernel
+    from mp_grpo.kernels.grpo_loss_common import CONSTANTS_KEY
     from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
     from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
     from mp_grpo.ops.grpo_loss_plan import InputsKey, build_plan
@@ -51,7 +52,8 @@ def _compile_all() -> None:
             tokens, ref_ptr=ptr, ent_ptr=lp, seq_sums_ptr="*fp64", seq_grad_ptr="*fp64", tokens_ptr="*fp64",
             sequences_ptr="*fp64", weight_mean_ptr="*fp64", threshold_ptr="*fp64", skip_ptr="*i1", grad_lp_ptr=ptr,
             grad_ent_ptr=ptr, seq_factor_ptr=ptr, partial_ptr="*fp64",
-        ), dict(plan.combine_flags, OWNS_SEQUENCES=i % 3 != 1, COMPUTE=compute, BLOCK=256))
+        ), dict(plan.combine_flags, OWNS_SEQUENCES=i % 3 != 1, COMPUTE=compute, BLOCK=256,
+                CONSTANTS_KEY=CONSTANTS_KEY))
     for seq_grad, scaled, packed in itertools.product([False, True], [False, True], [False, True]):
         compile_kernel(grpo_loss_backward_kernel, dict(
             grad_out_ptr="*fp32", grad_lp_fwd_ptr="*fp32", grad_ent_fwd_ptr="*fp32", seq_grad_ptr="*fp64",
@@ -62,7 +64,7 @@ def _compile_all() -> None:
         compile_kernel(grpo_loss_finalize_kernel, dict(
             partial_ptr="*fp64", micro_batches_ptr="*fp64", skip_ptr="*i1", loss_ptr=loss, pairs_ptr="*fp64",
             extremes_ptr="*fp64", P="i32",
-        ), dict(HAS_SKIP=skip, COLS=32, BLOCK_P=64))
+        ), dict(HAS_SKIP=skip, COLS=32, BLOCK_P=64, CONSTANTS_KEY=CONSTANTS_KEY))
     print(f"compiled {compiler.count} kernels for sm_90")
 
 
