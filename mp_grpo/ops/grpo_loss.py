@@ -43,6 +43,7 @@ from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
 from mp_grpo.kernels.launch_config import INTERPRETER, ceil_div
 from mp_grpo.ops.checks import check_runs_here
 from mp_grpo.ops.grpo_loss_plan import FusedLossPlan, InputsKey, build_plan, config_parameters
+from mp_grpo.ops.launcher import launch
 
 _TRITON_DTYPES = {torch.float32: triton.language.float32, torch.float64: triton.language.float64}
 _PARTIAL_COLS = int(PARTIAL_COLS.value)
@@ -171,7 +172,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
         cu = seqs.cu_seqlens if packed else lp  # an unused pointer for padded rows
         row_length = max(seqs.row_length, 1)
         search_steps = s.bit_length() if packed else 0
-        launch = _launch_config()
+        blocks = _launch_config()
         tl_compute = _TRITON_DTYPES[compute]
         placeholder = lp  # pointer of an absent optional input (never read: its flag is off)
         old = placeholder if call.old is None else _flat(call.old)
@@ -191,23 +192,23 @@ class FusedGRPOLossFunction(torch.autograd.Function):
             if plan.seq_grad:
                 seq_grad = workspace[sums_size:]
             # --- 2. per-sequence sums ---
-            grpo_loss_token_kernel[(max(ceil_div(n, launch.token_block), 1),)](
+            launch(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),),
                 lp, old, rollout, adv, mask, cu, call.params, seq_sums,
                 n, row_length, s, search_steps,
-                **plan.token_flags, COMPUTE=tl_compute, BLOCK=launch.token_block, num_warps=launch.token_warps,
+                **plan.token_flags, COMPUTE=tl_compute, BLOCK=blocks.token_block, num_warps=blocks.token_warps,
             )
             # --- 3. whole sequences under context parallelism ---
             if group_size(seqs.cp_group) > 1:
                 seq_sums = all_reduce_sum(seq_sums, seqs.cp_group)
 
         # --- 4. per-token shares, gradients, metric partials ---
-        programs = max(ceil_div(n, launch.combine_block), ceil_div(s, launch.combine_block), 1)
+        programs = max(ceil_div(n, blocks.combine_block), ceil_div(s, blocks.combine_block), 1)
         grad_lp = torch.empty(n, dtype=compute, device=device)
         grad_ent = torch.empty(n, dtype=compute, device=device) if plan.entropy_grad else None
         seq_factor = torch.empty(n, dtype=compute, device=device) if plan.seq_grad else None
         partials = torch.empty(programs, _PARTIAL_COLS, dtype=torch.float64, device=device)
         unused = call.params
-        grpo_loss_combine_kernel[(programs,)](
+        launch(grpo_loss_combine_kernel, (programs,),
             lp, old, rollout, ref, ent, adv, mask,
             cu, seq_sums, seq_grad,
             step.valid_tokens, step.sequences, unused if step.weight_mean is None else step.weight_mean,
@@ -215,18 +216,18 @@ class FusedGRPOLossFunction(torch.autograd.Function):
             unused if step.skip is None else step.skip, call.params,
             grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
             n, row_length, s, search_steps,
-            **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=launch.combine_block,
+            **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=blocks.combine_block,
             CONSTANTS_KEY=CONSTANTS_KEY,
-            num_warps=launch.combine_warps,
+            num_warps=blocks.combine_warps,
         )
 
         # --- 5. loss and metric entries ---
         loss = torch.empty((), dtype=compute, device=device)
         pairs = torch.empty(_NUM_PAIRS, 2, dtype=torch.float64, device=device)
         extremes = torch.empty(_NUM_EXTREMES, dtype=torch.float64, device=device)
-        grpo_loss_finalize_kernel[(1,)](
+        launch(grpo_loss_finalize_kernel, (1,),
             partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
-            programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=launch.finalize_block,
+            programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=blocks.finalize_block,
             CONSTANTS_KEY=CONSTANTS_KEY,
         )
 
@@ -257,14 +258,14 @@ class FusedGRPOLossFunction(torch.autograd.Function):
         # --- 2. g × the forward's per-token gradients ---
         grad_lp = torch.empty(n, dtype=lp_dtype, device=device)
         grad_ent = torch.empty(n, dtype=ent_meta[1], device=device) if entropy_grad else None
-        launch = _launch_config()
+        blocks = _launch_config()
         if n:
-            grpo_loss_backward_kernel[(ceil_div(n, launch.backward_block),)](
+            launch(grpo_loss_backward_kernel, (ceil_div(n, blocks.backward_block),),
                 grad_loss, grad_lp_fwd, grad_lp_fwd if grad_ent_fwd is None else grad_ent_fwd,
                 grad_lp_fwd if seq_grad is None else seq_grad, grad_lp_fwd if seq_factor is None else seq_factor,
                 cu, grad_lp, grad_lp if grad_ent is None else grad_ent,
                 n, row_length, s, search_steps,
                 PACKED=packed, ENTROPY_GRAD=entropy_grad, SEQ_GRAD=plan.seq_grad, SEQ_GRAD_SCALED=seq_grad_scaled,
-                COMPUTE=ctx.compute, BLOCK=launch.backward_block, num_warps=launch.backward_warps,
+                COMPUTE=ctx.compute, BLOCK=blocks.backward_block, num_warps=blocks.backward_warps,
             )
         return grad_lp.view(lp_shape), None if grad_ent is None else grad_ent.view(ent_meta[0]), None

@@ -22,6 +22,7 @@ from mp_grpo.kernels import (
 )
 from mp_grpo.kernels.launch_config import ceil_div
 from mp_grpo.ops.checks import CheckInputs, raise_on_kernel_errors
+from mp_grpo.ops.launcher import launch
 
 STATS_WIDTH = 4
 """Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit)."""
@@ -53,7 +54,7 @@ def shard_statistics(
     With ``threshold`` only the columns whose logit is >= it count (a sampling filter's kept set)."""
     n, v_local = logits.shape
     cfg = logprob_launch_config(v_local)
-    logprob_stats_kernel[(max(n, 1),)](
+    launch(logprob_stats_kernel, (max(n, 1),),
         logits, target, stats,
         threshold if threshold is not None else stats,  # unused placeholder pointer without a filter
         n, row_start, stats.shape[0] - 1, v_local, vocab_start,
@@ -97,7 +98,7 @@ def merge_statistics(
     log_sum = torch.empty(n, dtype=torch.float32, device=device)
     errors = torch.zeros(2, dtype=torch.int32, device=device)
     block_n = logprob_launch_config(v_local).merge_block_n
-    logprob_merge_kernel[(max(ceil_div(n, block_n), 1),)](
+    launch(logprob_merge_kernel, (max(ceil_div(n, block_n), 1),),
         stats, target, logprobs, entropy, row_max, log_sum, errors,
         n, tp, tp * v_local, ignore_index,
         stats.stride(0), stats.stride(1),
@@ -165,7 +166,7 @@ def logprob_backward(
         return
     cfg = logprob_launch_config(v_local)
     has_entropy_grad = grad_entropy is not None
-    logprob_backward_kernel[(n, ceil_div(v_local, cfg.backward_block_v))](
+    launch(logprob_backward_kernel, (n, ceil_div(v_local, cfg.backward_block_v)),
         logits, grad_logits, target, row_max, log_sum,
         entropy if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
         grad_logprobs,
@@ -213,7 +214,7 @@ def radix_histogram(
         return hist
     cfg = logprob_launch_config(v_local)
     one_hot = mass and not exact
-    logprob_radix_hist_kernel[(n,)](
+    launch(logprob_radix_hist_kernel, (n,),
         logits, tau, prefix, row_max if row_max is not None else tau, hist,
         row_max_out if row_max_out is not None else tau,
         v_local, logits.stride(0), hist.stride(0), inv_temperature, shift,
@@ -247,7 +248,7 @@ def radix_select(
     if n == 0:
         return
     is_top_p = top_p is not None
-    logprob_radix_select_kernel[(n,)](
+    launch(logprob_radix_select_kernel, (n,),
         hist, logits, prefix, budget, above if is_top_p else tau, top_p if is_top_p else tau, tau,
         n, hist.stride(0),
         KEY_BITS=16 if logits.dtype in (torch.bfloat16, torch.float16) else 32,

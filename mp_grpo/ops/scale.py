@@ -12,10 +12,11 @@ under gradient-accumulation fusion, adds the weight's into ``main_grad``).
 from __future__ import annotations
 
 import torch
-import triton
 
+from mp_grpo.kernels.launch_config import ceil_div
 from mp_grpo.kernels.scale import scale_kernel
 from mp_grpo.ops.checks import check_runs_here
+from mp_grpo.ops.launcher import launch
 
 SCALE_BLOCK = 4096
 """Elements per program: 16 per thread at 8 warps (two to four 16-byte accesses per thread and tensor).
@@ -77,7 +78,7 @@ def scale_into(
     n = x.numel()
     if n == 0:
         return out
-    scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](
+    launch(scale_kernel, (ceil_div(n, SCALE_BLOCK),),
         x, out, scale,
         n,
         ACCUMULATE=bool(accumulate),
