@@ -17,8 +17,10 @@ Single GPU (default)::
   training step calls it (host time included) — for the three configs of ``bench_loss.py`` (DAPO
   token-mean; GSPO + sequence TIS + seq-mean-token-mean; "everything"). For our rows also: the host
   time of one forward+backward call (perf_counter, no synchronization inside the timed calls) and the
-  CUDA-graph replay of the same forward+backward (captured with default arguments). The report ends with
-  one met / not-met line per target of issue 17.
+  CUDA-graph replay of the same forward+backward (captured with default arguments). Our rows run with
+  ``mp_grpo.ops.launcher``'s fast launch on (the default on CUDA) and again with it off (Triton's
+  ``kernel[grid]`` path: columns *normal launch*), same inputs, same run. ``--only`` keeps the cases whose
+  name contains one of the given strings. The report ends with one met / not-met line per target of issue 17.
 
 Tensor parallel (any number of ranks, 1 included)::
 
@@ -51,6 +53,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mp_grpo.ops.logprob_launch as logprob_launch  # noqa: E402
+from mp_grpo.ops import launcher  # noqa: E402
 from mp_grpo import CheckInputs, GlobalBatch, GRPOLoss, vocab_parallel_logprobs  # noqa: E402
 from mp_grpo.kernels import logprob_launch_config  # noqa: E402
 from tests.reference import logprobs_reference  # noqa: E402
@@ -281,6 +284,8 @@ def run_single_gpu(args) -> dict:
         floor_fb_ms = 3 * n * v * 2 / bw * 1e3
         grad_bytes = n * v * 2
         for name, build in cases(n, v).items():
+            if args.only and not any(part in name for part in args.only):
+                continue
             torch.cuda.empty_cache()
             row = {"case": name, "N": n, "V": v}
             try:
@@ -296,7 +301,15 @@ def run_single_gpu(args) -> dict:
                 row["fwd_floor_frac"] = floor_fwd_ms / row["fwd_ms"]
                 row["fwd_bwd_floor_frac"] = floor_fb_ms / row["fwd_bwd_ms"]
                 if name.startswith("mp_grpo"):
+                    row["fast_launch"] = launcher.fast_launch_enabled()
                     row["host_us"] = host_us(fwd_bwd)
+                    if launcher.FAST_LAUNCH_AVAILABLE:  # the same call through Triton's own launch path
+                        launcher.set_fast_launch(False)
+                        try:
+                            row["host_us_normal_launch"] = host_us(fwd_bwd)
+                            row["fwd_bwd_ms_normal_launch"] = median_ms(fwd_bwd)
+                        finally:
+                            launcher.set_fast_launch(True)
                     if "SYNC" not in name:
                         try:
                             row["graph_ms"] = graph_replay_ms(fwd_bwd)
@@ -313,8 +326,10 @@ def run_single_gpu(args) -> dict:
             print(json.dumps(row), flush=True)
             rows.append(row)
             del build
+    import triton
+
     result = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "tokens": args.tokens, "rows": rows,
-              "torch": torch.__version__}
+              "torch": torch.__version__, "triton": triton.__version__, "fast_launch": launcher.FAST_LAUNCH_REASON}
     result["summary"] = targets_summary(result)
     return result
 
@@ -334,6 +349,9 @@ CHECK_COST_TARGET = 0.03
 
 def targets_summary(result: dict) -> list[str]:
     """One met / not-met line per target of issue 17, from this run's rows."""
+
+    def floor_fb(r: dict) -> float:
+        return r["fwd_bwd_floor_frac"] * r["fwd_bwd_ms"]  # the floor in ms
     rows = {(r["case"], r["V"]): r for r in result["rows"]}
     vocabs = sorted({r["V"] for r in result["rows"]}, reverse=True)
     lines = []
@@ -348,10 +366,13 @@ def targets_summary(result: dict) -> list[str]:
             host_verdict = "MET" if host <= HOST_TARGET_US else f"NOT MET ({host / HOST_TARGET_US:.1f}x)"
             graph = (f"CUDA graph replay {r['graph_ms']:.3f} ms = {100 * r['graph_floor_frac']:.0f} % of the floor"
                      if "graph_ms" in r else f"graph: {r.get('graph_error')}")
+            normal = (f" (normal launch: {r['host_us_normal_launch']:.0f} us, "
+                      f"{100 * floor_fb(r) / r['fwd_bwd_ms_normal_launch']:.0f} % of the floor)"
+                      if "host_us_normal_launch" in r else "")
             lines.append(
                 f"{case}, V={v}: {100 * frac:.0f} % of the memory floor (target >= {100 * FLOOR_TARGET:.0f} %): "
                 f"{floor_verdict}; host {host:.0f} us per fwd+bwd call (target <= {HOST_TARGET_US:.0f} us): "
-                f"{host_verdict}; {graph}"
+                f"{host_verdict}{normal}; {graph}"
             )
         off = rows.get(("mp_grpo vocab_parallel_logprobs unchecked (OFF)", v), {})
         on = rows.get(("mp_grpo vocab_parallel_logprobs checked (default DEFERRED)", v), {})
@@ -500,12 +521,16 @@ def write_single_gpu_report(result: dict, out: Path) -> None:
         "`GRPOLoss(vocab_parallel_logprobs(logits))` with default arguments and `loss.backward()`, the loss "
         "fused (Triton), a GlobalBatch built beforehand; same floor as the op. *host us*: CPU time to issue one "
         "forward+backward call. *graph*: the same forward+backward captured in a CUDA graph, median replay. "
-        f"torch {result.get('torch')}. Command: `python scripts/bench_logprob.py --out docs/benchmarks`.",
+        "*normal launch*: the same mp_grpo row with `mp_grpo.ops.launcher`'s fast launch off (Triton's "
+        f"`kernel[grid]`), same run. torch {result.get('torch')}, triton {result.get('triton')}; fast launch: "
+        f"{result.get('fast_launch')}. Command: `python scripts/bench_logprob.py --out docs/benchmarks"
+        + (f" --only {' '.join(repr(x) for x in result['only'])}" if result.get("only") else "") + "`.",
         "",
         *(f"- {line}" for line in result.get("summary", [])),
         "",
-        "| implementation | V | fwd ms | fwd+bwd ms | extra peak | % of floor fwd / fwd+bwd | host us | graph ms (% floor) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| implementation | V | fwd ms | fwd+bwd ms | extra peak | % of floor fwd / fwd+bwd | host us | graph ms (% floor) "
+        "| normal launch: fwd+bwd ms (% floor) / host us |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "fwd_ms" in r:
@@ -513,12 +538,15 @@ def write_single_gpu_report(result: dict, out: Path) -> None:
             host = f"{r['host_us']:.0f}" if "host_us" in r else ""
             graph = (f"{r['graph_ms']:.3f} ({100 * r['graph_floor_frac']:.0f})" if "graph_ms" in r
                      else (f"failed: {r['graph_error'][:60]}" if "graph_error" in r else ""))
+            normal = (f"{r['fwd_bwd_ms_normal_launch']:.3f} "
+                      f"({100 * r['fwd_bwd_floor_frac'] * r['fwd_bwd_ms'] / r['fwd_bwd_ms_normal_launch']:.0f}) / "
+                      f"{r['host_us_normal_launch']:.0f}" if "host_us_normal_launch" in r else "")
             lines.append(
                 f"| {r['case']} | {r['V']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {extra} | "
-                f"{100 * r['fwd_floor_frac']:.0f} / {100 * r['fwd_bwd_floor_frac']:.0f} | {host} | {graph} |"
+                f"{100 * r['fwd_floor_frac']:.0f} / {100 * r['fwd_bwd_floor_frac']:.0f} | {host} | {graph} | {normal} |"
             )
         else:
-            lines.append(f"| {r['case']} | {r['V']} | — | — | — | {(r.get('skipped') or r.get('error'))[:100]} | | |")
+            lines.append(f"| {r['case']} | {r['V']} | — | — | — | {(r.get('skipped') or r.get('error'))[:100]} | | | |")
     (out / "logprob.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_single_gpu(result, out / "logprob.png")
@@ -612,6 +640,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--only", nargs="+", default=None, help="keep only the cases whose name contains one of these")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.sweep:
@@ -623,7 +652,9 @@ def main() -> None:
             write_tp_report(result, args.out)
             plot_tp_scaling(args.out)
     else:
-        write_single_gpu_report(run_single_gpu(args), args.out)
+        result = run_single_gpu(args)
+        result["only"] = args.only
+        write_single_gpu_report(result, args.out)
     if dist.is_initialized():
         dist.destroy_process_group()
 
