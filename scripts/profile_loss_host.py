@@ -3,7 +3,8 @@
     python scripts/profile_loss_host.py [--config dapo|everything] [--calls 200]
 
 The fused loss's GPU work for 16384 tokens is a few microseconds per kernel, so its cost in a step is
-the CPU time to issue it. This prints the functions that take that time, forward + backward.
+the CPU time to issue it. This prints the wall time per call with ``mp_grpo.ops.launcher``'s fast launch
+off and on (same inputs, same run), then the functions that take the time with it on, forward + backward.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_loss import CONFIGS, loss_call, make_inputs, make_loss  # noqa: E402
 
 from mp_grpo.loss import GlobalBatch  # noqa: E402
+from mp_grpo.ops import launcher  # noqa: E402
 
 
 def main() -> None:
@@ -44,14 +46,18 @@ def main() -> None:
         loss, _ = loss_call(loss_fn, x, lp, ent, batch)
         loss.backward()
 
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.calls):
-        call()
-    torch.cuda.synchronize()
-    print(f"{args.config} / {args.layout}: {1e6 * (time.perf_counter() - start) / args.calls:.0f} us per call (wall)")
+    for fast in ([False, True] if launcher.FAST_LAUNCH_AVAILABLE else [False]):
+        if launcher.FAST_LAUNCH_AVAILABLE:
+            launcher.set_fast_launch(fast)
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        torch.cuda.synchronize()
+        print(f"{args.config} / {args.layout}, fast launch {'on' if fast else 'off'}: "
+              f"{1e6 * (time.perf_counter() - start) / args.calls:.0f} us per call (wall)")
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):

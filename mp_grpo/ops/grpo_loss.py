@@ -8,8 +8,10 @@ is written in the forward pass.
 Schedule of :class:`FusedGRPOLossFunction` (one micro-batch: N token positions, S sequences)
 
 Forward
-    1. When the config needs per-sequence sums: one zeroed float64 workspace — the sums ``[S, K]`` and,
-       for gspo / gmpo, the per-sequence gradient ``[S]`` (one memset).
+    1. Two allocations: one float64 workspace — the metric pairs and extremes, the combine's per-program
+       partials and, when the config needs per-sequence sums, the sums ``[S, K]`` and (gspo / gmpo) the
+       per-sequence gradient ``[S]``, zeroed then (one memset) — and one compute-dtype buffer for the
+       per-token gradients the forward writes (log-prob; entropy; gspo / gmpo sequence factor).
     2. ``grpo_loss_token_kernel``: the per-sequence sums (valid tokens, gspo / gmpo input, Σd, OPSM).
     3. Context parallelism only: all-reduce of the sums over the CP group (``all_reduce_sum``).
     4. ``grpo_loss_combine_kernel``: per token the share c_t / D_t and its gradient w.r.t. the log-prob
@@ -152,6 +154,24 @@ class FusedGRPOLoss:
         return loss, metrics
 
 
+class _Slices:
+    """Consecutive slices of one flat buffer, each starting 16-byte aligned (so that Triton's pointer
+    specialization, and with it the compiled kernel, does not change with the sizes before it)."""
+
+    _ALIGN = 4  # elements: 16 bytes of fp32, 32 of fp64
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.bounds = []
+        start = 0
+        for size in sizes:
+            self.bounds.append((start, start + size))
+            start += -(-size // self._ALIGN) * self._ALIGN
+        self.total = max(start, 1)
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [buffer[a:b] for a, b in self.bounds]
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a contiguous 1-D tensor (a view when it already is contiguous)."""
     return x.reshape(-1)
@@ -182,15 +202,22 @@ class FusedGRPOLossFunction(torch.autograd.Function):
         adv = _flat(call.advantages)
         mask = _flat(call.loss_mask)
 
-        # --- 1. zeroed workspace: per-sequence sums and (gspo / gmpo) per-sequence gradient ---
+        # --- 1. workspace: one float64 buffer (zeroed when there are per-sequence sums), one compute-dtype one ---
+        programs = max(ceil_div(n, blocks.combine_block), ceil_div(s, blocks.combine_block), 1)
         sums_size = s * plan.num_cols
-        workspace = None
-        seq_sums = seq_grad = call.params  # unused pointers without per-sequence sums
+        f64 = _Slices((_NUM_PAIRS * 2, _NUM_EXTREMES, programs * _PARTIAL_COLS, sums_size, s if plan.seq_grad else 0))
+        workspace = (torch.zeros if plan.num_cols else torch.empty)(f64.total, dtype=torch.float64, device=device)
+        pairs_flat, extremes, partials_flat, seq_sums, seq_grad = f64.views(workspace)
+        pairs, partials = pairs_flat.view(_NUM_PAIRS, 2), partials_flat.view(programs, _PARTIAL_COLS)
+        per_token = _Slices((n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0))
+        grad_lp, grad_ent, seq_factor = per_token.views(torch.empty(per_token.total, dtype=compute, device=device))
+        grad_ent = grad_ent if plan.entropy_grad else None
+        seq_factor = seq_factor if plan.seq_grad else None
+        if not plan.num_cols:
+            seq_sums = seq_grad = call.params  # unused pointers without per-sequence sums
+        elif not plan.seq_grad:
+            seq_grad = call.params
         if plan.num_cols:
-            workspace = torch.zeros(sums_size + (s if plan.seq_grad else 0), dtype=torch.float64, device=device)
-            seq_sums = workspace[:sums_size]
-            if plan.seq_grad:
-                seq_grad = workspace[sums_size:]
             # --- 2. per-sequence sums ---
             launch(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),),
                 lp, old, rollout, adv, mask, cu, call.params, seq_sums,
@@ -202,11 +229,6 @@ class FusedGRPOLossFunction(torch.autograd.Function):
                 seq_sums = all_reduce_sum(seq_sums, seqs.cp_group)
 
         # --- 4. per-token shares, gradients, metric partials ---
-        programs = max(ceil_div(n, blocks.combine_block), ceil_div(s, blocks.combine_block), 1)
-        grad_lp = torch.empty(n, dtype=compute, device=device)
-        grad_ent = torch.empty(n, dtype=compute, device=device) if plan.entropy_grad else None
-        seq_factor = torch.empty(n, dtype=compute, device=device) if plan.seq_grad else None
-        partials = torch.empty(programs, _PARTIAL_COLS, dtype=torch.float64, device=device)
         unused = call.params
         launch(grpo_loss_combine_kernel, (programs,),
             lp, old, rollout, ref, ent, adv, mask,
@@ -223,8 +245,6 @@ class FusedGRPOLossFunction(torch.autograd.Function):
 
         # --- 5. loss and metric entries ---
         loss = torch.empty((), dtype=compute, device=device)
-        pairs = torch.empty(_NUM_PAIRS, 2, dtype=torch.float64, device=device)
-        extremes = torch.empty(_NUM_EXTREMES, dtype=torch.float64, device=device)
         launch(grpo_loss_finalize_kernel, (1,),
             partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
             programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=blocks.finalize_block,
