@@ -546,7 +546,8 @@ def write_single_gpu_report(result: dict, out: Path) -> None:
                 f"{100 * r['fwd_floor_frac']:.0f} / {100 * r['fwd_bwd_floor_frac']:.0f} | {host} | {graph} | {normal} |"
             )
         else:
-            lines.append(f"| {r['case']} | {r['V']} | — | — | — | {(r.get('skipped') or r.get('error'))[:100]} | | | |")
+            why = (r.get("skipped") or r.get("error"))[:100]
+            lines.append(f"| {r['case']} | {r['V']} | — | — | — | {why} | | | |")
     (out / "logprob.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_single_gpu(result, out / "logprob.png")
