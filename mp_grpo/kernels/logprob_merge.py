@@ -13,9 +13,10 @@ log S to rounding (ulp(1e4) ~ 1e-3), and z - M is exact for the logits near the 
 
 It also checks its inputs, so that bad input is never silently wrong: a target outside
 ``[0, V_global)`` (other than ``ignore_index``) gets a NaN log-prob, and if the TP ranks' shard
-sizes (row N of the stats, column 0) differ, every output is NaN. ``errors[0]`` counts the bad
-targets and ``errors[1]`` the ranks whose shard size differs from rank 0's, so that the host can
-raise a clear error with one read of two int32s instead of passes of its own.
+sizes (row N of the stats, column 0) differ, every output is NaN. The kernel adds the number of ranks
+whose shard size differs from rank 0's into ``errors[0]`` and the number of bad targets into
+``errors[1]``: two int64 counters that are the deferred error ledger's own slots (no launch of the
+host's to record them) or, for a check at the call, fresh zeros the host reads.
 """
 
 import triton
@@ -31,7 +32,7 @@ def logprob_merge_kernel(
     entropy_ptr,  # [N] fp32 out (only with HAS_ENTROPY)
     row_max_ptr,  # [N] fp32 out: M, saved for backward
     log_sum_ptr,  # [N] fp32 out: log S (logZ = M + log S), saved for backward
-    errors_ptr,  # [2] int32 out, zero-initialized: (bad targets, shard-size mismatches)
+    errors_ptr,  # [2] int64 counters, added into: (shard-size mismatches, bad targets)
     # shapes
     N,
     TP,
@@ -89,7 +90,7 @@ def logprob_merge_kernel(
         entropy = tl.where(shard_mismatches > 0, float("nan"), log_s - u_tot / s_tot)
         tl.store(entropy_ptr + rows, entropy, mask=row_mask)
 
-    # --- 4. error counters for the host ---
-    tl.atomic_add(errors_ptr + 0, tl.sum((out_of_range & row_mask).to(tl.int32), axis=0))
+    # --- 4. error counts, added into the counters (the deferred ledger's own slots, or fresh zeros) ---
     if pid == 0:
-        tl.store(errors_ptr + 1, shard_mismatches)
+        tl.atomic_add(errors_ptr + 0, shard_mismatches.to(tl.int64))
+    tl.atomic_add(errors_ptr + 1, tl.sum((out_of_range & row_mask).to(tl.int64), axis=0))

@@ -59,6 +59,8 @@ LEDGER_SLOTS = 32
 
 _slots: dict[str, int] = {}
 _counters: dict[torch.device, torch.Tensor] = {}
+_slot_views: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
+_discard: dict[torch.device, torch.Tensor] = {}
 _messages: dict[tuple[str, torch.device], tuple[Callable[[int], str], type[Exception]]] = {}
 _defer_on_cpu = False
 
@@ -66,13 +68,67 @@ _defer_on_cpu = False
 def _counter_vector(device: torch.device) -> torch.Tensor:
     counter = _counters.get(device)
     if counter is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "mp_grpo's deferred input checks allocate their error counters on the first eager call: run the "
-                "op once before capturing a CUDA graph (the usual warm-up), or pass check_inputs=CheckInputs.OFF"
-            )
+        _no_allocation_under_capture(device)
         counter = _counters[device] = torch.zeros(LEDGER_SLOTS, dtype=torch.int64, device=device)
     return counter
+
+
+def _no_allocation_under_capture(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "mp_grpo's input checks allocate their error counters on the first eager call: run the op once "
+            "before capturing a CUDA graph (the usual warm-up)"
+        )
+
+
+def _reserve_slots(kinds: tuple[str, ...]) -> int:
+    """The first of ``len(kinds)`` adjacent slots for ``kinds`` (reserved together on first use)."""
+    first = _slots.get(kinds[0])
+    if first is not None:
+        if any(_slots.get(kind) != first + i for i, kind in enumerate(kinds)):
+            raise RuntimeError(f"the deferred error kinds {kinds} were reserved apart: record them as one group")
+        return first
+    if any(kind in _slots for kind in kinds):
+        raise RuntimeError(f"the deferred error kinds {kinds} were reserved apart: record them as one group")
+    if len(_slots) + len(kinds) > LEDGER_SLOTS:
+        raise RuntimeError(f"more than {LEDGER_SLOTS} kinds of deferred error: raise LEDGER_SLOTS")
+    first = len(_slots)
+    for i, kind in enumerate(kinds):
+        _slots[kind] = first + i
+    return first
+
+
+def defers(mode: CheckInputs, device: torch.device) -> bool:
+    """Whether an error of ``mode`` found on ``device`` waits for :func:`check_errors` (DEFERRED, not on
+    the CPU unless :func:`deferred_checks`)."""
+    return mode is CheckInputs.DEFERRED and (device.type != "cpu" or _defer_on_cpu)
+
+
+def kernel_counters(
+    kinds: tuple[tuple[str, Callable[[int], str]], ...],
+    device: torch.device,
+    mode: CheckInputs,
+) -> tuple[torch.Tensor, bool]:
+    """int64 counters, one per ``(kind, message)``, for a kernel to add its error counts into, and whether
+    they are the ledger's own (deferred: nothing left for the host to do — no launch, no read) or not
+    (fresh zeros to pass to :func:`record_errors` after the kernel: on the CPU, with SYNC). With OFF, a
+    scratch vector nobody reads. Allocates nothing after the first eager call for a device."""
+    if mode is CheckInputs.OFF:
+        scratch = _discard.get(device)
+        if scratch is None or scratch.numel() < len(kinds):
+            _no_allocation_under_capture(device)
+            scratch = _discard[device] = torch.zeros(LEDGER_SLOTS, dtype=torch.int64, device=device)
+        return scratch[: len(kinds)], False
+    if not defers(mode, device):
+        return torch.zeros(len(kinds), dtype=torch.int64, device=device), False
+    names = tuple(kind for kind, _ in kinds)
+    view = _slot_views.get((names, device))
+    if view is None:
+        first = _reserve_slots(names)
+        view = _slot_views[(names, device)] = _counter_vector(device)[first: first + len(names)]
+    for kind, message in kinds:
+        _messages[(kind, device)] = (message, ValueError)  # the latest call's message describes the error
+    return view, True
 
 
 def record_errors(
@@ -93,11 +149,7 @@ def record_errors(
         if n:
             raise error(message(n))
         return
-    slot = _slots.get(kind)
-    if slot is None:
-        if len(_slots) >= LEDGER_SLOTS:
-            raise RuntimeError(f"more than {LEDGER_SLOTS} kinds of deferred error: raise LEDGER_SLOTS")
-        slot = _slots[kind] = len(_slots)
+    slot = _reserve_slots((kind,))
     _counter_vector(device)[slot].add_(count.detach().reshape(()))
     _messages[(kind, device)] = (message, error)  # the latest call's message (its shapes) describes the error
 
@@ -173,22 +225,30 @@ def check_runs_here(x: torch.Tensor, name: str) -> None:
         )
 
 
-def raise_on_kernel_errors(
-    errors: torch.Tensor, *, v_global: int, ignore_index: int, shard_sizes: torch.Tensor,
-    mode: CheckInputs = CheckInputs.DEFERRED,
-) -> None:
-    """The merge kernel's error counters, through :func:`record_errors` (``mode``): raised at once on the CPU,
-    at the next :func:`check_errors` on a GPU (no host read here), at the call with ``SYNC``."""
-    def shards(n: int) -> str:
-        sizes = [int(v) for v in shard_sizes.tolist()]
-        return (f"logits: the vocabulary shards differ in size across the tensor-parallel group (V_local per rank: "
-                f"{sizes}); every rank must hold an equal, contiguous shard (Megatron's layout)")
-
+def merge_error_kinds(
+    *, v_global: int, ignore_index: int, gathered_stats: torch.Tensor
+) -> tuple[tuple[str, Callable[[int], str]], tuple[str, Callable[[int], str]]]:
+    """The merge kernel's two error counters, in its order: (kind, message) of unequal shards (the cause of
+    every NaN, so raised first) and of the targets outside the vocabulary (``gathered_stats``
+    ``[TP, N + 1, 4]``: row N holds each rank's V_local, read only when the error is raised)."""
     def targets(n: int) -> str:
         return f"target has {n} token id(s) outside [0, {v_global}) that are not ignore_index ({ignore_index})"
 
-    record_errors("unequal vocabulary shards", errors[1], shards, mode=mode)
-    record_errors("target id outside the vocabulary", errors[0], targets, mode=mode)
+    def shards(n: int) -> str:
+        sizes = [int(v) for v in gathered_stats[:, -1, 0].tolist()]
+        return (f"logits: the vocabulary shards differ in size across the tensor-parallel group (V_local per rank: "
+                f"{sizes}); every rank must hold an equal, contiguous shard (Megatron's layout)")
+
+    return ("unequal vocabulary shards", shards), ("target id outside the vocabulary", targets)
+
+
+def raise_on_kernel_errors(
+    errors: torch.Tensor, kinds: tuple[tuple[str, Callable[[int], str]], ...], mode: CheckInputs
+) -> None:
+    """Counters a kernel filled that are not the ledger's own (:func:`kernel_counters`), in ``kinds``' order:
+    raised at once on the CPU and with SYNC."""
+    for i, (kind, message) in enumerate(kinds):
+        record_errors(kind, errors[i], message, mode=mode)
 
 
 def check_hidden_weight_and_target(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from mp_grpo.kernels import (
     logprob_stats_kernel,
 )
 from mp_grpo.kernels.launch_config import ceil_div
-from mp_grpo.ops.checks import CheckInputs, raise_on_kernel_errors
+from mp_grpo.ops.checks import CheckInputs, kernel_counters, merge_error_kinds, raise_on_kernel_errors
 from mp_grpo.ops.launcher import launch
 
 STATS_WIDTH = 4
@@ -77,7 +77,8 @@ class Merged(NamedTuple):
     log_sum: torch.Tensor
     """[N] fp32 log S, S = sum exp(z - M); logZ = M + log S (saved for backward)."""
     errors: torch.Tensor
-    """[2] int32: (targets outside [0, V_global) other than ignore_index, shard-size mismatches)."""
+    """[2] int64 counters the merge added into: (targets outside [0, V_global) other than ignore_index,
+    shard-size mismatches) — the deferred ledger's own slots, fresh zeros, or a scratch (``check_inputs``)."""
 
 
 def merge_statistics(
@@ -87,6 +88,7 @@ def merge_statistics(
     v_local: int,
     ignore_index: int,
     with_entropy: bool,
+    errors: torch.Tensor,  # [2] int64 counters to add into
 ) -> Merged:
     """Merge the gathered statistics of every TP shard (one small kernel)."""
     tp, rows_plus_one, _ = stats.shape
@@ -96,7 +98,6 @@ def merge_statistics(
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=device)
     row_max = torch.empty(n, dtype=torch.float32, device=device)
     log_sum = torch.empty(n, dtype=torch.float32, device=device)
-    errors = torch.zeros(2, dtype=torch.int32, device=device)
     block_n = logprob_launch_config(v_local).merge_block_n
     launch(logprob_merge_kernel, (max(ceil_div(n, block_n), 1),),
         stats, target, logprobs, entropy, row_max, log_sum, errors,
@@ -120,14 +121,14 @@ def gather_and_merge(
 ) -> Merged:
     """Forward steps 2–3 of both log-prob ops: the one all-gather of the statistics over ``tp_group``,
     the merge, and the merge's error counts to the ledger (``check_inputs``; no host read unless SYNC)."""
-    n = stats.shape[0] - 1
     gathered = all_gather_stacked(stats, tp_group)
-    merged = merge_statistics(gathered, target, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy)
-    if check_inputs is not CheckInputs.OFF:
-        raise_on_kernel_errors(
-            merged.errors, v_global=gathered.shape[0] * v_local, ignore_index=ignore_index,
-            shard_sizes=gathered[:, n, 0], mode=check_inputs,
-        )
+    kinds = merge_error_kinds(v_global=gathered.shape[0] * v_local, ignore_index=ignore_index, gathered_stats=gathered)
+    # Deferred (GPU): the kernel adds into the ledger's own counters — nothing else to launch or read.
+    errors, deferred = kernel_counters(kinds, stats.device, check_inputs)
+    merged = merge_statistics(gathered, target, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy,
+                              errors=errors)
+    if not deferred and check_inputs is not CheckInputs.OFF:
+        raise_on_kernel_errors(errors, kinds, check_inputs)
     return merged
 
 
