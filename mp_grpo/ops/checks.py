@@ -8,8 +8,9 @@ GlobalBatch counted. Reading such a count on the host costs a synchronization pe
 
 * ``DEFERRED`` (the default): on the CPU the count is read at once (a CPU read is free) and the error
   raised immediately; on a GPU the count is added, in place and asynchronously, into one slot of a
-  per-device int64 counter vector (one slot per kind of error, allocated once) — no host read, nothing
-  allocated, so a call can be captured into a CUDA graph and every replay adds its own count; the
+  per-device int64 counter vector (one slot per kind of error, allocated once; the log-prob merge kernel
+  adds into its slots itself, :func:`kernel_counters`, so its check launches nothing) — no host read,
+  nothing allocated, so a call can be captured into a CUDA graph and every replay adds its own count; the
   outputs concerned are NaN meanwhile, so nothing is silently wrong — and :func:`check_errors` reads
   every counter vector (one host read per device), zeroes it and raises the first error, naming the
   argument. ``mp_grpo.reduce_metrics`` and ``GlobalBatch.skip_step`` call it (sync points a step already
