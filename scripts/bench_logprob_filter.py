@@ -250,7 +250,13 @@ def run_batch_invariance(args) -> dict:
 
             row = {"V": v, "N": n}
             for timing, timer in (("eager", median_ms), ("graph", graph_ms)):
-                timings = {"fixed": timer(fwd_bwd)}
+                try:
+                    timings = {"fixed": timer(fwd_bwd)}
+                except Exception as err:  # reported, not hidden
+                    traceback.print_exc()
+                    row[timing] = {"fixed_ms": float("nan"), "best_config": repr(err)[:80], "best_ms": float("nan"),
+                                   "cost": float("nan"), "all_ms": {}}
+                    continue
                 for block, warps in configs:
                     cfg = replace(fixed, stats_block_v=block, stats_warps=warps,
                                   backward_block_v=block, backward_warps=warps)
