@@ -6,8 +6,9 @@ For N = 16384 bf16 logits at V = 151936 and 18992 it times, in the same run:
 
 - **read**: ``x.amax(-1)``, one plain read of the logits (the floor of any pass);
 - **count** (256 digits, the top-k pass and the exact last pass of top-p):
-  ``old``: ``tl.histogram(where(member, digit, 0))`` with the non-members taken out of digit 0 afterwards;
-  ``masked``: ``tl.histogram(digit, mask=member)`` (the library's kernel);
+  ``where``: ``tl.histogram(where(member, digit, 0))`` with the non-members taken out of digit 0 afterwards
+  (the library's kernel; in the first H100 run of this script it was the copy named ``old``);
+  ``masked``: ``tl.histogram(digit, mask=member)`` (measured 7-10 % slower on the H100, Triton 3.6);
 - **mass** (16 digits, fp32 sums of exp((x - M) / T), top-p):
   ``old``: a ``[BLOCK_V]`` load compared as ``digit[:, None] == bins[None, :]`` into a ``[BLOCK_V, 16]``
   accumulator (the compiler converts the two ``[BLOCK_V]`` vectors to the accumulator's layout through
@@ -15,8 +16,8 @@ For N = 16384 bf16 logits at V = 151936 and 18992 it times, in the same run:
   ``tile``: a ``[1, BLOCK_V]`` load compared with a ``[16, 1]`` bin column into a ``[16, BLOCK_V]``
   accumulator in the load's own layout (no conversion in the loop; the library's kernel);
 
-each at a few launch parameters (block x warps). The old formulations live here only, for this comparison;
-the library has the new ones and ``kernels/launch_config.py`` the block sizes this run found fastest.
+each at a few launch parameters (block x warps). The formulations the library does not use live here only,
+for this comparison;  ``kernels/launch_config.py`` the block sizes this run found fastest.
 Before timing, each variant's histogram is compared with the library's: counts must be equal; masses are
 fp32 sums whose per-(digit, column) order is the same, and whose final reduction over the columns follows
 each formulation's layout (reported: max relative difference).
@@ -25,10 +26,11 @@ Predicted (H100: ~3.3 TB/s, 132 SMs x 128 fp32 lanes x ~1.75 GHz ~ 3e13 lane-ops
 151936): read ~1.6 ms. Mass ``tile``: ~16 x (compare, select, add) + ~20 for key / membership / exp per
 element ~ 65 lane-ops -> ~5.5 ms (compute-bound); ``old``: the measured 41-43 ms (shared-memory traffic of the
 conversions: ~32 broadcast shared loads per element). Count: tl.histogram's cost depends on its lowering —
-ballots (~100 warp-instructions per 32 elements for 256 digits -> ~8.5 ms) or one shared-memory atomic per
-element (Triton 3.9's PTX) — so ``masked`` is predicted ~equal to ``old`` with ballots, and faster with
-atomics (no pile-up of the non-members on digit 0: the search's later passes have ~all columns outside the
-prefix).
+warp ballots (~100 warp-instructions per 32 elements for 256 digits -> ~8.5 ms) or one shared-memory atomic
+per element (Triton 3.9's PTX) — so ``masked`` was predicted ~equal to ``where`` with ballots and faster with
+atomics. Measured (H100, Triton 3.6; docs/benchmarks/logprob_filter.md): read 1.76 ms; mass ``old`` 47.1,
+``tile`` 7.64-7.66 ms (6.2x faster; 4.3x a read, 40 % above the prediction); count ``where`` 8.68 ms (the
+ballot prediction), ``masked`` 9.34-9.63 ms.
 """
 
 from __future__ import annotations
@@ -54,22 +56,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import median_ms  # noqa: E402
 
 DEVICE = "cuda"
-COUNT_CONFIGS = {"old": [(4096, 4)], "masked": [(4096, 4), (4096, 8), (8192, 8)]}
-"""``old`` at the previous run's fastest launch parameters (docs/benchmarks history: 4096 x 4, 512 x 4)."""
+COUNT_CONFIGS = {"where": [(4096, 4), (4096, 8), (8192, 8)], "masked": [(4096, 4)]}
+"""The variants the library does not use at the fastest launch parameters of earlier runs (4096 x 4, 512 x 4)."""
 MASS_CONFIGS = {"old": [(512, 4)], "tile": [(256, 4), (512, 4), (1024, 4), (1024, 8)]}
 
 
 @triton.jit
-def old_count_kernel(x_ptr, prefix_ptr, hist_ptr, V_local, stride_x_row, shift,
-                     DIGIT_BITS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The previous counting pass (bf16 keys, with a prefix, tau = -inf): non-members counted in digit 0."""
+def masked_count_kernel(x_ptr, prefix_ptr, hist_ptr, V_local, stride_x_row, shift,
+                        DIGIT_BITS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A counting pass with ``tl.histogram``'s mask (bf16 keys, with a prefix, tau = -inf)."""
     BINS: tl.constexpr = 1 << DIGIT_BITS
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
     bins = tl.arange(0, BINS)
     prefix = tl.load(prefix_ptr + row)
     counts = tl.zeros([BINS], dtype=tl.int32)
-    left_out = tl.zeros([BLOCK_V], dtype=tl.int32)
     for start in range(0, V_local, BLOCK_V):
         cols = start + offs
         in_row = cols < V_local
@@ -77,9 +78,7 @@ def old_count_kernel(x_ptr, prefix_ptr, hist_ptr, V_local, stride_x_row, shift,
         key = _order_key(x, 16)
         digit = ((key >> shift) & (BINS - 1)).to(tl.int32)
         member = in_row & ((key >> (shift + DIGIT_BITS)).to(tl.int32) == prefix)
-        counts += tl.histogram(tl.where(member, digit, 0), BINS)
-        left_out += (~member).to(tl.int32)
-    counts -= tl.where(bins == 0, tl.sum(left_out, axis=0), 0)
+        counts += tl.histogram(digit, BINS, mask=member)
     tl.store(hist_ptr + row * BINS + bins, counts)
 
 
@@ -141,12 +140,12 @@ def measure(x: torch.Tensor, rep_ms: int = 150) -> dict:
     def lib_mass():
         return radix_histogram(x, tau, prefix_mass, shift=8, digit_bits=4, mass=True, row_max=row_max, first=False)
 
-    def old_count(block, warps):
+    def masked_count(block, warps):
         hist = torch.empty(n, 256, dtype=torch.int32, device=x.device)
         block = min(block, triton.next_power_of_2(v))
 
         def call():
-            old_count_kernel[(n,)](x, prefix_count, hist, v, x.stride(0), 0, DIGIT_BITS=8, BLOCK_V=block, num_warps=warps)
+            masked_count_kernel[(n,)](x, prefix_count, hist, v, x.stride(0), 0, DIGIT_BITS=8, BLOCK_V=block, num_warps=warps)
             return hist
         return call
 
@@ -164,8 +163,8 @@ def measure(x: torch.Tensor, rep_ms: int = 150) -> dict:
     ref_count = lib_count().clone()
     ref_mass = lib_mass().clone()
     variants = {
-        ("count", "old"): old_count,
-        ("count", "masked"): lambda b, w: _with_config("count", b, w, lib_count),
+        ("count", "where"): lambda b, w: _with_config("count", b, w, lib_count),
+        ("count", "masked"): masked_count,
         ("mass", "old"): old_mass,
         ("mass", "tile"): lambda b, w: _with_config("mass", b, w, lib_mass),
     }
@@ -197,7 +196,7 @@ def best_library_configs(passes: dict) -> dict:
     result = {}
     for v, p in passes.items():
         result[v] = {}
-        for kind, name in (("count", "masked"), ("mass", "tile")):
+        for kind, name in (("count", "where"), ("mass", "tile")):
             label = p[f"best_{kind}_{name}"][0]
             block, warps = label.split()[1].split("x")
             result[v][kind] = (int(block), int(warps))
