@@ -684,12 +684,16 @@ def filtered_logprobs_reference(
     min_p=None,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logprobs_reference`` of the filtered, renormalized distribution (``sampling_filter_keep_reference``).
+    """``logprobs_reference`` of the filtered, renormalized distribution (``sampling_filter_keep_reference``,
+    or the given ``keep`` mask of ``logits.shape``: a kept set checked separately).
 
     A target outside the kept set gets log-prob -inf, detached (no gradient flows from it).
     """
-    keep = sampling_filter_keep_reference(logits.detach(), top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+    if keep is None:
+        keep = sampling_filter_keep_reference(logits.detach(), top_k=top_k, top_p=top_p, min_p=min_p,
+                                              temperature=temperature)
     masked = torch.where(keep, logits.double(), torch.tensor(float("-inf"), dtype=torch.float64))
     logprobs, entropy = logprobs_reference(masked, target, temperature=temperature, ignore_index=ignore_index)
     valid = target != ignore_index

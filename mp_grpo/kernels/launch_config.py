@@ -37,7 +37,7 @@ class LogprobLaunchConfig:
     """Columns per loop step of the threshold search's counting passes (``tl.histogram`` of 256 digits)."""
     filter_count_warps: int
     filter_mass_block_v: int
-    """Columns per loop step of its mass passes (a ``[filter_mass_block_v, 16]`` fp32 register accumulator)."""
+    """Columns per loop step of its mass passes (a ``[16, filter_mass_block_v]`` fp32 register accumulator)."""
     filter_mass_warps: int
 
 
@@ -61,10 +61,10 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         backward_block_v=block,
         backward_warps=4,
         merge_block_n=256,
-        # The threshold search's passes: the best of the H100 sweep in docs/benchmarks/logprob_filter.md
-        # (N = 16384 bf16, V = 151936 and 18992): counting 4096 x 4 warps, masses 512 x 4 warps (a
-        # [512, 16] fp32 accumulator, 64 registers a thread) — 9-13 % faster than the 4096 x 8 / 1024 x 8
-        # that run's end-to-end rows used.
+        # The threshold search's passes (H100, N = 16384 bf16, V = 151936 and 18992; scripts/bench_filter_passes.py
+        # in docs/benchmarks/logprob_filter.md): counting 4096 x 4 warps (8.68 / 1.16 ms; the earlier sweep's best
+        # of 2048-8192 x 4-8); masses on a [16, 512] tile, 512 x 4 warps (7.66 / 1.01 ms: fastest at V = 18992,
+        # within 0.3 % of 1024 x 4 at 151936; 64 fp32 accumulators a thread).
         filter_count_block_v=min(triton.next_power_of_2(v_local), 4096),
         filter_count_warps=4,
         filter_mass_block_v=min(triton.next_power_of_2(v_local), 512),

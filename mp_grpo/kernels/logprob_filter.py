@@ -14,13 +14,23 @@ equal the row's ``prefix`` (the digits chosen so far) and whose logit is >= ``ta
 the filters applied before: min-p, then top-k), and writes one histogram row per logits row:
 
     MODE_COUNT  int32 count per digit                       (top-k; DIGIT_BITS = 8, ``tl.histogram``)
-    MODE_MASS   fp32 sum of exp((x - M) / T) per digit      (top-p; DIGIT_BITS = 4, a one-hot sum)
+    MODE_MASS   fp32 sum of exp((x - M) / T) per digit      (top-p; DIGIT_BITS = 4, a weighted one-hot on a
+                                                             [BINS, BLOCK_V] tile)
     MODE_EXACT  fp32 count x exp((v - M) / T) per digit     (top-p, the last 8 key bits: each digit is
                                                              one exact logit value v, so counts suffice)
 
 M is the row maximum over the whole vocabulary. ``logprob_radix_select_kernel`` then picks the digit
 from the TP-summed histogram. Weighted sums cannot use ``tl.histogram`` (it counts), and a weighted
 one-hot costs ~3 instructions per element per bin: hence 16 bins for masses, 256 for counts.
+
+Summation order of the masses: each (digit, column-in-block) accumulator adds its column's blocks in order,
+and one reduction over the BLOCK_V columns ends the row; BLOCK_V and the warps depend on V_local only
+(``launch_config.py``), so the histogram of a row does not depend on the other rows (batch invariance).
+Formulation: the tile is loaded as ``[1, BLOCK_V]`` and compared with a ``[BINS, 1]`` column of digits, a
+broadcast in the load's own register layout. The previous ``[BLOCK_V]`` load compared as
+``digit[:, None] == bins[None, :]`` made the compiler move both vectors through shared memory into the
+accumulator's layout every block (2 ``convert_layout`` in the loop of its sm_90 TTGIR): 25x one read.
+Measured side by side: ``scripts/bench_filter_passes.py``, ``docs/benchmarks/logprob_filter.md``.
 """
 
 import triton
@@ -56,6 +66,20 @@ def _key_value(key, dtype_ptr, KEY_BITS: tl.constexpr):
         signed = (key.to(tl.uint32) ^ 0x80000000).to(tl.int32, bitcast=True)
         bits = tl.where(signed >= 0, signed, signed ^ 0x7FFFFFFF)
         return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _digit_and_member(x, in_row, tau, prefix, shift, KEY_BITS: tl.constexpr, DIGIT_BITS: tl.constexpr,
+                      HAS_PREFIX: tl.constexpr):
+    """fp32 logits, key digit at ``shift`` and membership (in the row, >= tau, higher digits == prefix) of a tile."""
+    xf = x.to(tl.float32)
+    key = _order_key(x, KEY_BITS)
+    digit = ((key >> shift) & ((1 << DIGIT_BITS) - 1)).to(tl.int32)
+    member = in_row & (xf >= tau)
+    if HAS_PREFIX:
+        # With a prefix, shift + DIGIT_BITS < KEY_BITS: a valid shift amount.
+        member &= (key >> (shift + DIGIT_BITS)).to(tl.int32) == prefix
+    return xf, digit, member
 
 
 @triton.jit
@@ -98,39 +122,42 @@ def logprob_radix_hist_kernel(
 
     # --- 2. one pass over the row: key, digit, membership; accumulate the histogram ---
     if MODE == MODE_MASS:
-        masses = tl.zeros([BLOCK_V, BINS], dtype=tl.float32)
+        # Weighted one-hot on a [BINS, BLOCK_V] tile loaded as [1, BLOCK_V] rows: no layout conversion in the
+        # loop (module docstring); one reduction over the columns at the end of the row.
+        tl.static_assert(not HAS_ROW_MAX_OUT, "the row maximum is a by-product of counting passes only")
+        offs_2d = tl.arange(0, BLOCK_V)[None, :]
+        bins_2d = tl.arange(0, BINS)[:, None]
+        masses = tl.zeros([BINS, BLOCK_V], dtype=tl.float32)
+        for start in range(0, V_local, BLOCK_V):
+            cols = start + offs_2d
+            in_row = cols < V_local
+            x = tl.load(x_row_ptr + cols, mask=in_row, other=float("-inf"))
+            xf, digit, member = _digit_and_member(x, in_row, tau, prefix, shift, KEY_BITS, DIGIT_BITS, HAS_PREFIX)
+            # A -inf logit weighs exp2(-inf) = 0.
+            e = tl.where(member, tl.exp2((xf - row_max) * scale), 0.0)
+            masses += tl.where(digit == bins_2d, e, 0.0)
     else:
         counts = tl.zeros([BINS], dtype=tl.int32)
         left_out = tl.zeros([BLOCK_V], dtype=tl.int32)
-    if HAS_ROW_MAX_OUT:
-        m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-    for start in range(0, V_local, BLOCK_V):
-        cols = start + offs
-        in_row = cols < V_local
-        x = tl.load(x_row_ptr + cols, mask=in_row, other=float("-inf"))
-        xf = x.to(tl.float32)
         if HAS_ROW_MAX_OUT:
-            m = tl.maximum(m, xf)
-        key = _order_key(x, KEY_BITS)
-        digit = ((key >> shift) & (BINS - 1)).to(tl.int32)
-        member = in_row & (xf >= tau)
-        if HAS_PREFIX:
-            # With a prefix, shift + DIGIT_BITS < KEY_BITS: a valid shift amount.
-            member &= (key >> (shift + DIGIT_BITS)).to(tl.int32) == prefix
-        if MODE == MODE_MASS:
-            # A -inf logit weighs exp2(-inf) = 0.
-            e = tl.where(member, tl.exp2((xf - row_max) * scale), 0.0)
-            masses += tl.where(digit[:, None] == bins[None, :], e[:, None], 0.0)
-        else:
-            # Non-members are counted in digit 0 and taken out again below (a histogram mask
-            # argument is not in every Triton release).
+            m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+        for start in range(0, V_local, BLOCK_V):
+            cols = start + offs
+            in_row = cols < V_local
+            x = tl.load(x_row_ptr + cols, mask=in_row, other=float("-inf"))
+            xf, digit, member = _digit_and_member(x, in_row, tau, prefix, shift, KEY_BITS, DIGIT_BITS, HAS_PREFIX)
+            if HAS_ROW_MAX_OUT:
+                m = tl.maximum(m, xf)
+            # Non-members are counted in digit 0 and taken out again below: 7-10 % faster on the H100 (Triton
+            # 3.6) than tl.histogram(digit, BINS, mask=member) (scripts/bench_filter_passes.py,
+            # docs/benchmarks/logprob_filter.md).
             counts += tl.histogram(tl.where(member, digit, 0), BINS)
             left_out += (~member).to(tl.int32)
 
     # --- 3. store the histogram row (and the shard's row maximum) ---
     hist_row_ptr = hist_ptr + row * stride_hist_row + bins
     if MODE == MODE_MASS:
-        tl.store(hist_row_ptr, tl.sum(masses, axis=0))
+        tl.store(hist_row_ptr, tl.sum(masses, axis=1))
     else:
         counts -= tl.where(bins == 0, tl.sum(left_out, axis=0), 0)
         if MODE == MODE_COUNT:

@@ -42,10 +42,10 @@ bits: 16 for bf16 / fp16, 32 for fp32; every collective is skipped for a group o
     No host read anywhere (per-row tensors included). Bitwise batch-invariant: every pass's launch
     depends on V_local only, and the digit choice is per row.
 
-Cost (predicted, bf16, TP = 1): a counting pass ~ one read of the logits (the unfiltered forward's
-read); a mass pass is compute-bound (~3 instructions per element per digit, 16 digits), a few reads'
-worth. top-k = 2 reads + the filtered statistics; top-p = amax + 2 mass passes + 1 counting pass.
-Measured: ``docs/benchmarks/logprob_filter.md``.
+Cost (bf16, TP = 1, one H100, N = 16384, V = 151936): a counting pass is instruction-bound in
+``tl.histogram`` of 256 digits (~4.9 reads' worth), a mass pass compute-bound in its 16
+compare-select-adds per element (~4.3 reads); top-k = 2 counting passes + the filtered statistics,
+top-p = amax + 2 mass passes + 1 counting pass. Measured: ``docs/benchmarks/logprob_filter.md``.
 """
 
 from __future__ import annotations

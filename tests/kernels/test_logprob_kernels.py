@@ -3,7 +3,7 @@ GPU: Triton's real compiler (to PTX and, with the ptxas shipped in the triton wh
 interpreter the CPU suite runs them in — the interpreter accepts code the compiler rejects (a global that is
 not ``tl.constexpr`` did slip through it once). Every logits dtype, with and without entropy and a
 sampling filter's threshold, and the threshold search's radix kernels, at the block
-sizes ``kernels/launch_config.py`` picks on a GPU.
+sizes ``kernels/launch_config.py`` picks on a GPU; the mass pass's loop has no layout conversion.
 
 The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script; see ``sm90.py``).
 """
@@ -52,12 +52,18 @@ def _compile_all() -> None:
     for logits in ("*bf16", "*fp16", "*fp32"):
         key_bits = 32 if logits == "*fp32" else 16
         for mode, digit_bits, has_prefix, has_max, block_v in passes:
-            compile_kernel(logprob_radix_hist_kernel, dict(
+            compiled = compile_kernel(logprob_radix_hist_kernel, dict(
                 x_ptr=logits, tau_ptr="*fp32", prefix_ptr="*i32", row_max_ptr="*fp32",
                 hist_ptr="*i32" if mode == 0 else "*fp32", row_max_out_ptr="*fp32", V_local="i32",
                 stride_x_row="i64", stride_hist_row="i32", inv_temperature="fp32", shift="i32",
             ), dict(KEY_BITS=key_bits, DIGIT_BITS=digit_bits, MODE=mode, HAS_PREFIX=has_prefix,
                     HAS_ROW_MAX_OUT=has_max, BLOCK_V=block_v))
+            if mode == 1:
+                # The mass pass's loop must not convert layouts (through shared memory): a [BLOCK_V] load
+                # compared as digit[:, None] did, twice a block, and ran at 25x one read on an H100.
+                ttgir = compiled.asm["ttgir"]
+                loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+                assert "convert_layout" not in loop, f"layout conversion in the mass pass's loop ({logits})"
         for is_top_p, digit_bits, first, last in [(False, 8, True, False), (False, 8, False, True),
                                                   (True, 4, True, False), (True, 8, False, True)]:
             compile_kernel(logprob_radix_select_kernel, dict(
