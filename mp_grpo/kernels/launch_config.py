@@ -41,6 +41,10 @@ class LogprobLaunchConfig:
     filter_mass_warps: int
 
 
+LONG_ROW_V_LOCAL = 2**16
+"""Shards wider than this take the long-row launch configuration (8192 columns, 8 warps)."""
+
+
 @functools.lru_cache(maxsize=256)
 def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
     """Launch parameters for a shard of ``v_local`` columns.
@@ -53,13 +57,20 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         block = min(triton.next_power_of_2(v_local), 64)
         return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1, block, 1)
     # H200 sweep, N = 16384, bf16 (docs/benchmarks/logprob_sweep.json): 4096 columns with 4 warps
-    # was fastest or within 1 % of it for both kernels at V_local = 151936 and 18992.
-    block = min(triton.next_power_of_2(v_local), 4096)
+    # was fastest or within 1 % of it for both kernels at V_local = 151936 and 18992. Long shards take
+    # 8192 x 8 (H100, fwd+bwd as CUDA-graph replays, docs/benchmarks/logprob_filter.md "Batch invariance"):
+    # at V_local = 151936 it is the best of the sweep at N = 256 and 16384 and within 1.6 % of it at 2048,
+    # where 4096 x 4 cost 11 % at N = 256 (few one-row programs want more warps each); at 18992, 4096 x 4
+    # stays (8192 x 8 is 3-5 % slower at N = 2048 / 16384). Measured at those two sizes only: the
+    # threshold between them is a choice (2**16).
+    long_row = v_local > LONG_ROW_V_LOCAL
+    block = min(triton.next_power_of_2(v_local), 8192 if long_row else 4096)
+    warps = 8 if long_row else 4
     return LogprobLaunchConfig(
         stats_block_v=block,
-        stats_warps=4,
+        stats_warps=warps,
         backward_block_v=block,
-        backward_warps=4,
+        backward_warps=warps,
         merge_block_n=256,
         # The threshold search's passes (H100, N = 16384 bf16, V = 151936 and 18992; scripts/bench_filter_passes.py
         # in docs/benchmarks/logprob_filter.md): counting 4096 x 4 warps (8.68 / 1.16 ms; the earlier sweep's best

@@ -17,7 +17,7 @@ from tests.kernels.sm90 import Sm90Compiler, needs_nvidia_backend, run_compile_s
 
 @needs_nvidia_backend
 def test_logprob_kernels_compile_for_sm90() -> None:
-    assert "compiled 50 kernels" in run_compile_script(__file__)
+    assert "compiled 68 kernels" in run_compile_script(__file__)
 
 
 def _compile_all() -> None:
@@ -28,21 +28,25 @@ def _compile_all() -> None:
 
     compiler = Sm90Compiler()
     compile_kernel = compiler.compile
-    block = 4096  # what launch_config picks on a GPU for V_local >= 4096
+    block = 4096  # the threshold search's counting block (launch_config, V_local >= 4096)
     cases = [(dt, ent, False) for dt, ent in itertools.product(("*bf16", "*fp16", "*fp32"), (False, True))]
     cases += [(dt, True, True) for dt in ("*bf16", "*fp16", "*fp32")]  # with a sampling filter's threshold
-    for logits, with_entropy, with_threshold in cases:
-        compile_kernel(logprob_stats_kernel, dict(
-            x_ptr=logits, target_ptr="*i64", stats_ptr="*fp32", threshold_ptr="*fp32", n="i32", row_start="i32", N_total="i32",
-            V_local="i32", vocab_start="i32", stride_x_row="i64", stride_stats_row="i32", inv_temperature="fp32",
-        ), dict(HAS_ENTROPY=with_entropy, HAS_THRESHOLD=with_threshold, BLOCK_V=block))
-        compile_kernel(logprob_backward_kernel, dict(
-            x_ptr=logits, grad_x_ptr=logits, target_ptr="*i64", row_max_ptr="*fp32", log_sum_ptr="*fp32",
-            entropy_ptr="*fp32", grad_logprob_ptr="*fp32", grad_entropy_ptr="*fp32", threshold_ptr="*fp32",
-            V_local="i32",
-            vocab_start="i32", ignore_index="i32", stride_x_row="i64", stride_grad_x_row="i64",
-            inv_temperature="fp32",
-        ), dict(HAS_ENTROPY_GRAD=with_entropy, HAS_THRESHOLD=with_threshold, BLOCK_V=block))
+    # What launch_config picks on a GPU: 4096 columns x 4 warps, and 8192 x 8 for long shards (V_local > 2**16).
+    long_rows = Sm90Compiler(num_warps=8)
+    for stats_block, stats_compiler in ((4096, compiler), (8192, long_rows)):
+        for logits, with_entropy, with_threshold in cases:
+            stats_compiler.compile(logprob_stats_kernel, dict(
+                x_ptr=logits, target_ptr="*i64", stats_ptr="*fp32", threshold_ptr="*fp32", n="i32", row_start="i32",
+                N_total="i32", V_local="i32", vocab_start="i32", stride_x_row="i64", stride_stats_row="i32",
+                inv_temperature="fp32",
+            ), dict(HAS_ENTROPY=with_entropy, HAS_THRESHOLD=with_threshold, BLOCK_V=stats_block))
+            stats_compiler.compile(logprob_backward_kernel, dict(
+                x_ptr=logits, grad_x_ptr=logits, target_ptr="*i64", row_max_ptr="*fp32", log_sum_ptr="*fp32",
+                entropy_ptr="*fp32", grad_logprob_ptr="*fp32", grad_entropy_ptr="*fp32", threshold_ptr="*fp32",
+                V_local="i32",
+                vocab_start="i32", ignore_index="i32", stride_x_row="i64", stride_grad_x_row="i64",
+                inv_temperature="fp32",
+            ), dict(HAS_ENTROPY_GRAD=with_entropy, HAS_THRESHOLD=with_threshold, BLOCK_V=stats_block))
     # The threshold search: every (dtype, pass kind) the host code launches, at the GPU block sizes.
     passes = [  # (MODE, DIGIT_BITS, HAS_PREFIX, HAS_ROW_MAX_OUT, BLOCK_V)
         (0, 8, False, True, 4096), (0, 8, False, False, 4096), (0, 8, True, False, 4096),  # top-k counts
@@ -74,10 +78,10 @@ def _compile_all() -> None:
     for with_entropy in (False, True):
         compile_kernel(logprob_merge_kernel, dict(
             stats_ptr="*fp32", target_ptr="*i64", logprob_ptr="*fp32", entropy_ptr="*fp32", row_max_ptr="*fp32",
-            log_sum_ptr="*fp32", errors_ptr="*i32", N="i32", TP="i32", V_global="i32", ignore_index="i32",
+            log_sum_ptr="*fp32", errors_ptr="*i64", N="i32", TP="i32", V_global="i32", ignore_index="i32",
             stride_stats_rank="i32", stride_stats_row="i32",
         ), dict(HAS_ENTROPY=with_entropy, BLOCK_N=256))
-    print(f"compiled {compiler.count} kernels for sm_90")
+    print(f"compiled {compiler.count + long_rows.count} kernels for sm_90")
 
 
 if __name__ == "__main__":
