@@ -59,7 +59,7 @@ from mp_grpo.kernels import logprob_launch_config  # noqa: E402
 from tests.reference import logprobs_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import GiB, copy_bandwidth, extra_peak_bytes, median_ms, timed_ms  # noqa: E402
+from measure import GiB, copy_bandwidth, extra_peak_bytes, graph_replay_ms, host_us, median_ms, timed_ms  # noqa: E402
 
 # ----------------------------------------------------------------------------- the cases
 def make_inputs(n: int, v: int, seed: int = 0):
@@ -219,41 +219,6 @@ def cases(n: int, v: int):
         "Liger triton_grpo_loss (not TP-aware)": liger_grpo,
         "TE parallel_cross_entropy": transformer_engine_ce,
     }
-
-
-HOST_CALLS = 20
-"""Calls whose host time is averaged (few enough that the launch queue never fills and blocks the host)."""
-
-
-def host_us(fwd_bwd) -> float:
-    """Mean host time of one call in microseconds: the GPU is idle at the start and nothing inside synchronizes
-    (the default checks read nothing on the host), so this is the CPU time to issue the call."""
-    import time
-
-    fwd_bwd()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(HOST_CALLS):
-        fwd_bwd()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / HOST_CALLS
-
-
-def graph_replay_ms(fwd_bwd) -> float:
-    """Median time of one replay of ``fwd_bwd`` captured into a CUDA graph (warm-up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fwd_bwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd_bwd()
-    ms = median_ms(graph.replay)
-    del graph
-    return ms
 
 
 def check_correctness(n: int = 512, v: int = 18992) -> float:

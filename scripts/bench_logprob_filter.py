@@ -40,7 +40,7 @@ from tests.reference import filtered_logprobs_reference, sampling_filter_keep_re
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_filter_passes  # noqa: E402
-from measure import GiB, extra_peak_bytes  # noqa: E402
+from measure import GiB, extra_peak_bytes, graph_replay_ms  # noqa: E402
 from measure import median_ms as _median_ms  # noqa: E402
 
 REP_MS = 100
@@ -213,21 +213,9 @@ def check_bitwise(v: int, n: int) -> bool:
 
 
 def graph_ms(fn) -> float:
-    """GPU time of one call of ``fn``: the median replay of a CUDA graph that captured it (no host launch
-    overhead, which eager timing includes: ~1 ms a forward+backward, more than the kernels at small N)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = median_ms(graph.replay)
-    del graph
-    torch.cuda.empty_cache()
-    return ms
+    """GPU time of one call of ``fn`` (a CUDA-graph replay: no host launch overhead, which eager timing
+    includes — ~1 ms a forward+backward, more than the kernels at small N)."""
+    return graph_replay_ms(fn, warmup=2, warmup_ms=25, rep_ms=REP_MS)
 
 
 def run_batch_invariance(args) -> dict:

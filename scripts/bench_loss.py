@@ -39,7 +39,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from measure import host_us  # noqa: E402
+from measure import median_ms as _median_ms  # noqa: E402
 from mp_grpo import vocab_parallel_logprobs  # noqa: E402
 from mp_grpo.config.loss import (  # noqa: E402
     Aggregation,
@@ -124,9 +127,7 @@ def make_inputs(layout_name: str, seed: int = 0) -> Inputs:
 
 # ----------------------------------------------------------------------------- measurement helpers
 def median_ms(fn, grad_to_none=None) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median"))
+    return _median_ms(fn, warmup_ms=25, rep_ms=200, grad_to_none=grad_to_none)
 
 
 def gpu_kernel_ms(fn, iters: int = 20) -> tuple[float, float]:
@@ -187,20 +188,6 @@ def check_against_eager(cfg: LossConfig, x: Inputs, batch: GlobalBatch, loss_fn:
     if worst > MAX_REL_DIFF:
         raise AssertionError(f"differs from eager by {worst:.2e} (relative)")
     return worst
-
-
-def host_us(fn, calls: int = 20) -> float:
-    """Mean CPU time to issue one call, in microseconds (GPU idle at the start, no synchronization inside)."""
-    import time
-
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
 
 
 def run(out_dir: Path, variants: tuple[str, ...], vocabs: tuple[int, ...] = (VOCAB,)) -> None:
