@@ -115,7 +115,7 @@ from mp_grpo.ops.sampling_filter import (
     SamplingFilter,
     check_sampling_filter,
     filter_threshold,
-    raise_on_targets_outside_filter,
+    targets_outside_filter,
 )
 
 LOGITS_CHUNK_BYTES = 512 * 2**20
@@ -394,9 +394,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         outside = None
         if threshold is not None:
             # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
-            outside = torch.isneginf(merged.logprobs) & (t != ignore_index)
-            if check_inputs is not CheckInputs.OFF:
-                raise_on_targets_outside_filter(outside, check_inputs)
+            outside = targets_outside_filter(merged.logprobs, t, ignore_index, check_inputs)
         ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.entropy, threshold, outside)
         # Like Megatron's linear layer: main_grad is kept on ctx, not saved (no version-counter checks,
         # since DDP writes into it between forward and backward).

@@ -83,7 +83,7 @@ from mp_grpo.ops.sampling_filter import (
     SamplingFilter,
     check_sampling_filter,
     filter_threshold,
-    raise_on_targets_outside_filter,
+    targets_outside_filter,
 )
 from mp_grpo.ops.scale import scale_into
 
@@ -200,9 +200,7 @@ class FusedLinearLoss(torch.autograd.Function):
             outside = None
             if threshold is not None:
                 # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
-                outside = torch.isneginf(merged.logprobs) & (t[r0:r1] != ignore_index)
-                if check_inputs is not CheckInputs.OFF:
-                    raise_on_targets_outside_filter(outside, check_inputs)
+                outside = targets_outside_filter(merged.logprobs, t[r0:r1], ignore_index, check_inputs)
 
             # --- 3. the coefficients d loss / d logp, d loss / d entropy of the chunk's rows ---
             grad_lp, grad_ent, loss, aux = _coefficients(loss_fn, logprobs, entropy, target.shape)

@@ -216,12 +216,20 @@ def filter_threshold(
 
 def count_outside_filter(logprobs: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """int64 scalar (no host read): rows whose target lies outside the filter's kept set (log-prob -inf)."""
-    return (torch.isneginf(logprobs) & (target != ignore_index)).sum()
+    return targets_outside_filter(logprobs, target, ignore_index, CheckInputs.OFF).sum()
 
 
-def raise_on_targets_outside_filter(outside: torch.Tensor, mode: CheckInputs = CheckInputs.DEFERRED) -> None:
-    """Checked mode, through the deferred error ledger (``mp_grpo.ops.checks.record_errors``): raised at once
-    on the CPU or with ``mode=SYNC``, at the next ``mp_grpo.check_errors()`` on a GPU — no host read here."""
+def targets_outside_filter(
+    logprobs: torch.Tensor, target: torch.Tensor, ignore_index: int, mode: CheckInputs
+) -> torch.Tensor:
+    """Bool mask of the rows whose target lies outside the filter's kept set (the op gave them log-prob -inf;
+    ``ignore_index`` rows excluded). Unless ``mode`` is OFF their count goes through the deferred error ledger
+    (``mp_grpo.ops.checks.record_errors``): raised at once on the CPU or with ``SYNC``, at the next
+    ``mp_grpo.check_errors()`` on a GPU — no host read here."""
+    outside = torch.isneginf(logprobs) & (target != ignore_index)
+    if mode is CheckInputs.OFF:
+        return outside
+
     def message(count: int) -> str:
         return (
             f"target: {count} token id(s) lie outside the sampling_filter's kept set (probability 0 under the "
@@ -230,3 +238,4 @@ def raise_on_targets_outside_filter(outside: torch.Tensor, mode: CheckInputs = C
         )
 
     record_errors("target outside the sampling filter", outside.sum(), message, mode=mode)
+    return outside

@@ -46,7 +46,7 @@ from mp_grpo.ops.sampling_filter import (
     SamplingFilter,
     check_sampling_filter,
     filter_threshold,
-    raise_on_targets_outside_filter,
+    targets_outside_filter,
 )
 from mp_grpo.ops.logprob_launch import (
     flat_upstream_grads,
@@ -106,9 +106,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
         outside = None
         if threshold is not None:
             # A target outside the kept set has log-prob -inf (its stats row wrote z_t = -inf).
-            outside = torch.isneginf(merged.logprobs) & (t != ignore_index)
-            if check_inputs is not CheckInputs.OFF:
-                raise_on_targets_outside_filter(outside, check_inputs)
+            outside = targets_outside_filter(merged.logprobs, t, ignore_index, check_inputs)
         ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy, threshold, outside)
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
