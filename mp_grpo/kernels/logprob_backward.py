@@ -12,6 +12,11 @@ With HAS_THRESHOLD (a sampling filter) the columns whose raw logit is below ``th
 p = 0 and get no gradient; M, log S and H then describe the filtered, renormalized distribution.
 The host zeroes g_lp of rows whose target lies outside the kept set (their log-prob is the constant -inf).
 
+With HAS_GRAD_SCALE the upstream gradients are ``scale · g_lp`` and ``scale · g_H``, ``scale`` a 0-dim
+device value: the GRPO loss from logits (``mp_grpo/ops/logits_grpo_loss.py``) passes the loss's per-token
+coefficients d loss / d logp, d loss / d H made in forward and the loss's own upstream gradient, so that its
+backward is this one launch, with no host read of the upstream gradient.
+
 Every quantity that couples the shards (M, S, H) was merged in forward, so backward needs no
 collective. Each program handles BLOCK_V columns of one row: it reads them once and writes their
 gradient once, in the gradient buffer's dtype (which may be the logits buffer itself).
@@ -33,6 +38,7 @@ def logprob_backward_kernel(
     grad_logprob_ptr,  # [N] fp32 upstream gradient of the log-probs
     grad_entropy_ptr,  # [N] fp32 upstream gradient of the entropy (only with HAS_ENTROPY_GRAD)
     threshold_ptr,  # [N] fp32 raw-logit threshold of the kept set (only with HAS_THRESHOLD)
+    grad_scale_ptr,  # 0-dim fp32 factor of both upstream gradients (only with HAS_GRAD_SCALE)
     # shapes
     V_local,
     vocab_start,
@@ -45,6 +51,7 @@ def logprob_backward_kernel(
     # meta-parameters
     HAS_ENTROPY_GRAD: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -56,7 +63,11 @@ def logprob_backward_kernel(
     log_sum = tl.load(log_sum_ptr + row)
     target = tl.load(target_ptr + row)
     # An ignored row's log-prob is the constant 0: no gradient flows from it.
-    g_logprob = tl.where(target != ignore_index, tl.load(grad_logprob_ptr + row), 0.0)
+    g_logprob = tl.load(grad_logprob_ptr + row)
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr).to(tl.float32)
+        g_logprob = g_logprob * grad_scale
+    g_logprob = tl.where(target != ignore_index, g_logprob, 0.0)
 
     # --- 2. probabilities of this block, recomputed from the logits ---
     z = tl.load(x_ptr + row * stride_x_row + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
@@ -68,6 +79,8 @@ def logprob_backward_kernel(
     if HAS_ENTROPY_GRAD:
         entropy = tl.load(entropy_ptr + row)
         g_entropy = tl.load(grad_entropy_ptr + row)
+        if HAS_GRAD_SCALE:
+            g_entropy = g_entropy * grad_scale
         # p = 0 (a -inf logit) contributes nothing; p * log_p would be 0 * -inf = NaN.
         grad -= g_entropy * tl.where(p > 0.0, p * (log_p + entropy), 0.0)
 

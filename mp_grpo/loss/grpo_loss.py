@@ -58,6 +58,16 @@ from mp_grpo.loss.rollout_correction import kept, level_log_ratio, normalized_we
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
 from mp_grpo.loss.vespo import vespo_token_input
 from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
+from mp_grpo.ops.checks import (
+    CheckInputs,
+    check_inputs_mode,
+    check_logits_and_target,
+    check_runs_here,
+    check_temperature,
+)
+from mp_grpo.ops.logits_grpo_loss import LogitsSpec, logits_grpo_loss
+from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
 
 
 class LossBackend(str, Enum):
@@ -249,6 +259,81 @@ class GRPOLoss:
             positive_tokens=positive_tokens,
         )
         return self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+
+    def on_logits(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        *,
+        tp_group=None,
+        temperature: float = 1.0,
+        ignore_index: int = -100,
+        inplace_backward: bool = False,
+        check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
+        sampling_filter: SamplingFilter | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
+        batch: GlobalBatch | None = None,
+        layout: SequenceLayout | None = None,
+        entropy_coef: float | torch.Tensor | None = None,
+        positive: torch.Tensor | None = None,
+        positive_tokens: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share and metrics from a vocabulary shard of logits: what
+        ``self(vocab_parallel_logprobs(logits, target, ...), ...)`` returns — with the entropy computed when the
+        config reads it —, its gradient w.r.t. ``logits``.
+
+        ``logits``, ``target``, ``tp_group``, ``temperature``, ``ignore_index``, ``inplace_backward``,
+        ``check_inputs`` and ``sampling_filter`` are those of :func:`mp_grpo.vocab_parallel_logprobs` (token
+        shape = ``target.shape``); the other arguments those of :meth:`__call__`.
+
+        The fused path (:mod:`mp_grpo.ops.logits_grpo_loss`: one autograd Function, the loss's backward inside
+        the log-prob backward kernel) runs when the call would take the fused loss (:class:`LossBackend`), a
+        ``batch`` is given (a training step has one; without it the step's account is built from this call's
+        log-probs first) and there is no ``sampling_filter``; otherwise the two ops run one after the other. Both
+        give the same values, gradients and metrics (``tests/ops/test_logits_grpo_loss.py``).
+        """
+        cfg = self.config
+        layout = PaddedSequences() if layout is None else layout
+        if not isinstance(layout, SequenceLayout):
+            raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
+        check_logits_and_target(logits, target)
+        if batch is None or sampling_filter is not None or not self._use_fused(logits, layout):
+            out = vocab_parallel_logprobs(
+                logits, target, tp_group=tp_group, temperature=temperature, with_entropy=cfg.needs_entropy,
+                ignore_index=ignore_index, inplace_backward=inplace_backward, check_inputs=check_inputs,
+                sampling_filter=sampling_filter,
+            )
+            logprobs, entropy = out if cfg.needs_entropy else (out, None)
+            return self(
+                logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
+                ref_logprobs=ref_logprobs, entropy=entropy, batch=batch, layout=layout, entropy_coef=entropy_coef,
+                positive=positive, positive_tokens=positive_tokens, generator=generator,
+            )
+        # --- the fused path: check what the two ops would check, then one autograd Function ---
+        check_runs_here(logits, "logits")
+        spec = LogitsSpec(tp_group, check_temperature(temperature), int(ignore_index), bool(inplace_backward),
+                          check_inputs_mode(check_inputs))
+        shape, device = target.shape, logits.device
+        _check_token_inputs(cfg, layout, shape, device, "target", old_logprobs, advantages, loss_mask,
+                            rollout_logprobs, ref_logprobs, None, entropy_computed=True)
+        for name, value in (("entropy_coef", entropy_coef), ("positive", positive),
+                            ("positive_tokens", positive_tokens), ("generator", generator)):
+            if value is not None:  # the fused kernels implement no config that reads them
+                raise ValueError(f"{name} is not used by this config")
+        if not isinstance(batch, GlobalBatch):
+            raise TypeError(f"batch must be a GlobalBatch or None, got {type(batch).__name__}")
+        batch.check_micro_batch(loss_mask)
+        batch.check_config(cfg)
+        call = self._fused.prepare(  # type: ignore[union-attr]
+            device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, cfg.needs_entropy,
+            advantages.shape == shape, _step_tensors(cfg, batch, device), _sequence_info(layout, shape, device),
+        )
+        return logits_grpo_loss(self._fused, logits, target, spec, call)  # type: ignore[arg-type]
 
     def _use_fused(self, logprobs: torch.Tensor, layout: SequenceLayout) -> bool:
         """Whether this call runs the fused kernels (see :class:`LossBackend`); raises when TRITON cannot (the
@@ -524,18 +609,39 @@ def _check_inputs(
 ) -> None:
     """Host-side checks; every error names the argument."""
     _check_float("logprobs", logprobs)
-    shape, device = logprobs.shape, logprobs.device
-    layout.check_tokens(shape, "logprobs")
+    _check_token_inputs(cfg, layout, logprobs.shape, logprobs.device, "logprobs", old_logprobs, advantages, loss_mask,
+                        rollout_logprobs, ref_logprobs, entropy)
+
+
+def _check_token_inputs(
+    cfg: LossConfig,
+    layout: SequenceLayout,
+    shape: torch.Size,
+    device: torch.device,
+    reference: str,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    *,
+    entropy_computed: bool = False,
+) -> None:
+    """The checks of :func:`_check_inputs` against the token shape and device of ``reference`` (the argument that
+    sets them: ``logprobs``, or ``target`` for :meth:`GRPOLoss.on_logits`, which computes the entropy itself)."""
+    layout.check_tokens(shape, reference)
     if not isinstance(loss_mask, torch.Tensor) or loss_mask.is_complex():
         raise TypeError(f"loss_mask must be a bool, integer or floating tensor, got {_kind(loss_mask)}")
-    _check_like("loss_mask", loss_mask, shape, device)
+    _check_like("loss_mask", loss_mask, shape, device, reference)
     rc = cfg.rollout_correction
     if rc.bypass and old_logprobs is not None:
         raise ValueError("old_logprobs must be None with rollout_correction.bypass: the rollout log-probs are the old ones")
     needs = {
         "rollout_logprobs": (cfg.needs_rollout_logprobs, "rollout_correction / mismatch settings"),
         "ref_logprobs": (cfg.kl.coef != 0.0, "kl.coef != 0"),
-        "entropy": (cfg.needs_entropy, "entropy.bonus_coef / entropy.top_quantile / entropy.adaptive"),
+        "entropy": (cfg.needs_entropy and not entropy_computed,
+                    "entropy.bonus_coef / entropy.top_quantile / entropy.adaptive"),
     }
     given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs,
              "entropy": entropy}
@@ -546,7 +652,7 @@ def _check_inputs(
                 raise ValueError(f"{name} must be given: the config's {why} need it")
             continue
         _check_float(name, value)
-        _check_like(name, value, shape, device)
+        _check_like(name, value, shape, device, reference)
     _check_float("advantages", advantages)
     num_sequences = layout.num_sequences(shape)
     if advantages.shape not in (shape, torch.Size([num_sequences])):
@@ -555,7 +661,7 @@ def _check_inputs(
             f"token {tuple(shape)}"
         )
     if advantages.device != device:
-        raise ValueError(f"advantages is on {advantages.device} but logprobs is on {device}")
+        raise ValueError(f"advantages is on {advantages.device} but {reference} is on {device}")
 
 
 def _check_covariance(
@@ -612,8 +718,10 @@ def _check_float(name: str, x: object) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got {_kind(x)}")
 
 
-def _check_like(name: str, x: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+def _check_like(
+    name: str, x: torch.Tensor, shape: torch.Size, device: torch.device, reference: str = "logprobs"
+) -> None:
     if x.shape != shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}, logprobs has {tuple(shape)}")
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, {reference} has {tuple(shape)}")
     if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but logprobs is on {device}")
+        raise ValueError(f"{name} is on {x.device} but {reference} is on {device}")

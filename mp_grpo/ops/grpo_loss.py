@@ -123,6 +123,37 @@ class FusedGRPOLoss:
         self._params_on: dict[torch.device, torch.Tensor] = {}
         self._plans: dict[tuple, FusedLossPlan] = {}
 
+    def prepare(
+        self,
+        device: torch.device,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        rollout_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+        has_entropy: bool,
+        advantages_per_token: bool,
+        step: StepTensors,
+        sequences: SequenceInfo,
+    ) -> _Call:
+        """Everything of one call besides the differentiable inputs: the plan (cached per input combination),
+        the parameter vector on ``device`` (cached), the inputs."""
+        key = (sequences.cu_seqlens is not None, old_logprobs is not None, rollout_logprobs is not None,
+               ref_logprobs is not None, has_entropy, advantages_per_token)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build_plan(self.config, InputsKey(*key))
+        params = self._params_on.get(device)
+        if params is None:
+            params = self._params_on[device] = torch.tensor(self._parameters, dtype=torch.float64, device=device)
+        return _Call(plan, params, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, step, sequences)
+
+    @staticmethod
+    def metrics(plan: FusedLossPlan, pairs: torch.Tensor, extremes: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The metric dict of :meth:`mp_grpo.GRPOLoss.__call__` from the finalize kernel's outputs (views)."""
+        pair_rows, extreme_rows = pairs.unbind(0), extremes.unbind(0)
+        return {name: (pair_rows if is_pair else extreme_rows)[slot] for name, is_pair, slot in plan.metrics}
+
     def __call__(
         self,
         logprobs: torch.Tensor,
@@ -138,20 +169,10 @@ class FusedGRPOLoss:
         """(this micro-batch's share, its metric dict) — the contract of :meth:`mp_grpo.GRPOLoss.__call__`;
         the inputs are already checked (shapes, dtypes, devices)."""
         check_runs_here(logprobs, "logprobs")
-        device = logprobs.device
-        key = (sequences.cu_seqlens is not None, old_logprobs is not None, rollout_logprobs is not None,
-               ref_logprobs is not None, entropy is not None, advantages.shape == logprobs.shape)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = build_plan(self.config, InputsKey(*key))
-        params = self._params_on.get(device)
-        if params is None:
-            params = self._params_on[device] = torch.tensor(self._parameters, dtype=torch.float64, device=device)
-        call = _Call(plan, params, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, step, sequences)
+        call = self.prepare(logprobs.device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs,
+                            entropy is not None, advantages.shape == logprobs.shape, step, sequences)
         loss, pairs, extremes = FusedGRPOLossFunction.apply(logprobs, entropy, call)
-        pair_rows, extreme_rows = pairs.unbind(0), extremes.unbind(0)
-        metrics = {name: (pair_rows if is_pair else extreme_rows)[slot] for name, is_pair, slot in plan.metrics}
-        return loss, metrics
+        return loss, self.metrics(call.plan, pairs, extremes)
 
 
 class _Slices:
@@ -177,115 +198,157 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1)
 
 
+class LossSaved(NamedTuple):
+    """What :func:`loss_forward` keeps for :func:`loss_backward`: the gradients it wrote in forward."""
+
+    grad_lp: torch.Tensor
+    """[N] compute dtype: ∂share/∂log π_θ[t] along each token's own path."""
+    grad_ent: torch.Tensor | None
+    """[N] compute dtype: ∂share/∂entropy[t] (entropy bonus only)."""
+    seq_grad: torch.Tensor | None
+    """[S] float64: Σ_{t ∈ s} ∂share/∂m_s (gspo / gmpo only)."""
+    seq_factor: torch.Tensor | None
+    """[N] compute dtype: ∂m_s/∂log π_θ[t] (gspo / gmpo only)."""
+    cu: torch.Tensor
+    """cu_seqlens (packed) or any tensor (padded: never read)."""
+    sizes: tuple[int, int, int, int, bool]
+    """(N, T, S, binary-search steps, packed)."""
+    cp_group: ProcessGroup | None
+    compute: object
+    """The compute dtype as a Triton dtype."""
+
+
+def loss_forward(
+    lp: torch.Tensor, entropy: torch.Tensor | None, call: _Call
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LossSaved]:
+    """Forward steps 1–5 of the module docstring on flat ``[N]`` log-probs (and entropy): (loss, metric pairs,
+    extremes, what backward needs). Shared by :class:`FusedGRPOLossFunction` and the loss from logits
+    (:mod:`mp_grpo.ops.logits_grpo_loss`)."""
+    plan, seqs, step = call.plan, call.sequences, call.step
+    device = lp.device
+    compute = torch.promote_types(lp.dtype, torch.float32)
+    n = lp.numel()
+    s = seqs.num_sequences
+    packed = seqs.cu_seqlens is not None
+    cu = seqs.cu_seqlens if packed else lp  # an unused pointer for padded rows
+    row_length = max(seqs.row_length, 1)
+    search_steps = s.bit_length() if packed else 0
+    blocks = _launch_config()
+    tl_compute = _TRITON_DTYPES[compute]
+    placeholder = lp  # pointer of an absent optional input (never read: its flag is off)
+    old = placeholder if call.old is None else _flat(call.old)
+    rollout = placeholder if call.rollout is None else _flat(call.rollout)
+    ref = placeholder if call.ref is None else _flat(call.ref)
+    ent = placeholder if entropy is None else entropy
+    adv = _flat(call.advantages)
+    mask = _flat(call.loss_mask)
+
+    # --- 1. workspace: one float64 buffer (zeroed when there are per-sequence sums), one compute-dtype one ---
+    programs = max(ceil_div(n, blocks.combine_block), ceil_div(s, blocks.combine_block), 1)
+    sums_size = s * plan.num_cols
+    f64 = _Slices((_NUM_PAIRS * 2, _NUM_EXTREMES, programs * _PARTIAL_COLS, sums_size, s if plan.seq_grad else 0))
+    workspace = (torch.zeros if plan.num_cols else torch.empty)(f64.total, dtype=torch.float64, device=device)
+    pairs_flat, extremes, partials_flat, seq_sums, seq_grad = f64.views(workspace)
+    pairs, partials = pairs_flat.view(_NUM_PAIRS, 2), partials_flat.view(programs, _PARTIAL_COLS)
+    per_token = _Slices((n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0))
+    grad_lp, grad_ent, seq_factor = per_token.views(torch.empty(per_token.total, dtype=compute, device=device))
+    grad_ent = grad_ent if plan.entropy_grad else None
+    seq_factor = seq_factor if plan.seq_grad else None
+    if not plan.num_cols:
+        seq_sums = seq_grad = call.params  # unused pointers without per-sequence sums
+    elif not plan.seq_grad:
+        seq_grad = call.params
+    if plan.num_cols:
+        # --- 2. per-sequence sums ---
+        launch(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),),
+            lp, old, rollout, adv, mask, cu, call.params, seq_sums,
+            n, row_length, s, search_steps,
+            **plan.token_flags, COMPUTE=tl_compute, BLOCK=blocks.token_block, num_warps=blocks.token_warps,
+        )
+        # --- 3. whole sequences under context parallelism ---
+        if group_size(seqs.cp_group) > 1:
+            seq_sums = all_reduce_sum(seq_sums, seqs.cp_group)
+
+    # --- 4. per-token shares, gradients, metric partials ---
+    unused = call.params
+    launch(grpo_loss_combine_kernel, (programs,),
+        lp, old, rollout, ref, ent, adv, mask,
+        cu, seq_sums, seq_grad,
+        step.valid_tokens, step.sequences, unused if step.weight_mean is None else step.weight_mean,
+        unused if step.entropy_threshold is None else step.entropy_threshold,
+        unused if step.skip is None else step.skip, call.params,
+        grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
+        n, row_length, s, search_steps,
+        **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=blocks.combine_block,
+        CONSTANTS_KEY=CONSTANTS_KEY,
+        num_warps=blocks.combine_warps,
+    )
+
+    # --- 5. loss and metric entries ---
+    loss = torch.empty((), dtype=compute, device=device)
+    launch(grpo_loss_finalize_kernel, (1,),
+        partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
+        programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=blocks.finalize_block,
+        CONSTANTS_KEY=CONSTANTS_KEY,
+    )
+    saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad else None, seq_factor, cu,
+                      (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute)
+    return loss, pairs, extremes, saved
+
+
+def loss_backward(
+    saved: LossSaved, grad_loss: torch.Tensor, lp_dtype: torch.dtype, ent_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward steps 1–2 of the module docstring: flat ``[N]`` gradients w.r.t. the log-probs and (with
+    ``ent_dtype``, when the entropy bonus gives it one) the entropy, in those dtypes."""
+    n, row_length, s, search_steps, packed = saved.sizes
+    device = saved.grad_lp.device
+    grad_loss = grad_loss.reshape(())
+    entropy_grad = saved.grad_ent is not None and ent_dtype is not None
+    seq_grad = saved.seq_grad
+    # --- 1. whole sequences under context parallelism: Σ over CP ranks of g_r · ∂share_r/∂m_s ---
+    seq_grad_scaled = False
+    if seq_grad is not None and group_size(saved.cp_group) > 1:
+        seq_grad = all_reduce_sum(seq_grad * grad_loss.to(torch.float64), saved.cp_group)
+        seq_grad_scaled = True
+    # --- 2. g × the forward's per-token gradients ---
+    grad_lp = torch.empty(n, dtype=lp_dtype, device=device)
+    grad_ent = torch.empty(n, dtype=ent_dtype, device=device) if entropy_grad else None
+    blocks = _launch_config()
+    fwd_lp = saved.grad_lp
+    if n:
+        launch(grpo_loss_backward_kernel, (ceil_div(n, blocks.backward_block),),
+            grad_loss, fwd_lp, fwd_lp if saved.grad_ent is None else saved.grad_ent,
+            fwd_lp if seq_grad is None else seq_grad, fwd_lp if saved.seq_factor is None else saved.seq_factor,
+            saved.cu, grad_lp, grad_lp if grad_ent is None else grad_ent,
+            n, row_length, s, search_steps,
+            PACKED=packed, ENTROPY_GRAD=entropy_grad, SEQ_GRAD=seq_grad is not None, SEQ_GRAD_SCALED=seq_grad_scaled,
+            COMPUTE=saved.compute, BLOCK=blocks.backward_block, num_warps=blocks.backward_warps,
+        )
+    return grad_lp, grad_ent
+
+
 class FusedGRPOLossFunction(torch.autograd.Function):
     """Differentiable w.r.t. ``logprobs`` and ``entropy``; see the module docstring for the schedule."""
 
     @staticmethod
     def forward(ctx, logprobs: torch.Tensor, entropy: torch.Tensor | None, call: _Call):
-        plan, seqs, step = call.plan, call.sequences, call.step
-        device = logprobs.device
-        compute = torch.promote_types(logprobs.dtype, torch.float32)
-        lp = _flat(logprobs)
-        n = lp.numel()
-        s = seqs.num_sequences
-        packed = seqs.cu_seqlens is not None
-        cu = seqs.cu_seqlens if packed else lp  # an unused pointer for padded rows
-        row_length = max(seqs.row_length, 1)
-        search_steps = s.bit_length() if packed else 0
-        blocks = _launch_config()
-        tl_compute = _TRITON_DTYPES[compute]
-        placeholder = lp  # pointer of an absent optional input (never read: its flag is off)
-        old = placeholder if call.old is None else _flat(call.old)
-        rollout = placeholder if call.rollout is None else _flat(call.rollout)
-        ref = placeholder if call.ref is None else _flat(call.ref)
-        ent = placeholder if entropy is None else _flat(entropy)
-        adv = _flat(call.advantages)
-        mask = _flat(call.loss_mask)
-
-        # --- 1. workspace: one float64 buffer (zeroed when there are per-sequence sums), one compute-dtype one ---
-        programs = max(ceil_div(n, blocks.combine_block), ceil_div(s, blocks.combine_block), 1)
-        sums_size = s * plan.num_cols
-        f64 = _Slices((_NUM_PAIRS * 2, _NUM_EXTREMES, programs * _PARTIAL_COLS, sums_size, s if plan.seq_grad else 0))
-        workspace = (torch.zeros if plan.num_cols else torch.empty)(f64.total, dtype=torch.float64, device=device)
-        pairs_flat, extremes, partials_flat, seq_sums, seq_grad = f64.views(workspace)
-        pairs, partials = pairs_flat.view(_NUM_PAIRS, 2), partials_flat.view(programs, _PARTIAL_COLS)
-        per_token = _Slices((n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0))
-        grad_lp, grad_ent, seq_factor = per_token.views(torch.empty(per_token.total, dtype=compute, device=device))
-        grad_ent = grad_ent if plan.entropy_grad else None
-        seq_factor = seq_factor if plan.seq_grad else None
-        if not plan.num_cols:
-            seq_sums = seq_grad = call.params  # unused pointers without per-sequence sums
-        elif not plan.seq_grad:
-            seq_grad = call.params
-        if plan.num_cols:
-            # --- 2. per-sequence sums ---
-            launch(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),),
-                lp, old, rollout, adv, mask, cu, call.params, seq_sums,
-                n, row_length, s, search_steps,
-                **plan.token_flags, COMPUTE=tl_compute, BLOCK=blocks.token_block, num_warps=blocks.token_warps,
-            )
-            # --- 3. whole sequences under context parallelism ---
-            if group_size(seqs.cp_group) > 1:
-                seq_sums = all_reduce_sum(seq_sums, seqs.cp_group)
-
-        # --- 4. per-token shares, gradients, metric partials ---
-        unused = call.params
-        launch(grpo_loss_combine_kernel, (programs,),
-            lp, old, rollout, ref, ent, adv, mask,
-            cu, seq_sums, seq_grad,
-            step.valid_tokens, step.sequences, unused if step.weight_mean is None else step.weight_mean,
-            unused if step.entropy_threshold is None else step.entropy_threshold,
-            unused if step.skip is None else step.skip, call.params,
-            grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
-            n, row_length, s, search_steps,
-            **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=blocks.combine_block,
-            CONSTANTS_KEY=CONSTANTS_KEY,
-            num_warps=blocks.combine_warps,
-        )
-
-        # --- 5. loss and metric entries ---
-        loss = torch.empty((), dtype=compute, device=device)
-        launch(grpo_loss_finalize_kernel, (1,),
-            partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
-            programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=blocks.finalize_block,
-            CONSTANTS_KEY=CONSTANTS_KEY,
-        )
-
+        # --- 1.–5. ---
+        loss, pairs, extremes, saved = loss_forward(_flat(logprobs), None if entropy is None else _flat(entropy), call)
         ctx.mark_non_differentiable(pairs, extremes)
-        ctx.save_for_backward(grad_lp, grad_ent, seq_grad if plan.seq_grad else None, seq_factor, cu)
-        ctx.plan = plan
-        ctx.sizes = (n, row_length, s, search_steps, packed)
-        ctx.cp_group = seqs.cp_group
+        ctx.save_for_backward(saved.grad_lp, saved.grad_ent, saved.seq_grad, saved.seq_factor, saved.cu)
+        ctx.saved = saved._replace(grad_lp=None, grad_ent=None, seq_grad=None, seq_factor=None, cu=None)
         ctx.shapes = (logprobs.shape, logprobs.dtype, None if entropy is None else (entropy.shape, entropy.dtype))
-        ctx.compute = tl_compute
         return loss, pairs, extremes
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor, _grad_pairs, _grad_extremes):
         grad_lp_fwd, grad_ent_fwd, seq_grad, seq_factor, cu = ctx.saved_tensors
-        plan: FusedLossPlan = ctx.plan
-        n, row_length, s, search_steps, packed = ctx.sizes
+        saved = ctx.saved._replace(grad_lp=grad_lp_fwd, grad_ent=grad_ent_fwd, seq_grad=seq_grad,
+                                   seq_factor=seq_factor, cu=cu)
         (lp_shape, lp_dtype), ent_meta = ctx.shapes[:2], ctx.shapes[2]
-        device = grad_lp_fwd.device
-        grad_loss = grad_loss.reshape(())
-        entropy_grad = plan.entropy_grad and ent_meta is not None and ctx.needs_input_grad[1]
-        # --- 1. whole sequences under context parallelism: Σ over CP ranks of g_r · ∂share_r/∂m_s ---
-        seq_grad_scaled = False
-        if plan.seq_grad and group_size(ctx.cp_group) > 1:
-            seq_grad = all_reduce_sum(seq_grad * grad_loss.to(torch.float64), ctx.cp_group)
-            seq_grad_scaled = True
-        # --- 2. g × the forward's per-token gradients ---
-        grad_lp = torch.empty(n, dtype=lp_dtype, device=device)
-        grad_ent = torch.empty(n, dtype=ent_meta[1], device=device) if entropy_grad else None
-        blocks = _launch_config()
-        if n:
-            launch(grpo_loss_backward_kernel, (ceil_div(n, blocks.backward_block),),
-                grad_loss, grad_lp_fwd, grad_lp_fwd if grad_ent_fwd is None else grad_ent_fwd,
-                grad_lp_fwd if seq_grad is None else seq_grad, grad_lp_fwd if seq_factor is None else seq_factor,
-                cu, grad_lp, grad_lp if grad_ent is None else grad_ent,
-                n, row_length, s, search_steps,
-                PACKED=packed, ENTROPY_GRAD=entropy_grad, SEQ_GRAD=plan.seq_grad, SEQ_GRAD_SCALED=seq_grad_scaled,
-                COMPUTE=ctx.compute, BLOCK=blocks.backward_block, num_warps=blocks.backward_warps,
-            )
+        ent_dtype = ent_meta[1] if ent_meta is not None and ctx.needs_input_grad[1] else None
+        # --- 1.–2. ---
+        grad_lp, grad_ent = loss_backward(saved, grad_loss, lp_dtype, ent_dtype)
         return grad_lp.view(lp_shape), None if grad_ent is None else grad_ent.view(ent_meta[0]), None

@@ -159,9 +159,11 @@ def logprob_backward(
     ignore_index: int,
     inv_temperature: float,
     threshold: torch.Tensor | None = None,  # [n] fp32 raw-logit threshold of a sampling filter
+    grad_scale: torch.Tensor | None = None,  # 0-dim fp32 factor of both upstream gradients
 ) -> None:
     """Write d(loss)/d(logits) into ``grad_logits`` (one read, one write of the shard); with
-    ``threshold`` the columns below it get no gradient."""
+    ``threshold`` the columns below it get no gradient; with ``grad_scale`` the upstream gradients are
+    ``grad_scale · grad_logprobs`` and ``grad_scale · grad_entropy`` (read on the device)."""
     n, v_local = logits.shape
     if n == 0:
         return
@@ -173,11 +175,13 @@ def logprob_backward(
         grad_logprobs,
         grad_entropy if has_entropy_grad else grad_logprobs,  # unused placeholder pointer
         threshold if threshold is not None else grad_logprobs,  # unused placeholder pointer without a filter
+        grad_scale if grad_scale is not None else grad_logprobs,  # unused placeholder pointer without a scale
         v_local, vocab_start, ignore_index,
         logits.stride(0), grad_logits.stride(0),
         inv_temperature,
         HAS_ENTROPY_GRAD=has_entropy_grad,
         HAS_THRESHOLD=threshold is not None,
+        HAS_GRAD_SCALE=grad_scale is not None,
         BLOCK_V=cfg.backward_block_v,
         num_warps=cfg.backward_warps,
     )

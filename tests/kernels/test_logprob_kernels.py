@@ -43,10 +43,11 @@ def _compile_all() -> None:
             stats_compiler.compile(logprob_backward_kernel, dict(
                 x_ptr=logits, grad_x_ptr=logits, target_ptr="*i64", row_max_ptr="*fp32", log_sum_ptr="*fp32",
                 entropy_ptr="*fp32", grad_logprob_ptr="*fp32", grad_entropy_ptr="*fp32", threshold_ptr="*fp32",
-                V_local="i32",
+                grad_scale_ptr="*fp32", V_local="i32",
                 vocab_start="i32", ignore_index="i32", stride_x_row="i64", stride_grad_x_row="i64",
                 inv_temperature="fp32",
-            ), dict(HAS_ENTROPY_GRAD=with_entropy, HAS_THRESHOLD=with_threshold, BLOCK_V=stats_block))
+            ), dict(HAS_ENTROPY_GRAD=with_entropy, HAS_THRESHOLD=with_threshold, HAS_GRAD_SCALE=with_entropy,
+                     BLOCK_V=stats_block))
     # The threshold search: every (dtype, pass kind) the host code launches, at the GPU block sizes.
     passes = [  # (MODE, DIGIT_BITS, HAS_PREFIX, HAS_ROW_MAX_OUT, BLOCK_V)
         (0, 8, False, True, 4096), (0, 8, False, False, 4096), (0, 8, True, False, 4096),  # top-k counts

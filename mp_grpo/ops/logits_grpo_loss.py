@@ -1,0 +1,119 @@
+"""The GRPO-family loss straight from a vocabulary shard of logits, as one autograd Function.
+
+``GRPOLoss.on_logits(logits, target, ...)`` runs this: the values, gradients and metrics of
+``GRPOLoss(vocab_parallel_logprobs(logits, target), ...)`` with the fused loss, with less host work per
+micro-batch — one autograd node instead of two, and no launch of its own for the loss's backward: the
+loss writes its per-token gradient coefficients d share / d log π and d share / d H in forward, and the
+log-prob backward kernel reads them, scaled on the device by the loss's upstream gradient
+(``HAS_GRAD_SCALE``). At V_local = 18992 the host, not the GPU, sets the time of logits → loss
+(``docs/benchmarks/README.md``, issue 17), so each host step saved is time saved.
+
+Schedule of :class:`LogitsGRPOLossFunction` (N rows, V_local columns on each of TP ranks)
+
+Forward
+    1. ``logprob_stats_kernel``: per-row statistics of this rank's shard (the logits read once).
+    2. The one collective of the log-prob op: all-gather of the ``[N + 1, 4]`` statistics over ``tp_group``
+       (skipped for a group of size 1).
+    3. ``logprob_merge_kernel``: log-probs, entropy (when the config reads it), M and log S; its error
+       counts go to the deferred ledger (no host read).
+    4. The fused loss's forward (:func:`mp_grpo.ops.grpo_loss.loss_forward`, its steps 1–5): per-sequence sums
+       (and their all-reduce over the CP group), the combine kernel — each token's share and its gradient
+       coefficients —, the finalize kernel — the loss and the metric entries.
+Backward
+    1. gspo / gmpo only: the fused loss's backward kernel adds the path through the sequence mean (after the
+       CP all-reduce of its per-sequence factor) and applies the upstream gradient g.
+    2. ``logprob_backward_kernel``: one read of the shard, one write of its gradient, with upstream gradients
+       g · d share / d log π and g · d share / d H — g read on the device — (gspo / gmpo: step 1's, unscaled).
+       No collective: logZ and H describe the whole vocabulary already.
+
+Launches: forward 4 (DAPO-like configs: stats, merge, combine, finalize; + memset and token kernel with
+per-sequence sums), backward 1 (gspo / gmpo: 2) — against 5 and 2 for the op and the loss apart.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mp_grpo.collectives import ProcessGroup, group_rank
+from mp_grpo.ops.checks import CheckInputs
+from mp_grpo.ops.grpo_loss import FusedGRPOLoss, LossSaved, _Call, loss_backward, loss_forward
+from mp_grpo.ops.logprob_launch import gather_and_merge, logprob_backward, new_stats_buffer, shard_statistics
+
+
+class LogitsSpec(NamedTuple):
+    """How the log-probs are taken of the logits (the arguments of :func:`mp_grpo.vocab_parallel_logprobs`)."""
+
+    tp_group: ProcessGroup | None
+    inv_temperature: float
+    ignore_index: int
+    inplace_backward: bool
+    check_inputs: CheckInputs
+
+
+class LogitsGRPOLossFunction(torch.autograd.Function):
+    """Differentiable w.r.t. ``logits``; see the module docstring for the schedule."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, spec: LogitsSpec, call: _Call):
+        v_local = logits.shape[-1]
+        x = logits.reshape(-1, v_local)  # a view whenever the leading dims allow one
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        t = target.reshape(-1)
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            t = t.to(torch.int64).contiguous()  # the kernels read targets densely
+        n = x.shape[0]
+        vocab_start = group_rank(spec.tp_group) * v_local
+        with_entropy = call.plan.combine_flags["HAS_ENTROPY"]
+
+        # --- 1. statistics of this rank's shard (one read of the logits) ---
+        stats = new_stats_buffer(n, x.device)
+        shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=spec.inv_temperature,
+                         with_entropy=with_entropy)
+        # --- 2.–3. the all-gather and the merge into log-probs, entropy, logZ = M + log S ---
+        merged = gather_and_merge(stats, t, tp_group=spec.tp_group, v_local=v_local, ignore_index=spec.ignore_index,
+                                  with_entropy=with_entropy, check_inputs=spec.check_inputs)
+        # --- 4. the fused loss: shares, per-token gradient coefficients, loss and metric entries ---
+        loss, pairs, extremes, saved = loss_forward(merged.logprobs, merged.entropy if with_entropy else None, call)
+
+        ctx.mark_non_differentiable(pairs, extremes)
+        ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy if with_entropy else None,
+                              saved.grad_lp, saved.grad_ent, saved.seq_grad, saved.seq_factor, saved.cu)
+        ctx.saved = saved._replace(grad_lp=None, grad_ent=None, seq_grad=None, seq_factor=None, cu=None)
+        ctx.logits_shape = logits.shape
+        ctx.vocab_start = vocab_start
+        ctx.spec = spec
+        return loss, pairs, extremes
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor, _grad_pairs, _grad_extremes):
+        x, t, row_max, log_sum, entropy, grad_lp, grad_ent, seq_grad, seq_factor, cu = ctx.saved_tensors
+        spec: LogitsSpec = ctx.spec
+        grad_scale = grad_loss.reshape(()).float()
+        # --- 1. gspo / gmpo: the path through the sequence mean, g applied ---
+        if seq_grad is not None:
+            saved: LossSaved = ctx.saved._replace(grad_lp=grad_lp, grad_ent=grad_ent, seq_grad=seq_grad,
+                                                  seq_factor=seq_factor, cu=cu)
+            grad_lp, grad_ent = loss_backward(saved, grad_scale, torch.float32,
+                                              torch.float32 if grad_ent is not None else None)
+            grad_scale = None
+        # --- 2. one pass over the shard: recompute p, write the gradient ---
+        grad_x = x if spec.inplace_backward else torch.empty_like(x)
+        logprob_backward(
+            x, grad_x, t, row_max, log_sum, entropy if grad_ent is not None else None, grad_lp, grad_ent,
+            vocab_start=ctx.vocab_start, ignore_index=spec.ignore_index, inv_temperature=spec.inv_temperature,
+            grad_scale=grad_scale,
+        )
+        return grad_x.view(ctx.logits_shape), None, None, None
+
+
+def logits_grpo_loss(
+    loss: FusedGRPOLoss, logits: torch.Tensor, target: torch.Tensor, spec: LogitsSpec, call: _Call
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(this micro-batch's share, its metric dict) of ``loss`` on the log-probs of ``logits``; every input is
+    checked already (``GRPOLoss.on_logits``)."""
+    share, pairs, extremes = LogitsGRPOLossFunction.apply(logits, target, spec, call)
+    return share, loss.metrics(call.plan, pairs, extremes)
