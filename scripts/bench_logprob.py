@@ -167,7 +167,9 @@ def cases(n: int, v: int):
             x, lambda: -parallel_cross_entropy(x.view(n, 1, v), t.view(n, 1), 0.0, False, None).view(n), g
         )
 
-    def logits_to_loss(cfg_name: str):
+    def logits_to_loss(cfg_name: str, one_function: bool):
+        """``one_function``: ``GRPOLoss.on_logits`` (one autograd Function); else the two ops in turn."""
+
         def build():
             from bench_loss import CONFIGS, N_TOKENS
             from bench_loss import make_inputs as loss_inputs
@@ -188,7 +190,14 @@ def cases(n: int, v: int):
                 entropies=[li.entropy] if use_entropy else None)
             loss_fn = GRPOLoss(cfg)  # AUTO: the fused Triton loss on CUDA tensors
 
+            target = t.view_as(li.logprobs)
+            logits = x.view(*li.logprobs.shape, v)
+
             def f():
+                if one_function:
+                    loss, _ = loss_fn.on_logits(logits, target, li.old, li.advantages, li.mask, rollout_logprobs=rollout,
+                                                ref_logprobs=li.ref if use_ref else None, batch=batch)
+                    return loss
                 ent = None
                 if use_entropy:
                     lp, ent = vocab_parallel_logprobs(x, t, with_entropy=True)
@@ -208,9 +217,12 @@ def cases(n: int, v: int):
         "mp_grpo vocab_parallel_logprobs checked (default DEFERRED)": ours(False, CheckInputs.DEFERRED),
         "mp_grpo vocab_parallel_logprobs check_inputs=SYNC (1 host read)": ours(False, CheckInputs.SYNC),
         "mp_grpo vocab_parallel_logprobs +entropy (default)": ours(True, CheckInputs.DEFERRED),
-        "mp_grpo logits->loss DAPO token-mean": logits_to_loss("dapo (ppo_clip, token_mean)"),
-        "mp_grpo logits->loss GSPO + seq TIS": logits_to_loss("gspo + sequence TIS"),
-        "mp_grpo logits->loss everything": logits_to_loss("everything"),
+        "mp_grpo logits->loss DAPO token-mean": logits_to_loss("dapo (ppo_clip, token_mean)", True),
+        "mp_grpo logits->loss GSPO + seq TIS": logits_to_loss("gspo + sequence TIS", True),
+        "mp_grpo logits->loss everything": logits_to_loss("everything", True),
+        "mp_grpo logits->loss DAPO token-mean, two ops": logits_to_loss("dapo (ppo_clip, token_mean)", False),
+        "mp_grpo logits->loss GSPO + seq TIS, two ops": logits_to_loss("gspo + sequence TIS", False),
+        "mp_grpo logits->loss everything, two ops": logits_to_loss("everything", False),
         "torch log_softmax(fp32)+gather": torch_log_softmax,
         "torch log_softmax(fp32)+gather +entropy": torch_with_entropy,
         "megatron-core vocab_parallel_cross_entropy": megatron_ce,
@@ -483,7 +495,8 @@ def write_single_gpu_report(result: dict, out: Path) -> None:
         "Floor: forward reads the logits once; forward+backward reads them twice and writes the bf16 gradient "
         "once. Extra peak: memory beyond the inputs and one gradient buffer. mp_grpo rows run with "
         "the check mode the row names (the default is `CheckInputs.DEFERRED`: no host read). logits->loss rows: "
-        "`GRPOLoss(vocab_parallel_logprobs(logits))` with default arguments and `loss.backward()`, the loss "
+        "`GRPOLoss(cfg).on_logits(logits, target, ...)` (one autograd Function) with default arguments and "
+        "`loss.backward()`; *two ops*: `GRPOLoss(cfg)(vocab_parallel_logprobs(logits, target), ...)`; the loss "
         "fused (Triton), a GlobalBatch built beforehand; same floor as the op. *host us*: CPU time to issue one "
         "forward+backward call. *graph*: the same forward+backward captured in a CUDA graph, median replay. "
         "*normal launch*: the same mp_grpo row with `mp_grpo.ops.launcher`'s fast launch off (Triton's "

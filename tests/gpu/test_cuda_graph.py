@@ -116,6 +116,50 @@ def test_logits_to_grpo_loss_is_capturable_with_default_checks() -> None:
     _replay_equals_eager(step, make)
 
 
+@pytest.mark.parametrize("objective", ["ppo_clip", "gspo"])
+def test_loss_on_logits_is_capturable_and_equals_the_two_ops(objective: str) -> None:
+    """``GRPOLoss.on_logits`` (one autograd Function, the loss's backward inside the log-prob backward kernel):
+    captured and replayed bitwise equal to eager, and eager equal to the two ops in turn — bitwise for ppo_clip;
+    gspo's per-sequence sums of log-ratios meet through float64 atomics (order-dependent last float64 bits), so
+    there to float32 rounding."""
+    from mp_grpo.config.loss import Aggregation, AggregationConfig, Objective
+
+    cfg = LossConfig(policy=PolicyConfig(objective=Objective(objective), eps_high=0.28),
+                     aggregation=AggregationConfig(mode=Aggregation.SEQ_MEAN_TOKEN_MEAN))
+    B, T = 8, N // 8
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    mask = torch.arange(T, device="cuda") < torch.randint(T // 4, T + 1, (B, 1), generator=gen, device="cuda")
+    old = -torch.rand(B, T, generator=gen, device="cuda") * 3
+    adv = torch.randn(B, generator=gen, device="cuda")
+    batch = GlobalBatch.from_masks([mask])
+    loss_fn = GRPOLoss(cfg, backend=LossBackend.TRITON)
+
+    def make(seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        logits = torch.randn(B, T, V, generator=gen, device="cuda").to(torch.bfloat16) * 3
+        return [logits, torch.randint(0, V, (B, T), generator=gen, device="cuda")]
+
+    def step(logits, target):
+        x = logits.detach().requires_grad_()
+        loss, metrics = loss_fn.on_logits(x, target, old, adv, mask, batch=batch)
+        (grad,) = torch.autograd.grad(loss * 0.5, [x])
+        return loss.detach(), grad, metrics["ratio/mean"], metrics["clip_frac/high"]
+
+    if objective == "ppo_clip":
+        _replay_equals_eager(step, make)
+    logits, target = make(3)
+    ours = step(logits, target)
+    x = logits.detach().requires_grad_()
+    loss, metrics = loss_fn(vocab_parallel_logprobs(x, target), old, adv, mask, batch=batch)
+    (grad,) = torch.autograd.grad(loss * 0.5, [x])
+    for name, a, b in zip(("loss", "grad", "ratio", "clip"), ours,
+                          (loss.detach(), grad, metrics["ratio/mean"], metrics["clip_frac/high"])):
+        if objective == "ppo_clip":
+            assert torch.equal(a, b), f"{name}: on_logits differs from the two ops"
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)
+
+
 def test_bad_target_is_raised_at_check_errors_eager_and_in_a_replay() -> None:
     logits, target, g_lp, g_ent = _logits_inputs(3)
     mp_grpo.check_errors()

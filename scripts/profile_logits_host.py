@@ -1,0 +1,149 @@
+"""Where the host time of logits → loss goes, on one CUDA GPU (issue 17, item 1).
+
+    python scripts/profile_logits_host.py [--vocab 18992] [--config dapo|gspo|everything] [--calls 200]
+
+Prints, for ``GRPOLoss.on_logits`` (one autograd Function) and for the two ops in turn: the host time of the
+forward call and of ``loss.backward()`` apart (the GPU busy meanwhile, nothing synchronizes inside), and the
+wall time per forward+backward; then what a floor of eager Python costs on this CPU — an empty autograd
+Function forward+backward, one ``torch.empty``, one Triton launch through ``mp_grpo.ops.launcher`` — and
+a cProfile of ``on_logits`` forward+backward sorted by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_loss import CONFIGS, N_TOKENS  # noqa: E402
+from bench_loss import make_inputs as loss_inputs  # noqa: E402
+
+from mp_grpo import vocab_parallel_logprobs  # noqa: E402
+from mp_grpo.loss import GlobalBatch, GRPOLoss  # noqa: E402
+from mp_grpo.ops.launcher import launch  # noqa: E402
+
+SHORT = {"dapo": "dapo (ppo_clip, token_mean)", "gspo": "gspo + sequence TIS", "everything": "everything"}
+
+
+def host_split(fwd, calls: int) -> tuple[float, float, float]:
+    """(forward host µs, backward host µs, wall µs per forward+backward) over ``calls`` calls."""
+    for _ in range(5):
+        fwd().backward()
+    torch.cuda.synchronize()
+    t_fwd = t_bwd = 0.0
+    start = time.perf_counter()
+    for _ in range(calls):
+        a = time.perf_counter()
+        loss = fwd()
+        b = time.perf_counter()
+        loss.backward()
+        t_fwd += b - a
+        t_bwd += time.perf_counter() - b
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return 1e6 * t_fwd / calls, 1e6 * t_bwd / calls, 1e6 * wall / calls
+
+
+class _Empty(torch.autograd.Function):
+    """Forward and backward that launch nothing: what autograd itself costs per call."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.new_empty(())
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
+def floors(calls: int) -> dict[str, float]:
+    """Host µs of the pieces every eager logits → loss call pays at least once."""
+    x = torch.zeros(8, device="cuda", requires_grad=True)
+    out = {}
+
+    def timed(fn) -> float:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return 1e6 * elapsed / calls
+
+    def empty_function():
+        torch.autograd.backward(_Empty.apply(x), grad_one)
+
+    grad_one = torch.ones((), device="cuda")
+    out["autograd Function fwd+bwd, no kernels"] = timed(empty_function)
+    out["torch.empty (1 MB)"] = timed(lambda: torch.empty(1 << 18, device="cuda"))
+    out["torch.add (one ATen launch)"] = timed(lambda: torch.add(x.detach(), 1.0))
+    from mp_grpo.kernels.scale import scale_kernel
+    from mp_grpo.ops.scale import SCALE_BLOCK, SCALE_WARPS
+
+    buf = torch.zeros(1024, device="cuda")
+    out["one Triton launch (mp_grpo launcher)"] = timed(lambda: launch(
+        scale_kernel, (1,), buf, buf, grad_one, 1024, ACCUMULATE=False, BLOCK=SCALE_BLOCK, num_warps=SCALE_WARPS))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=18992)
+    parser.add_argument("--config", default="dapo", choices=sorted(SHORT))
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    cfg = CONFIGS[SHORT[args.config]]
+    li = loss_inputs("padded")
+    v = args.vocab
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(*li.logprobs.shape, v, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    logits.requires_grad_()
+    target = torch.randint(0, v, li.logprobs.shape, device="cuda", generator=gen)
+    use_entropy = cfg.needs_entropy
+    rc = cfg.rollout_correction
+    rollout = li.rollout if cfg.needs_rollout_logprobs or rc.weight_level is not None else None
+    ref = li.ref if cfg.kl.coef != 0.0 else None
+    batch = GlobalBatch.from_rollouts(cfg, [li.mask], old_logprobs=[li.old],
+                                      rollout_logprobs=None if rollout is None else [rollout],
+                                      entropies=[li.entropy] if use_entropy else None)
+    loss_fn = GRPOLoss(cfg)
+
+    def one_function():
+        logits.grad = None
+        return loss_fn.on_logits(logits, target, li.old, li.advantages, li.mask, rollout_logprobs=rollout,
+                                 ref_logprobs=ref, batch=batch)[0]
+
+    def two_ops():
+        logits.grad = None
+        out = vocab_parallel_logprobs(logits, target, with_entropy=use_entropy)
+        lp, ent = out if use_entropy else (out, None)
+        return loss_fn(lp, li.old, li.advantages, li.mask, rollout_logprobs=rollout, ref_logprobs=ref, entropy=ent,
+                       batch=batch)[0]
+
+    print(f"{torch.cuda.get_device_name()}, N = {N_TOKENS}, V = {v}, bf16, config {SHORT[args.config]}")
+    for name, fn in (("on_logits (one Function)", one_function), ("two ops", two_ops)):
+        f, b, w = host_split(fn, args.calls)
+        print(f"{name}: host forward {f:.0f} us, host backward {b:.0f} us, wall per fwd+bwd {w:.0f} us")
+    for name, us in floors(args.calls).items():
+        print(f"floor: {name}: {us:.1f} us")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.calls):
+        one_function().backward()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).strip_dirs().sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
