@@ -96,11 +96,82 @@ def floors(calls: int) -> dict[str, float]:
     return out
 
 
+def phases(one_function, calls: int) -> None:
+    """Host µs between points of one ``on_logits`` forward+backward (wrappers around its steps; ~1 µs each)."""
+    import mp_grpo.ops.logits_grpo_loss as op
+
+    marks: list[tuple[str, float]] = []
+
+    def wrap(owner, name):
+        original = getattr(owner, name)
+
+        def wrapped(*a, **k):
+            marks.append((f"{name} start", time.perf_counter()))
+            out = original(*a, **k)
+            marks.append((f"{name} end", time.perf_counter()))
+            return out
+
+        setattr(owner, name, wrapped)
+        return original
+
+    originals = {n: wrap(op, n) for n in ("shard_statistics", "gather_and_merge", "loss_forward", "logprob_backward")}
+    backward = op.LogitsGRPOLossFunction.backward
+
+    def timed_backward(ctx, *grads):
+        marks.append(("Function.backward start", time.perf_counter()))
+        out = backward(ctx, *grads)
+        marks.append(("Function.backward end", time.perf_counter()))
+        return out
+
+    op.LogitsGRPOLossFunction.backward = staticmethod(timed_backward)
+    totals: dict[str, float] = {}
+    try:
+        for i in range(calls + 5):
+            marks.clear()
+            marks.append(("call", time.perf_counter()))
+            loss = one_function()
+            marks.append(("forward returned", time.perf_counter()))
+            loss.backward()
+            marks.append(("backward returned", time.perf_counter()))
+            if i >= 5:
+                for (a, ta), (b, tb) in zip(marks, marks[1:]):
+                    totals[f"{a} -> {b}"] = totals.get(f"{a} -> {b}", 0.0) + tb - ta
+        torch.cuda.synchronize()
+    finally:
+        for n, f in originals.items():
+            setattr(op, n, f)
+        op.LogitsGRPOLossFunction.backward = backward
+    for step, total in totals.items():
+        print(f"phase: {step}: {1e6 * total / calls:.1f} us")
+
+
+def capture(fn) -> None:
+    """Capture ``fn`` (forward+backward) in a CUDA graph as bench_logprob does; print the traceback on failure."""
+    import traceback
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn().backward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn().backward()
+        graph.replay()
+        torch.cuda.synchronize()
+        print("capture: ok")
+    except Exception:  # noqa: BLE001 - the point is to see it
+        traceback.print_exc()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=18992)
     parser.add_argument("--config", default="dapo", choices=sorted(SHORT))
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--capture", action="store_true", help="only try a CUDA-graph capture of on_logits")
     args = parser.parse_args()
     cfg = CONFIGS[SHORT[args.config]]
     li = loss_inputs("padded")
@@ -131,11 +202,15 @@ def main() -> None:
                        batch=batch)[0]
 
     print(f"{torch.cuda.get_device_name()}, N = {N_TOKENS}, V = {v}, bf16, config {SHORT[args.config]}")
+    if args.capture:
+        capture(one_function)
+        return
     for name, fn in (("on_logits (one Function)", one_function), ("two ops", two_ops)):
         f, b, w = host_split(fn, args.calls)
         print(f"{name}: host forward {f:.0f} us, host backward {b:.0f} us, wall per fwd+bwd {w:.0f} us")
     for name, us in floors(args.calls).items():
         print(f"floor: {name}: {us:.1f} us")
+    phases(one_function, args.calls)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):

@@ -12,8 +12,10 @@ sequence-level quantity it depends on is detached except the gspo / gmpo sequenc
 The backward kernel multiplies by the upstream gradient and adds seq_grad[s] · seq_factor[t].
 
 Schedule (one program per BLOCK positions):
-    1. positions, sequences, validity; inputs sanitized (masked positions read as 0, never loaded);
-       the clamped log-ratio ℓ and the rollout log-ratio d.
+    1. positions, sequences, validity; inputs sanitized (masked positions read as 0, never loaded) — the
+       log-probs and entropy loaded, or with FROM_STATS merged from the log-prob op's all-gathered statistics
+       (and M, log S, entropy stored for its backward, its error counts added: the merge kernel's work,
+       ``mp_grpo/ops/logits_grpo_loss.py``); the clamped log-ratio ℓ and the rollout log-ratio d.
     2. per-sequence values from the pass-1 sums: length n, gspo / gmpo mean, Σd, OPSM mean.
     3. the objective: term, ratio, clip flags; ∂term/∂log π along the token's path, ∂term/∂m.
     4. rollout correction (weight raw → truncated → applied) and the keep masks (rejection, OPSM,
@@ -42,6 +44,7 @@ from mp_grpo.kernels.grpo_loss_common import (
     segment_add,
     sequence_index,
     token_block,
+    token_logprobs,
 )
 
 
@@ -61,6 +64,9 @@ def _level_log_ratio(d, sum_d, count_floor, clamp, LEVEL: tl.constexpr):
 def grpo_loss_combine_kernel(
     # token inputs, flat [N]
     lp_ptr, old_ptr, rollout_ptr, ref_ptr, ent_ptr, adv_ptr, mask_ptr,
+    # FROM_STATS: statistics [TP, N + 1, 4] fp32, targets [N] int64, out (M, log S, entropy) [3, N] fp32,
+    # error counters [2] int64 (lp_ptr / ent_ptr unused)
+    stats_ptr, target_ptr, row_out_ptr, errors_ptr,
     # sequences: cu_seqlens [S + 1] (packed only), pass-1 sums [S, NUM_COLS] (float64), seq_grad [S] (float64, zeroed)
     cu_ptr, seq_sums_ptr, seq_grad_ptr,
     # step values (0-dim: float64 counts, weight mean and entropy threshold; bool skip) and config parameters
@@ -69,8 +75,10 @@ def grpo_loss_combine_kernel(
     grad_lp_ptr, grad_ent_ptr, seq_factor_ptr, partial_ptr,
     # sizes
     N, T, S, search_steps,
+    # FROM_STATS: sizes and strides of the statistics
+    TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
     # meta-parameters: inputs and layout
-    PACKED: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr,
+    FROM_STATS: tl.constexpr, PACKED: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr,
     HAS_REF: tl.constexpr, HAS_ENTROPY: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, OWNS_SEQUENCES: tl.constexpr,
     # meta-parameters: the config
     OBJECTIVE: tl.constexpr, DUAL_CLIP: tl.constexpr, AGGREGATION: tl.constexpr,
@@ -85,16 +93,18 @@ def grpo_loss_combine_kernel(
     pid = tl.program_id(0)
     # --- 1. positions, validity, sanitized inputs, log-ratios ---
     offs, seq, valid = token_block(pid, mask_ptr, cu_ptr, N, T, S, search_steps, PACKED, BLOCK)
+    lp, ent = token_logprobs(
+        lp_ptr, ent_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr, offs, valid,
+        N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+        HAS_ENTROPY, FROM_STATS, True, COMPUTE,
+    )
     lp, old, rollout, adv, log_ratio, log_ratio_inside, d = policy_inputs(
-        lp_ptr, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
+        lp, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
         HAS_OLD, HAS_ROLLOUT, BYPASS, ADV_PER_TOKEN, COMPUTE,
     )
     clamp = param(params_ptr, K.P_LOG_RATIO_CLAMP, COMPUTE)
     zero = tl.zeros_like(lp)
     no = offs < 0  # all False
-    ent = zero
-    if HAS_ENTROPY:
-        ent = load_clean(ent_ptr, offs, valid, COMPUTE)
 
     # --- 2. per-sequence values (whole sequences, all CP ranks) ---
     count_floor = zero + K.COUNT_FLOOR

@@ -19,6 +19,7 @@ import hashlib
 import triton
 import triton.language as tl
 
+from mp_grpo.kernels.logprob_merge import merge_rows
 from mp_grpo.loss.clamps import COUNT_FLOOR as _COUNT_FLOOR
 from mp_grpo.loss.clamps import WEIGHT_MEAN_FLOOR as _WEIGHT_MEAN_FLOOR
 
@@ -175,18 +176,53 @@ def clamp_sym(x, bound):
 
 
 @triton.jit
+def token_logprobs(
+    lp_ptr, ent_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr, offs, valid,
+    N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+    HAS_ENTROPY: tl.constexpr, FROM_STATS: tl.constexpr, STORE_ROWS: tl.constexpr, COMPUTE: tl.constexpr,
+):
+    """Sanitized (log π_θ, entropy) of the block: loaded from ``lp_ptr`` / ``ent_ptr``, or with FROM_STATS merged
+    from the all-gathered ``[TP, N + 1, 4]`` log-prob statistics (``logprob_merge.merge_rows``, the log-prob op's
+    merge) — then with STORE_ROWS also (M, log S, entropy) of every position in range stored at
+    ``row_out_ptr + {0, N, 2N}`` for the log-prob backward, and the merge's error counts added into
+    ``errors_ptr``. 0 where not valid (never read there); entropy 0 without HAS_ENTROPY."""
+    in_range = offs < N
+    if FROM_STATS:
+        merged, entropy, row_max, log_sum, shard_mismatches, out_of_range = merge_rows(
+            stats_ptr, target_ptr, offs, in_range, N, TP, V_global, ignore_index, stride_stats_rank,
+            stride_stats_row, HAS_ENTROPY,
+        )
+        lp = tl.where(valid, merged, 0.0).to(COMPUTE)
+        ent = tl.where(valid, entropy, 0.0).to(COMPUTE)
+        if STORE_ROWS:
+            tl.store(row_out_ptr + offs, row_max, mask=in_range)
+            tl.store(row_out_ptr + N + offs, log_sum, mask=in_range)
+            if HAS_ENTROPY:
+                tl.store(row_out_ptr + 2 * N + offs, entropy, mask=in_range)
+            if tl.program_id(0) == 0:
+                tl.atomic_add(errors_ptr + 0, shard_mismatches.to(tl.int64))
+            tl.atomic_add(errors_ptr + 1, tl.sum((out_of_range & in_range).to(tl.int64), axis=0))
+    else:
+        lp = load_clean(lp_ptr, offs, valid, COMPUTE)
+        ent = tl.zeros_like(lp)
+        if HAS_ENTROPY:
+            ent = load_clean(ent_ptr, offs, valid, COMPUTE)
+    return lp, ent
+
+
+@triton.jit
 def policy_inputs(
-    lp_ptr, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
+    lp, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
     HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
-    """Sanitized (log π_θ, log π_old, rollout, A), the clamped log-ratio ℓ, its gradient mask, and the
-    rollout-correction log-ratio d = clamp(trainer − rollout) (0 without rollout log-probs).
+    """Sanitized (log π_θ — ``lp``, from :func:`token_logprobs` —, log π_old, rollout, A), the clamped log-ratio ℓ,
+    its gradient mask, and the rollout-correction log-ratio d = clamp(trainer − rollout) (0 without rollout
+    log-probs).
 
     On-policy (no old log-probs) π_old = stopgrad π_θ: ℓ = 0 with gradient 1. Bypass: π_old = rollout and
     the trainer side of d is stopgrad π_θ.
     """
-    lp = load_clean(lp_ptr, offs, valid, COMPUTE)
     rollout = tl.zeros_like(lp)
     if HAS_ROLLOUT:
         rollout = load_clean(rollout_ptr, offs, valid, COMPUTE)

@@ -14,6 +14,9 @@ atomic adds, a few per block (``segment_add``); the float64 accumulation keeps t
 far below the compute dtype's. Under context parallelism the host all-reduces the buffer over the CP
 group before the combine pass.
 
+With FROM_STATS the log-probs are merged from the log-prob op's all-gathered statistics here (the merge is a
+few loads a position; ``mp_grpo/ops/logits_grpo_loss.py``) instead of loaded.
+
 Schedule: 1. the block's positions, their sequences and validity; 2. the sanitized inputs and log-ratios;
 3. each column's per-sequence sums added to the buffer.
 """
@@ -29,6 +32,7 @@ from mp_grpo.kernels.grpo_loss_common import (
     segment_add,
     sequence_index,
     token_block,
+    token_logprobs,
 )
 
 
@@ -36,11 +40,16 @@ from mp_grpo.kernels.grpo_loss_common import (
 def grpo_loss_token_kernel(
     # token inputs, flat [N] (any float dtype; loss mask any dtype, nonzero = trained on)
     lp_ptr, old_ptr, rollout_ptr, adv_ptr, mask_ptr,
+    # FROM_STATS: the log-prob statistics [TP, N + 1, 4] fp32 and the targets [N] int64 (lp_ptr unused)
+    stats_ptr, target_ptr,
     # sequences: cu_seqlens [S + 1] (packed only), config parameters (float64), the sums (float64, zeroed)
     cu_ptr, params_ptr, seq_sums_ptr,
     # sizes
     N, T, S, search_steps,
+    # FROM_STATS: sizes and strides of the statistics
+    TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
     # meta-parameters
+    FROM_STATS: tl.constexpr,
     PACKED: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr,
     ADV_PER_TOKEN: tl.constexpr, OBJECTIVE: tl.constexpr,
     NUM_COLS: tl.constexpr, COL_SEQ_IN: tl.constexpr, COL_D: tl.constexpr, COL_OPSM: tl.constexpr,
@@ -52,9 +61,14 @@ def grpo_loss_token_kernel(
     seq_next = sequence_index(offs + 1, cu_ptr, T, S, search_steps, PACKED)
     end, last = block_ends(offs, seq_next, seq, N, BLOCK)
 
-    # --- 2. sanitized inputs and log-ratios ---
+    # --- 2. sanitized inputs (log-probs loaded, or merged from the statistics) and log-ratios ---
+    lp, _ = token_logprobs(
+        lp_ptr, lp_ptr, stats_ptr, target_ptr, lp_ptr, lp_ptr, offs, valid,
+        N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+        False, FROM_STATS, False, COMPUTE,
+    )
     lp, old, rollout, adv, log_ratio, _, d = policy_inputs(
-        lp_ptr, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
+        lp, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
         HAS_OLD, HAS_ROLLOUT, BYPASS, ADV_PER_TOKEN, COMPUTE,
     )
 

@@ -24,6 +24,56 @@ import triton.language as tl
 
 
 @triton.jit
+def merge_rows(
+    stats_ptr, target_ptr, rows, row_mask, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+    HAS_ENTROPY: tl.constexpr,
+):
+    """Steps 1–3 below for the positions ``rows`` (in range where ``row_mask``): (log-prob — NaN where poisoned —,
+    entropy — 0 without HAS_ENTROPY —, M, log S, shard-size mismatches (a scalar), targets out of range (bool)).
+    Shared with the GRPO loss kernels that take the log-probs straight from the statistics (``FROM_STATS``)."""
+    row_ptr = stats_ptr + rows * stride_stats_row
+
+    # --- 1. shard sizes agree? global maximum over the shards ---
+    v_rank0 = tl.load(stats_ptr + N * stride_stats_row)
+    shard_mismatches = 0
+    for r in range(0, TP):
+        v_r = tl.load(stats_ptr + r * stride_stats_rank + N * stride_stats_row)
+        shard_mismatches += (v_r != v_rank0).to(tl.int32)
+    m_max = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
+    for r in range(0, TP):
+        m_r = tl.load(row_ptr + r * stride_stats_rank + 0, mask=row_mask, other=0.0)
+        m_max = tl.maximum(m_max, m_r)
+
+    # --- 2. rescale and sum the shards' sum-exp, sum-exp*z and target logits ---
+    s_tot = tl.zeros(rows.shape, dtype=tl.float32)
+    u_tot = tl.zeros(rows.shape, dtype=tl.float32)
+    z_target = tl.zeros(rows.shape, dtype=tl.float32)
+    for r in range(0, TP):
+        shard_ptr = row_ptr + r * stride_stats_rank
+        m_r = tl.load(shard_ptr + 0, mask=row_mask, other=0.0)
+        s_r = tl.load(shard_ptr + 1, mask=row_mask, other=0.0)
+        w_r = tl.exp(m_r - m_max)
+        s_tot += w_r * s_r
+        if HAS_ENTROPY:
+            u_r = tl.load(shard_ptr + 2, mask=row_mask, other=0.0)
+            u_tot += w_r * (u_r + (m_r - m_max) * s_r)
+        z_target += tl.load(shard_ptr + 3, mask=row_mask, other=0.0)
+
+    # --- 3. log-prob of the target, entropy, log-partition terms; bad targets ---
+    log_s = tl.log(s_tot)
+    target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= V_global))
+    poisoned = out_of_range | (shard_mismatches > 0)
+    logprob = tl.where(valid, (z_target - m_max) - log_s, 0.0)
+    logprob = tl.where(poisoned, float("nan"), logprob)
+    entropy = tl.zeros(rows.shape, dtype=tl.float32)
+    if HAS_ENTROPY:
+        entropy = tl.where(shard_mismatches > 0, float("nan"), log_s - u_tot / s_tot)
+    return logprob, entropy, m_max, log_s, shard_mismatches, out_of_range
+
+
+@triton.jit
 def logprob_merge_kernel(
     # pointers
     stats_ptr,  # [TP, N + 1, 4] fp32 per-shard (m, s, u, z_t); row N holds (V_local, 0, 0, 0)
@@ -48,46 +98,16 @@ def logprob_merge_kernel(
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    row_ptr = stats_ptr + rows * stride_stats_row
 
-    # --- 1. shard sizes agree? global maximum over the shards ---
-    v_rank0 = tl.load(stats_ptr + N * stride_stats_row)
-    shard_mismatches = 0
-    for r in range(0, TP):
-        v_r = tl.load(stats_ptr + r * stride_stats_rank + N * stride_stats_row)
-        shard_mismatches += (v_r != v_rank0).to(tl.int32)
-    m_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    for r in range(0, TP):
-        m_r = tl.load(row_ptr + r * stride_stats_rank + 0, mask=row_mask, other=0.0)
-        m_max = tl.maximum(m_max, m_r)
-
-    # --- 2. rescale and sum the shards' sum-exp, sum-exp*z and target logits ---
-    s_tot = tl.zeros([BLOCK_N], dtype=tl.float32)
-    u_tot = tl.zeros([BLOCK_N], dtype=tl.float32)
-    z_target = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r in range(0, TP):
-        shard_ptr = row_ptr + r * stride_stats_rank
-        m_r = tl.load(shard_ptr + 0, mask=row_mask, other=0.0)
-        s_r = tl.load(shard_ptr + 1, mask=row_mask, other=0.0)
-        w_r = tl.exp(m_r - m_max)
-        s_tot += w_r * s_r
-        if HAS_ENTROPY:
-            u_r = tl.load(shard_ptr + 2, mask=row_mask, other=0.0)
-            u_tot += w_r * (u_r + (m_r - m_max) * s_r)
-        z_target += tl.load(shard_ptr + 3, mask=row_mask, other=0.0)
-
-    # --- 3. log-prob of the target, entropy, log-partition terms; count bad targets ---
-    log_s = tl.log(s_tot)
-    target = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
-    valid = target != ignore_index
-    out_of_range = valid & ((target < 0) | (target >= V_global))
-    poisoned = out_of_range | (shard_mismatches > 0)
-    logprob = tl.where(valid, (z_target - m_max) - log_s, 0.0)
-    tl.store(logprob_ptr + rows, tl.where(poisoned, float("nan"), logprob), mask=row_mask)
+    # --- 1.–3. merge the shards' statistics (merge_rows) ---
+    logprob, entropy, m_max, log_s, shard_mismatches, out_of_range = merge_rows(
+        stats_ptr, target_ptr, rows, row_mask, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+        HAS_ENTROPY,
+    )
+    tl.store(logprob_ptr + rows, logprob, mask=row_mask)
     tl.store(row_max_ptr + rows, m_max, mask=row_mask)
     tl.store(log_sum_ptr + rows, log_s, mask=row_mask)
     if HAS_ENTROPY:
-        entropy = tl.where(shard_mismatches > 0, float("nan"), log_s - u_tot / s_tot)
         tl.store(entropy_ptr + rows, entropy, mask=row_mask)
 
     # --- 4. error counts, added into the counters (the deferred ledger's own slots, or fresh zeros) ---

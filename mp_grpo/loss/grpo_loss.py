@@ -270,6 +270,7 @@ class GRPOLoss:
         *,
         tp_group=None,
         temperature: float = 1.0,
+        with_entropy: bool = False,
         ignore_index: int = -100,
         inplace_backward: bool = False,
         check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
@@ -285,7 +286,8 @@ class GRPOLoss:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share and metrics from a vocabulary shard of logits: what
         ``self(vocab_parallel_logprobs(logits, target, ...), ...)`` returns — with the entropy computed when the
-        config reads it —, its gradient w.r.t. ``logits``.
+        config reads it or ``with_entropy`` asks for it (then the metrics report it) —, its gradient w.r.t.
+        ``logits``.
 
         ``logits``, ``target``, ``tp_group``, ``temperature``, ``ignore_index``, ``inplace_backward``,
         ``check_inputs`` and ``sampling_filter`` are those of :func:`mp_grpo.vocab_parallel_logprobs` (token
@@ -302,13 +304,14 @@ class GRPOLoss:
         if not isinstance(layout, SequenceLayout):
             raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
         check_logits_and_target(logits, target)
+        with_entropy = bool(with_entropy) or cfg.needs_entropy
         if batch is None or sampling_filter is not None or not self._use_fused(logits, layout):
             out = vocab_parallel_logprobs(
-                logits, target, tp_group=tp_group, temperature=temperature, with_entropy=cfg.needs_entropy,
+                logits, target, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
                 ignore_index=ignore_index, inplace_backward=inplace_backward, check_inputs=check_inputs,
                 sampling_filter=sampling_filter,
             )
-            logprobs, entropy = out if cfg.needs_entropy else (out, None)
+            logprobs, entropy = out if with_entropy else (out, None)
             return self(
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
                 ref_logprobs=ref_logprobs, entropy=entropy, batch=batch, layout=layout, entropy_coef=entropy_coef,
@@ -330,7 +333,7 @@ class GRPOLoss:
         batch.check_micro_batch(loss_mask)
         batch.check_config(cfg)
         call = self._fused.prepare(  # type: ignore[union-attr]
-            device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, cfg.needs_entropy,
+            device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, with_entropy,
             advantages.shape == shape, _step_tensors(cfg, batch, device), _sequence_info(layout, shape, device),
         )
         return logits_grpo_loss(self._fused, logits, target, spec, call)  # type: ignore[arg-type]

@@ -16,7 +16,10 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    one place that reads the model output; both paths give the same log-probs and gradients. On the
    fused path with a token-separable loss (:func:`~mp_grpo.megatron.fused_output.loss_in_forward`)
    steps 2–3 run together in :func:`~mp_grpo.megatron.fused_output.fused_output_loss`: the loss's
-   gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it.
+   gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On
+   the logits path without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
+   autograd Function, the loss's backward inside the log-prob backward kernel (same values, fewer host
+   steps per micro-batch).
 3. :class:`~mp_grpo.GRPOLoss` with the step's :class:`~mp_grpo.GlobalBatch` and the micro-batch's
    :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
 4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
@@ -441,6 +444,20 @@ class MegatronGRPO:
                 with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX, sampling_filter=mb.sampling_filter,
                 check_inputs=self.check_inputs,
             )
+        elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None and output_weight is None:
+            # --- 1.–3. logits path: log-probs and the share in one autograd Function (GRPOLoss.on_logits) ---
+            _check_output_shape(output_tensor, mb, "vocab-parallel logits", "V_local",
+                                "GPTModel with parallel_output=True, labels=None")
+            self._check_vocab_shards(output_tensor.shape[-1], "logits hold", vocab_size)
+            share, metrics = self.loss.on_logits(
+                output_tensor, mb.targets, mb.old_logprobs, mb.advantages, mb.loss_mask, tp_group=self.groups.tp,
+                temperature=self.temperature, with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
+                check_inputs=self.check_inputs, rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
+                batch=batch, layout=mb.sequences,
+            )
+            # No sampling filter: no trained token lies outside it (the name kept, as share_of reports it).
+            outside = torch.zeros((), dtype=torch.int64, device=share.device)
+            metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
         else:
             # --- 1.–2. log-probs (and entropy) ---
             logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size, output_weight=output_weight)

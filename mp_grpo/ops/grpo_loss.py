@@ -198,6 +198,22 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1)
 
 
+class FromStats(NamedTuple):
+    """The log-probs as the log-prob op's statistics (:mod:`mp_grpo.ops.logits_grpo_loss`): the loss kernels merge
+    them (``FROM_STATS``) instead of reading log-probs, and the combine kernel stores what the log-prob backward
+    needs."""
+
+    stats: torch.Tensor
+    """[TP, N + 1, 4] fp32, all-gathered."""
+    target: torch.Tensor
+    """[N] int64."""
+    errors: torch.Tensor
+    """[2] int64 counters the merge adds into (``mp_grpo.ops.checks.kernel_counters``)."""
+    v_global: int
+    ignore_index: int
+    with_entropy: bool
+
+
 class LossSaved(NamedTuple):
     """What :func:`loss_forward` keeps for :func:`loss_backward`: the gradients it wrote in forward."""
 
@@ -216,32 +232,44 @@ class LossSaved(NamedTuple):
     cp_group: ProcessGroup | None
     compute: object
     """The compute dtype as a Triton dtype."""
+    rows: torch.Tensor | None = None
+    """With :class:`FromStats`: [3, N] fp32 (M, log S, entropy) of every position, for the log-prob backward."""
 
 
 def loss_forward(
-    lp: torch.Tensor, entropy: torch.Tensor | None, call: _Call
+    lp: torch.Tensor | None, entropy: torch.Tensor | None, call: _Call, from_stats: FromStats | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LossSaved]:
-    """Forward steps 1–5 of the module docstring on flat ``[N]`` log-probs (and entropy): (loss, metric pairs,
-    extremes, what backward needs). Shared by :class:`FusedGRPOLossFunction` and the loss from logits
-    (:mod:`mp_grpo.ops.logits_grpo_loss`)."""
+    """Forward steps 1–5 of the module docstring on flat ``[N]`` log-probs (and entropy), or with ``from_stats``
+    on the log-prob op's statistics (``lp`` and ``entropy`` None): (loss, metric pairs, extremes, what backward
+    needs). Shared by :class:`FusedGRPOLossFunction` and the loss from logits (:mod:`mp_grpo.ops.logits_grpo_loss`)."""
     plan, seqs, step = call.plan, call.sequences, call.step
-    device = lp.device
-    compute = torch.promote_types(lp.dtype, torch.float32)
-    n = lp.numel()
+    if from_stats is None:
+        device, n = lp.device, lp.numel()
+        compute = torch.promote_types(lp.dtype, torch.float32)
+    else:
+        device, n = from_stats.target.device, from_stats.target.numel()
+        compute = torch.float32  # the log-prob op's outputs
     s = seqs.num_sequences
     packed = seqs.cu_seqlens is not None
-    cu = seqs.cu_seqlens if packed else lp  # an unused pointer for padded rows
+    adv = _flat(call.advantages)
+    mask = _flat(call.loss_mask)
+    cu = seqs.cu_seqlens if packed else mask  # an unused pointer for padded rows
     row_length = max(seqs.row_length, 1)
     search_steps = s.bit_length() if packed else 0
     blocks = _launch_config()
     tl_compute = _TRITON_DTYPES[compute]
-    placeholder = lp  # pointer of an absent optional input (never read: its flag is off)
+    placeholder = adv  # pointer of an absent optional input (never read: its flag is off)
+    lp = placeholder if lp is None else lp
     old = placeholder if call.old is None else _flat(call.old)
     rollout = placeholder if call.rollout is None else _flat(call.rollout)
     ref = placeholder if call.ref is None else _flat(call.ref)
     ent = placeholder if entropy is None else entropy
-    adv = _flat(call.advantages)
-    mask = _flat(call.loss_mask)
+    if from_stats is None:
+        stats = target = errors = placeholder
+        stats_sizes = (1, 1, -100, 0, 0)
+    else:
+        stats, target, errors = from_stats.stats, from_stats.target, from_stats.errors
+        stats_sizes = (stats.shape[0], from_stats.v_global, from_stats.ignore_index, stats.stride(0), stats.stride(1))
 
     # --- 1. workspace: one float64 buffer (zeroed when there are per-sequence sums), one compute-dtype one ---
     programs = max(ceil_div(n, blocks.combine_block), ceil_div(s, blocks.combine_block), 1)
@@ -250,8 +278,9 @@ def loss_forward(
     workspace = (torch.zeros if plan.num_cols else torch.empty)(f64.total, dtype=torch.float64, device=device)
     pairs_flat, extremes, partials_flat, seq_sums, seq_grad = f64.views(workspace)
     pairs, partials = pairs_flat.view(_NUM_PAIRS, 2), partials_flat.view(programs, _PARTIAL_COLS)
-    per_token = _Slices((n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0))
-    grad_lp, grad_ent, seq_factor = per_token.views(torch.empty(per_token.total, dtype=compute, device=device))
+    row_values = 3 * n if from_stats is not None else 0  # (M, log S, entropy) for the log-prob backward
+    per_token = _Slices((n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0, row_values))
+    grad_lp, grad_ent, seq_factor, rows = per_token.views(torch.empty(per_token.total, dtype=compute, device=device))
     grad_ent = grad_ent if plan.entropy_grad else None
     seq_factor = seq_factor if plan.seq_grad else None
     if not plan.num_cols:
@@ -261,8 +290,9 @@ def loss_forward(
     if plan.num_cols:
         # --- 2. per-sequence sums ---
         launch(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),),
-            lp, old, rollout, adv, mask, cu, call.params, seq_sums,
-            n, row_length, s, search_steps,
+            lp, old, rollout, adv, mask, stats, target, cu, call.params, seq_sums,
+            n, row_length, s, search_steps, *stats_sizes,
+            FROM_STATS=from_stats is not None,
             **plan.token_flags, COMPUTE=tl_compute, BLOCK=blocks.token_block, num_warps=blocks.token_warps,
         )
         # --- 3. whole sequences under context parallelism ---
@@ -273,12 +303,14 @@ def loss_forward(
     unused = call.params
     launch(grpo_loss_combine_kernel, (programs,),
         lp, old, rollout, ref, ent, adv, mask,
+        stats, target, placeholder if from_stats is None else rows, errors,
         cu, seq_sums, seq_grad,
         step.valid_tokens, step.sequences, unused if step.weight_mean is None else step.weight_mean,
         unused if step.entropy_threshold is None else step.entropy_threshold,
         unused if step.skip is None else step.skip, call.params,
         grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
-        n, row_length, s, search_steps,
+        n, row_length, s, search_steps, *stats_sizes,
+        FROM_STATS=from_stats is not None,
         **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=blocks.combine_block,
         CONSTANTS_KEY=CONSTANTS_KEY,
         num_warps=blocks.combine_warps,
@@ -292,7 +324,8 @@ def loss_forward(
         CONSTANTS_KEY=CONSTANTS_KEY,
     )
     saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad else None, seq_factor, cu,
-                      (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute)
+                      (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute,
+                      rows.view(3, n) if from_stats is not None else None)
     return loss, pairs, extremes, saved
 
 

@@ -14,20 +14,22 @@ Forward
     1. ``logprob_stats_kernel``: per-row statistics of this rank's shard (the logits read once).
     2. The one collective of the log-prob op: all-gather of the ``[N + 1, 4]`` statistics over ``tp_group``
        (skipped for a group of size 1).
-    3. ``logprob_merge_kernel``: log-probs, entropy (when the config reads it), M and log S; its error
-       counts go to the deferred ledger (no host read).
-    4. The fused loss's forward (:func:`mp_grpo.ops.grpo_loss.loss_forward`, its steps 1–5): per-sequence sums
-       (and their all-reduce over the CP group), the combine kernel — each token's share and its gradient
-       coefficients —, the finalize kernel — the loss and the metric entries.
+    3. The fused loss's forward (:func:`mp_grpo.ops.grpo_loss.loss_forward`, its steps 1–5) on the statistics
+       (``FROM_STATS``): its token kernel (per-sequence sums, when the config has any) and its combine kernel
+       merge the TP shards' statistics into log-probs and entropy themselves — the log-prob op's merge
+       (``logprob_merge.merge_rows``), a few loads a position — instead of reading a log-prob tensor; the
+       combine kernel also stores M, log S and the entropy for backward and adds the merge's error counts
+       into the deferred ledger (no host read). Then the finalize kernel: the loss and the metric entries.
 Backward
     1. gspo / gmpo only: the fused loss's backward kernel adds the path through the sequence mean (after the
        CP all-reduce of its per-sequence factor) and applies the upstream gradient g.
     2. ``logprob_backward_kernel``: one read of the shard, one write of its gradient, with upstream gradients
-       g · d share / d log π and g · d share / d H — g read on the device — (gspo / gmpo: step 1's, unscaled).
-       No collective: logZ and H describe the whole vocabulary already.
+       g · d share / d log π and g · d share / d H — g read on the device (``HAS_GRAD_SCALE``); gspo / gmpo:
+       step 1's, unscaled. No collective: logZ and H describe the whole vocabulary already.
 
-Launches: forward 4 (DAPO-like configs: stats, merge, combine, finalize; + memset and token kernel with
-per-sequence sums), backward 1 (gspo / gmpo: 2) — against 5 and 2 for the op and the loss apart.
+Launches: forward 3 (stats, combine, finalize; + memset and token kernel with per-sequence sums), backward 1
+(gspo / gmpo: 2) — against 4–6 and 2 for the log-prob op and the loss apart (stats, merge; combine, finalize
+(+ memset, token); two backward kernels).
 """
 
 from __future__ import annotations
@@ -38,8 +40,14 @@ import torch
 
 from mp_grpo.collectives import ProcessGroup, group_rank
 from mp_grpo.ops.checks import CheckInputs
-from mp_grpo.ops.grpo_loss import FusedGRPOLoss, LossSaved, _Call, loss_backward, loss_forward
-from mp_grpo.ops.logprob_launch import gather_and_merge, logprob_backward, new_stats_buffer, shard_statistics
+from mp_grpo.ops.grpo_loss import FromStats, FusedGRPOLoss, LossSaved, _Call, loss_backward, loss_forward
+from mp_grpo.ops.logprob_launch import (
+    gather_statistics,
+    logprob_backward,
+    new_stats_buffer,
+    raise_on_merge_errors,
+    shard_statistics,
+)
 
 
 class LogitsSpec(NamedTuple):
@@ -72,16 +80,19 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
         stats = new_stats_buffer(n, x.device)
         shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=spec.inv_temperature,
                          with_entropy=with_entropy)
-        # --- 2.–3. the all-gather and the merge into log-probs, entropy, logZ = M + log S ---
-        merged = gather_and_merge(stats, t, tp_group=spec.tp_group, v_local=v_local, ignore_index=spec.ignore_index,
-                                  with_entropy=with_entropy, check_inputs=spec.check_inputs)
-        # --- 4. the fused loss: shares, per-token gradient coefficients, loss and metric entries ---
-        loss, pairs, extremes, saved = loss_forward(merged.logprobs, merged.entropy if with_entropy else None, call)
+        # --- 2. the one collective: all-gather of the statistics ---
+        gathered = gather_statistics(stats, tp_group=spec.tp_group, v_local=v_local, ignore_index=spec.ignore_index,
+                                     check_inputs=spec.check_inputs)
+        # --- 3. the fused loss on the merged log-probs: shares, per-token gradient coefficients, loss, metrics ---
+        from_stats = FromStats(gathered.stats, t, gathered.errors, gathered.stats.shape[0] * v_local,
+                               spec.ignore_index, with_entropy)
+        loss, pairs, extremes, saved = loss_forward(None, None, call, from_stats)
+        raise_on_merge_errors(gathered, spec.check_inputs)
 
         ctx.mark_non_differentiable(pairs, extremes)
-        ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy if with_entropy else None,
-                              saved.grad_lp, saved.grad_ent, saved.seq_grad, saved.seq_factor, saved.cu)
-        ctx.saved = saved._replace(grad_lp=None, grad_ent=None, seq_grad=None, seq_factor=None, cu=None)
+        ctx.save_for_backward(x, t, saved.rows, saved.grad_lp, saved.grad_ent, saved.seq_grad, saved.seq_factor,
+                              saved.cu)
+        ctx.saved = saved._replace(grad_lp=None, grad_ent=None, seq_grad=None, seq_factor=None, cu=None, rows=None)
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
         ctx.spec = spec
@@ -90,9 +101,10 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor, _grad_pairs, _grad_extremes):
-        x, t, row_max, log_sum, entropy, grad_lp, grad_ent, seq_grad, seq_factor, cu = ctx.saved_tensors
+        x, t, rows, grad_lp, grad_ent, seq_grad, seq_factor, cu = ctx.saved_tensors
+        row_max, log_sum, entropy = rows.unbind(0)
         spec: LogitsSpec = ctx.spec
-        grad_scale = grad_loss.reshape(()).float()
+        grad_scale = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.float()
         # --- 1. gspo / gmpo: the path through the sequence mean, g applied ---
         if seq_grad is not None:
             saved: LossSaved = ctx.saved._replace(grad_lp=grad_lp, grad_ent=grad_ent, seq_grad=seq_grad,

@@ -109,6 +109,42 @@ def merge_statistics(
     return Merged(logprobs, entropy, row_max, log_sum, errors)
 
 
+class Gathered(NamedTuple):
+    """The all-gathered statistics and where the merge adds its error counts."""
+
+    stats: torch.Tensor
+    """[TP, N + 1, 4] fp32."""
+    errors: torch.Tensor
+    """[2] int64 counters (the deferred ledger's own slots, fresh zeros, or a scratch)."""
+    kinds: tuple
+    """The two error kinds of ``errors`` (``merge_error_kinds``)."""
+    deferred: bool
+    """The counters are the ledger's: nothing to read at the call."""
+
+
+def gather_statistics(
+    stats: torch.Tensor,  # [N + 1, 4] fp32, filled by shard_statistics
+    *,
+    tp_group: ProcessGroup | None,
+    v_local: int,
+    ignore_index: int,
+    check_inputs: CheckInputs,
+) -> Gathered:
+    """Forward step 2 of both log-prob ops: the one all-gather of the statistics over ``tp_group``, and the error
+    counters the merge will add into."""
+    gathered = all_gather_stacked(stats, tp_group)
+    kinds = merge_error_kinds(v_global=gathered.shape[0] * v_local, ignore_index=ignore_index, gathered_stats=gathered)
+    # Deferred (GPU): the kernel adds into the ledger's own counters — nothing else to launch or read.
+    errors, deferred = kernel_counters(kinds, stats.device, check_inputs)
+    return Gathered(gathered, errors, kinds, deferred)
+
+
+def raise_on_merge_errors(gathered: Gathered, check_inputs: CheckInputs) -> None:
+    """After the merge: raise at the call unless the counts were deferred (or nothing is checked)."""
+    if not gathered.deferred and check_inputs is not CheckInputs.OFF:
+        raise_on_kernel_errors(gathered.errors, gathered.kinds, check_inputs)
+
+
 def gather_and_merge(
     stats: torch.Tensor,  # [N + 1, 4] fp32, filled by shard_statistics
     target: torch.Tensor,  # [N] int64
@@ -121,14 +157,11 @@ def gather_and_merge(
 ) -> Merged:
     """Forward steps 2–3 of both log-prob ops: the one all-gather of the statistics over ``tp_group``,
     the merge, and the merge's error counts to the ledger (``check_inputs``; no host read unless SYNC)."""
-    gathered = all_gather_stacked(stats, tp_group)
-    kinds = merge_error_kinds(v_global=gathered.shape[0] * v_local, ignore_index=ignore_index, gathered_stats=gathered)
-    # Deferred (GPU): the kernel adds into the ledger's own counters — nothing else to launch or read.
-    errors, deferred = kernel_counters(kinds, stats.device, check_inputs)
-    merged = merge_statistics(gathered, target, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy,
-                              errors=errors)
-    if not deferred and check_inputs is not CheckInputs.OFF:
-        raise_on_kernel_errors(errors, kinds, check_inputs)
+    gathered = gather_statistics(stats, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
+                                 check_inputs=check_inputs)
+    merged = merge_statistics(gathered.stats, target, v_local=v_local, ignore_index=ignore_index,
+                              with_entropy=with_entropy, errors=gathered.errors)
+    raise_on_merge_errors(gathered, check_inputs)
     return merged
 
 

@@ -35,6 +35,8 @@ def _compile_all() -> None:
     compile_kernel = compiler.compile
 
     sizes = dict(N="i32", T="i32", S="i32", search_steps="i32")
+    stats = dict(stats_ptr="*fp32", target_ptr="*i64", TP="i32", V_global="i32", ignore_index="i32",
+                 stride_stats_rank="i32", stride_stats_row="i32")
     for i, (feature, overrides) in enumerate(FEATURE_CONFIGS.items()):
         aggregation = list(AGGREGATIONS)[i % len(AGGREGATIONS)]
         cfg = load_config(None, overrides + AGGREGATIONS[aggregation])
@@ -43,17 +45,20 @@ def _compile_all() -> None:
         lp = "*bf16" if i % 4 == 2 else ptr
         plan = build_plan(cfg, InputsKey(packed=packed, has_old=True, has_rollout=True, has_ref=True, has_entropy=True,
                                          advantages_per_token=i % 3 == 0))
-        tokens = dict(lp_ptr=lp, old_ptr=ptr, rollout_ptr="*fp32", adv_ptr=ptr, mask_ptr="*i1",
-                      cu_ptr="*i32" if packed else lp, params_ptr="*fp64", **sizes)
-        if plan.num_cols:
-            compile_kernel(grpo_loss_token_kernel, dict(tokens, seq_sums_ptr="*fp64"),
-                           dict(plan.token_flags, COMPUTE=compute, BLOCK=1024))
-        compile_kernel(grpo_loss_combine_kernel, dict(
-            tokens, ref_ptr=ptr, ent_ptr=lp, seq_sums_ptr="*fp64", seq_grad_ptr="*fp64", tokens_ptr="*fp64",
-            sequences_ptr="*fp64", weight_mean_ptr="*fp64", threshold_ptr="*fp64", skip_ptr="*i1", grad_lp_ptr=ptr,
-            grad_ent_ptr=ptr, seq_factor_ptr=ptr, partial_ptr="*fp64",
-        ), dict(plan.combine_flags, OWNS_SEQUENCES=i % 3 != 1, COMPUTE=compute, BLOCK=256,
-                CONSTANTS_KEY=CONSTANTS_KEY))
+        # GRPOLoss on log-probs, and (fp32 compute) on the log-prob op's statistics (GRPOLoss.on_logits).
+        for from_stats in (False, True) if compute == tl.float32 else (False,):
+            tokens = dict(lp_ptr=lp, old_ptr=ptr, rollout_ptr="*fp32", adv_ptr=ptr, mask_ptr="*i1",
+                          cu_ptr="*i32" if packed else lp, params_ptr="*fp64", **sizes, **stats)
+            if plan.num_cols:
+                compile_kernel(grpo_loss_token_kernel, dict(tokens, seq_sums_ptr="*fp64"),
+                               dict(plan.token_flags, FROM_STATS=from_stats, COMPUTE=compute, BLOCK=1024))
+            compile_kernel(grpo_loss_combine_kernel, dict(
+                tokens, ref_ptr=ptr, ent_ptr=lp, row_out_ptr="*fp32", errors_ptr="*i64", seq_sums_ptr="*fp64",
+                seq_grad_ptr="*fp64", tokens_ptr="*fp64", sequences_ptr="*fp64", weight_mean_ptr="*fp64",
+                threshold_ptr="*fp64", skip_ptr="*i1", grad_lp_ptr=ptr, grad_ent_ptr=ptr, seq_factor_ptr=ptr,
+                partial_ptr="*fp64",
+            ), dict(plan.combine_flags, FROM_STATS=from_stats, OWNS_SEQUENCES=i % 3 != 1, COMPUTE=compute,
+                    BLOCK=256, CONSTANTS_KEY=CONSTANTS_KEY))
     for seq_grad, scaled, packed in itertools.product([False, True], [False, True], [False, True]):
         compile_kernel(grpo_loss_backward_kernel, dict(
             grad_out_ptr="*fp32", grad_lp_fwd_ptr="*fp32", grad_ent_fwd_ptr="*fp32", seq_grad_ptr="*fp64",
