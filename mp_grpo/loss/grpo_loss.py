@@ -37,6 +37,7 @@ exactly 0 with a zero gradient.
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum
 from typing import NamedTuple
 
@@ -135,6 +136,7 @@ class GRPOLoss:
         self.config = config
         self.backend = LossBackend.TORCH if compile or unsupported is not None else backend
         self._fused = FusedGRPOLoss(config) if self.backend != LossBackend.TORCH else None
+        self._last_step: tuple | None = None  # see _step_tensors_of
         # Two closures with their own code objects, so that torch.compile caches (and guards) them apart.
         def token_stage(*args):
             return _token_stage(config, *args)
@@ -234,7 +236,7 @@ class GRPOLoss:
         if fused:  # steps 3–6 in the fused kernels
             return self._fused(  # type: ignore[misc]
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy,
-                _step_tensors(cfg, batch, logprobs.device), _sequence_info(layout, token_shape, logprobs.device),
+                self._step_tensors_of(batch, logprobs.device), _sequence_info(layout, token_shape, logprobs.device),
             )
         valid = layout.valid_tokens(loss_mask)
         if advantages.shape != token_shape:
@@ -334,9 +336,19 @@ class GRPOLoss:
         batch.check_config(cfg)
         call = self._fused.prepare(  # type: ignore[union-attr]
             device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, with_entropy,
-            advantages.shape == shape, _step_tensors(cfg, batch, device), _sequence_info(layout, shape, device),
+            advantages.shape == shape, self._step_tensors_of(batch, device), _sequence_info(layout, shape, device),
         )
         return logits_grpo_loss(self._fused, logits, target, spec, call)  # type: ignore[arg-type]
+
+    def _step_tensors_of(self, batch: GlobalBatch, device: torch.device) -> StepTensors:
+        """:func:`_step_tensors` of ``batch``, kept for the step's next micro-batches (a GlobalBatch is frozen: the
+        tensors it holds are the ones the kernels read; one entry, the last batch, held by a weak reference)."""
+        cached = self._last_step
+        if cached is not None and cached[0]() is batch and cached[1] == device:
+            return cached[2]
+        step = _step_tensors(self.config, batch, device)
+        self._last_step = (weakref.ref(batch), device, step)
+        return step
 
     def _use_fused(self, logprobs: torch.Tensor, layout: SequenceLayout) -> bool:
         """Whether this call runs the fused kernels (see :class:`LossBackend`); raises when TRITON cannot (the

@@ -30,6 +30,7 @@ bits (far below the compute dtype's) depend on the order the programs run in.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -175,22 +176,24 @@ class FusedGRPOLoss:
         return loss, self.metrics(call.plan, pairs, extremes)
 
 
-class _Slices:
-    """Consecutive slices of one flat buffer, each starting 16-byte aligned (so that Triton's pointer
-    specialization, and with it the compiled kernel, does not change with the sizes before it)."""
+_ALIGN = 4
+"""Elements a slice of a workspace is rounded up to: 16 bytes of fp32, 32 of fp64 (so that Triton's pointer
+specialization, and with it the compiled kernel, does not change with the sizes before a slice)."""
 
-    _ALIGN = 4  # elements: 16 bytes of fp32, 32 of fp64
 
-    def __init__(self, sizes: tuple[int, ...]) -> None:
-        self.bounds = []
-        start = 0
-        for size in sizes:
-            self.bounds.append((start, start + size))
-            start += -(-size // self._ALIGN) * self._ALIGN
-        self.total = max(start, 1)
+@functools.lru_cache(maxsize=1024)
+def _rounded(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """``sizes`` each rounded up to :data:`_ALIGN` (at least one element in all)."""
+    rounded = tuple(-(-size // _ALIGN) * _ALIGN for size in sizes)
+    return rounded if sum(rounded) else rounded[:-1] + (_ALIGN,)
 
-    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        return [buffer[a:b] for a, b in self.bounds]
+
+def _workspace(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device, zeroed: bool) -> tuple[torch.Tensor, ...]:
+    """One allocation split into consecutive 16-byte-aligned slices of at least ``sizes`` elements (one
+    ``split``: views made in one call)."""
+    rounded = _rounded(sizes)
+    buffer = (torch.zeros if zeroed else torch.empty)(sum(rounded), dtype=dtype, device=device)
+    return buffer.split(rounded)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -274,13 +277,13 @@ def loss_forward(
     # --- 1. workspace: one float64 buffer (zeroed when there are per-sequence sums), one compute-dtype one ---
     programs = max(ceil_div(n, blocks.combine_block), ceil_div(s, blocks.combine_block), 1)
     sums_size = s * plan.num_cols
-    f64 = _Slices((_NUM_PAIRS * 2, _NUM_EXTREMES, programs * _PARTIAL_COLS, sums_size, s if plan.seq_grad else 0))
-    workspace = (torch.zeros if plan.num_cols else torch.empty)(f64.total, dtype=torch.float64, device=device)
-    pairs_flat, extremes, partials_flat, seq_sums, seq_grad = f64.views(workspace)
+    pairs_flat, extremes, partials_flat, seq_sums, seq_grad = _workspace(
+        (_NUM_PAIRS * 2, _NUM_EXTREMES, programs * _PARTIAL_COLS, sums_size, s if plan.seq_grad else 0),
+        torch.float64, device, zeroed=plan.num_cols > 0)
     pairs, partials = pairs_flat.view(_NUM_PAIRS, 2), partials_flat.view(programs, _PARTIAL_COLS)
     row_values = 3 * n if from_stats is not None else 0  # (M, log S, entropy) for the log-prob backward
-    per_token = _Slices((n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0, row_values))
-    grad_lp, grad_ent, seq_factor, rows = per_token.views(torch.empty(per_token.total, dtype=compute, device=device))
+    grad_lp, grad_ent, seq_factor, rows = _workspace(
+        (n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0, row_values), compute, device, zeroed=False)
     grad_ent = grad_ent if plan.entropy_grad else None
     seq_factor = seq_factor if plan.seq_grad else None
     if not plan.num_cols:
@@ -325,7 +328,7 @@ def loss_forward(
     )
     saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad else None, seq_factor, cu,
                       (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute,
-                      rows.view(3, n) if from_stats is not None else None)
+                      rows[:row_values].view(3, n) if from_stats is not None else None)
     return loss, pairs, extremes, saved
 
 
