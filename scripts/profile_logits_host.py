@@ -145,6 +145,38 @@ def phases(one_function, calls: int) -> None:
         print(f"phase: {step}: {1e6 * total / calls:.1f} us")
 
 
+def hops(calls: int, pairs: dict) -> None:
+    """Host µs from ``torch.autograd.backward(out, grad)`` to the Function's backward starting, and from its end to
+    ``backward`` returning — the autograd engine's hand-off to its CUDA device thread and back — for each
+    ``name: (Function class, forward closure returning (output, grad))``."""
+    for name, (cls, forward) in pairs.items():
+        original = cls.backward
+        stamps: list[float] = []
+
+        def timed(ctx, *grads, _original=original, _stamps=stamps):
+            _stamps.append(time.perf_counter())
+            out = _original(ctx, *grads)
+            _stamps.append(time.perf_counter())
+            return out
+
+        cls.backward = staticmethod(timed)
+        into = out_of = 0.0
+        try:
+            for i in range(calls + 5):
+                stamps.clear()
+                output, grad = forward()
+                start = time.perf_counter()
+                torch.autograd.backward(output, grad)
+                end = time.perf_counter()
+                if i >= 5:
+                    into += stamps[0] - start
+                    out_of += end - stamps[1]
+            torch.cuda.synchronize()
+        finally:
+            cls.backward = original
+        print(f"engine hop: {name}: into backward {1e6 * into / calls:.1f} us, back out {1e6 * out_of / calls:.1f} us")
+
+
 def capture(fn) -> None:
     """Capture ``fn`` (forward+backward) in a CUDA graph as bench_logprob does; print the traceback on failure."""
     import traceback
@@ -211,6 +243,22 @@ def main() -> None:
     for name, us in floors(args.calls).items():
         print(f"floor: {name}: {us:.1f} us")
     phases(one_function, args.calls)
+    from mp_grpo.ops.logits_grpo_loss import LogitsGRPOLossFunction
+    from mp_grpo.ops.vocab_parallel_logprobs import VocabParallelLogProbs
+
+    x = torch.zeros(8, device="cuda", requires_grad=True)
+    one = torch.ones((), device="cuda")
+    g_lp = torch.randn(target.shape, device="cuda")
+
+    def op_alone():
+        logits.grad = None
+        return vocab_parallel_logprobs(logits, target), g_lp
+
+    hops(args.calls, {
+        "empty Function (8 floats)": (_Empty, lambda: (_Empty.apply(x), one)),
+        "vocab_parallel_logprobs": (VocabParallelLogProbs, op_alone),
+        "on_logits": (LogitsGRPOLossFunction, lambda: (one_function(), one)),
+    })
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):
