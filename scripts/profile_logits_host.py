@@ -114,7 +114,7 @@ def phases(one_function, calls: int) -> None:
         setattr(owner, name, wrapped)
         return original
 
-    originals = {n: wrap(op, n) for n in ("shard_statistics", "gather_and_merge", "loss_forward", "logprob_backward")}
+    originals = {n: wrap(op, n) for n in ("shard_statistics", "gather_statistics", "loss_forward", "logprob_backward")}
     backward = op.LogitsGRPOLossFunction.backward
 
     def timed_backward(ctx, *grads):
