@@ -191,10 +191,12 @@ def cases(n: int, v: int):
             loss_fn = GRPOLoss(cfg)  # AUTO: the fused Triton loss on CUDA tensors
 
             target = t.view_as(li.logprobs)
-            logits = x.view(*li.logprobs.shape, v)
 
             def f():
                 if one_function:
+                    # The [B, T, V] view made inside the call: a view kept across calls keeps its autograd node
+                    # (and that node's stream) alive, which breaks CUDA-graph capture of the backward.
+                    logits = x.view(*li.logprobs.shape, v)
                     loss, _ = loss_fn.on_logits(logits, target, li.old, li.advantages, li.mask, rollout_logprobs=rollout,
                                                 ref_logprobs=li.ref if use_ref else None, batch=batch)
                     return loss

@@ -46,7 +46,7 @@ from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
 from mp_grpo.kernels.launch_config import INTERPRETER, ceil_div
 from mp_grpo.ops.checks import check_runs_here
 from mp_grpo.ops.grpo_loss_plan import FusedLossPlan, InputsKey, build_plan, config_parameters
-from mp_grpo.ops.launcher import launch
+from mp_grpo.ops.launcher import LaunchMeta, launch, launch_meta
 
 _TRITON_DTYPES = {torch.float32: triton.language.float32, torch.float64: triton.language.float64}
 _PARTIAL_COLS = int(PARTIAL_COLS.value)
@@ -239,6 +239,26 @@ class LossSaved(NamedTuple):
     """With :class:`FromStats`: [3, N] fp32 (M, log S, entropy) of every position, for the log-prob backward."""
 
 
+def _meta(plan: FusedLossPlan, kernel: str, compute, from_stats: bool, owns_sequences: bool) -> LaunchMeta:
+    """The keywords of one of the forward's launches for ``plan`` (built once, kept in the plan)."""
+    key = (kernel, compute, from_stats, owns_sequences)
+    meta = plan.launch_metas.get(key)
+    if meta is None:
+        blocks = _launch_config()
+        if kernel == "token":
+            meta = LaunchMeta(FROM_STATS=from_stats, **plan.token_flags, COMPUTE=compute, BLOCK=blocks.token_block,
+                              num_warps=blocks.token_warps)
+        elif kernel == "combine":
+            meta = LaunchMeta(FROM_STATS=from_stats, **plan.combine_flags, OWNS_SEQUENCES=owns_sequences,
+                              COMPUTE=compute, BLOCK=blocks.combine_block, CONSTANTS_KEY=CONSTANTS_KEY,
+                              num_warps=blocks.combine_warps)
+        else:
+            meta = LaunchMeta(HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=blocks.finalize_block,
+                              CONSTANTS_KEY=CONSTANTS_KEY)
+        plan.launch_metas[key] = meta
+    return meta
+
+
 def loss_forward(
     lp: torch.Tensor | None, entropy: torch.Tensor | None, call: _Call, from_stats: FromStats | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LossSaved]:
@@ -292,11 +312,10 @@ def loss_forward(
         seq_grad = call.params
     if plan.num_cols:
         # --- 2. per-sequence sums ---
-        launch(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),),
+        meta = _meta(plan, "token", tl_compute, from_stats is not None, False)
+        launch_meta(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),), meta,
             lp, old, rollout, adv, mask, stats, target, cu, call.params, seq_sums,
             n, row_length, s, search_steps, *stats_sizes,
-            FROM_STATS=from_stats is not None,
-            **plan.token_flags, COMPUTE=tl_compute, BLOCK=blocks.token_block, num_warps=blocks.token_warps,
         )
         # --- 3. whole sequences under context parallelism ---
         if group_size(seqs.cp_group) > 1:
@@ -304,7 +323,8 @@ def loss_forward(
 
     # --- 4. per-token shares, gradients, metric partials ---
     unused = call.params
-    launch(grpo_loss_combine_kernel, (programs,),
+    meta = _meta(plan, "combine", tl_compute, from_stats is not None, seqs.owns_sequences)
+    launch_meta(grpo_loss_combine_kernel, (programs,), meta,
         lp, old, rollout, ref, ent, adv, mask,
         stats, target, placeholder if from_stats is None else rows, errors,
         cu, seq_sums, seq_grad,
@@ -313,18 +333,13 @@ def loss_forward(
         unused if step.skip is None else step.skip, call.params,
         grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
         n, row_length, s, search_steps, *stats_sizes,
-        FROM_STATS=from_stats is not None,
-        **plan.combine_flags, OWNS_SEQUENCES=seqs.owns_sequences, COMPUTE=tl_compute, BLOCK=blocks.combine_block,
-        CONSTANTS_KEY=CONSTANTS_KEY,
-        num_warps=blocks.combine_warps,
     )
 
     # --- 5. loss and metric entries ---
     loss = torch.empty((), dtype=compute, device=device)
-    launch(grpo_loss_finalize_kernel, (1,),
+    launch_meta(grpo_loss_finalize_kernel, (1,), _meta(plan, "finalize", None, False, False),
         partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
-        programs, HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=blocks.finalize_block,
-        CONSTANTS_KEY=CONSTANTS_KEY,
+        programs,
     )
     saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad else None, seq_factor, cu,
                       (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute,
@@ -369,6 +384,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logprobs: torch.Tensor, entropy: torch.Tensor | None, call: _Call):
+        ctx.set_materialize_grads(False)  # the metric outputs get no gradient: no zeros made for them
         # --- 1.–5. ---
         loss, pairs, extremes, saved = loss_forward(_flat(logprobs), None if entropy is None else _flat(entropy), call)
         ctx.mark_non_differentiable(pairs, extremes)
@@ -380,6 +396,8 @@ class FusedGRPOLossFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor, _grad_pairs, _grad_extremes):
+        if grad_loss is None:
+            return None, None, None
         grad_lp_fwd, grad_ent_fwd, seq_grad, seq_factor, cu = ctx.saved_tensors
         saved = ctx.saved._replace(grad_lp=grad_lp_fwd, grad_ent=grad_ent_fwd, seq_grad=seq_grad,
                                    seq_factor=seq_factor, cu=cu)

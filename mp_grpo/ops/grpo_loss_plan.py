@@ -10,7 +10,7 @@ kernels' float64 parameter vector (absent bounds as ±inf).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mp_grpo.config.loss import Aggregation, KLEstimator, LossConfig, Objective, RatioLevel
@@ -65,6 +65,9 @@ class FusedLossPlan:
     """The config's mismatch monitor may skip the step."""
     metrics: tuple[tuple[str, bool, int], ...]
     """(name, is a [sum, count] pair (else a 0-dim extreme), slot) in the torch path's order."""
+    launch_metas: dict = field(default_factory=dict, compare=False, repr=False)
+    """The launches' keywords with their key part (``mp_grpo.ops.launcher.LaunchMeta``), built on first use per
+    (kernel, compute dtype, call flags) by :mod:`mp_grpo.ops.grpo_loss`."""
 
 
 def build_plan(cfg: LossConfig, key: InputsKey) -> FusedLossPlan:

@@ -110,13 +110,30 @@ def _arg_key(a: Any) -> Any:
     return (t, a)
 
 
-def specialization_key(args: tuple, kwargs: dict, device: int = 0) -> tuple:
-    """The key of step 2 (see the module docstring): equal keys imply an equal Triton specialization."""
+def _kwargs_key(kwargs: dict) -> tuple:
+    return tuple((name, type(value), value) for name, value in kwargs.items())
+
+
+def specialization_key(args: tuple, kwargs: dict, device: int = 0, kwargs_key: tuple | None = None) -> tuple:
+    """The key of step 2 (see the module docstring): equal keys imply an equal Triton specialization.
+    ``kwargs_key``: the keywords' part, when the caller has it already (:class:`LaunchMeta`)."""
     return (
         device, knobs.runtime.debug, getattr(knobs.compilation, "instrumentation_mode", None),
-        *map(_arg_key, args),
-        *((name, type(value), value) for name, value in kwargs.items()),
+        *[(a.dtype, not (a.data_ptr() & _ALIGN_MASK)) if isinstance(a, torch.Tensor) else _arg_key(a) for a in args],
+        _kwargs_key(kwargs) if kwargs_key is None else kwargs_key,
     )
+
+
+class LaunchMeta:
+    """The keyword arguments of a launch (constexprs and options such as ``num_warps``), with their part of the
+    specialization key computed once: build one per kernel configuration, keep it, and launch with
+    :func:`launch_meta` (a launch's host time grows with its keywords: the loss kernels have ~30)."""
+
+    __slots__ = ("kwargs", "key")
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.key = _kwargs_key(kwargs)
 
 
 def _hooks_installed() -> bool:
@@ -129,6 +146,15 @@ def _hooks_installed() -> bool:
 
 def launch(kernel, grid: tuple, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)``, through a kept ``CompiledKernel`` when the fast path is on."""
+    _launch(kernel, grid, args, kwargs, None)
+
+
+def launch_meta(kernel, grid: tuple, meta: LaunchMeta, *args: Any) -> None:
+    """:func:`launch` with the keywords of ``meta`` (their key part computed once)."""
+    _launch(kernel, grid, args, meta.kwargs, meta.key)
+
+
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, kwargs_key: tuple | None) -> None:
     global _device_fns
     # --- 1. normal path ---
     if not _enabled or getattr(kernel, "pre_run_hooks", None) or _hooks_installed():
@@ -142,7 +168,7 @@ def launch(kernel, grid: tuple, *args: Any, **kwargs: Any) -> None:
     device = get_device()
     # --- 2. specialization key ---
     try:
-        key = (kernel, specialization_key(args, kwargs, device))
+        key = (kernel, specialization_key(args, kwargs, device, kwargs_key))
         entry = _compiled.get(key)
     except TypeError:  # an unhashable keyword value: no key
         kernel[grid](*args, **kwargs)

@@ -65,6 +65,7 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, spec: LogitsSpec, call: _Call):
+        ctx.set_materialize_grads(False)  # the metric outputs get no gradient: no zeros made for them
         v_local = logits.shape[-1]
         x = logits.reshape(-1, v_local)  # a view whenever the leading dims allow one
         if x.stride(-1) != 1:
@@ -101,6 +102,8 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor, _grad_pairs, _grad_extremes):
+        if grad_loss is None:
+            return None, None, None, None
         x, t, rows, grad_lp, grad_ent, seq_grad, seq_factor, cu = ctx.saved_tensors
         row_max, log_sum, entropy = rows.unbind(0)
         spec: LogitsSpec = ctx.spec

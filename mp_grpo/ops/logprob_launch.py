@@ -7,12 +7,14 @@ collective; :func:`gather_and_merge` makes the ops' one all-gather.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from mp_grpo.collectives import ProcessGroup, all_gather_stacked
 from mp_grpo.kernels import (
+    LogprobLaunchConfig,
     logprob_backward_kernel,
     logprob_radix_hist_kernel,
     logprob_radix_select_kernel,
@@ -22,10 +24,22 @@ from mp_grpo.kernels import (
 )
 from mp_grpo.kernels.launch_config import ceil_div
 from mp_grpo.ops.checks import CheckInputs, kernel_counters, merge_error_kinds, raise_on_kernel_errors
-from mp_grpo.ops.launcher import launch
+from mp_grpo.ops.launcher import LaunchMeta, launch, launch_meta
 
 STATS_WIDTH = 4
 """Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _stats_meta(cfg: LogprobLaunchConfig, with_entropy: bool, has_threshold: bool) -> LaunchMeta:
+    return LaunchMeta(HAS_ENTROPY=with_entropy, HAS_THRESHOLD=has_threshold, BLOCK_V=cfg.stats_block_v,
+                      num_warps=cfg.stats_warps)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_meta(cfg: LogprobLaunchConfig, entropy_grad: bool, has_threshold: bool, grad_scale: bool) -> LaunchMeta:
+    return LaunchMeta(HAS_ENTROPY_GRAD=entropy_grad, HAS_THRESHOLD=has_threshold, HAS_GRAD_SCALE=grad_scale,
+                      BLOCK_V=cfg.backward_block_v, num_warps=cfg.backward_warps)
 
 
 def new_stats_buffer(rows: int, device: torch.device) -> torch.Tensor:
@@ -54,16 +68,12 @@ def shard_statistics(
     With ``threshold`` only the columns whose logit is >= it count (a sampling filter's kept set)."""
     n, v_local = logits.shape
     cfg = logprob_launch_config(v_local)
-    launch(logprob_stats_kernel, (max(n, 1),),
+    launch_meta(logprob_stats_kernel, (max(n, 1),), _stats_meta(cfg, with_entropy, threshold is not None),
         logits, target, stats,
         threshold if threshold is not None else stats,  # unused placeholder pointer without a filter
         n, row_start, stats.shape[0] - 1, v_local, vocab_start,
         logits.stride(0), stats.stride(0),
         inv_temperature,
-        HAS_ENTROPY=with_entropy,
-        HAS_THRESHOLD=threshold is not None,
-        BLOCK_V=cfg.stats_block_v,
-        num_warps=cfg.stats_warps,
     )
 
 
@@ -202,7 +212,8 @@ def logprob_backward(
         return
     cfg = logprob_launch_config(v_local)
     has_entropy_grad = grad_entropy is not None
-    launch(logprob_backward_kernel, (n, ceil_div(v_local, cfg.backward_block_v)),
+    meta = _backward_meta(cfg, has_entropy_grad, threshold is not None, grad_scale is not None)
+    launch_meta(logprob_backward_kernel, (n, ceil_div(v_local, cfg.backward_block_v)), meta,
         logits, grad_logits, target, row_max, log_sum,
         entropy if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
         grad_logprobs,
@@ -212,11 +223,6 @@ def logprob_backward(
         v_local, vocab_start, ignore_index,
         logits.stride(0), grad_logits.stride(0),
         inv_temperature,
-        HAS_ENTROPY_GRAD=has_entropy_grad,
-        HAS_THRESHOLD=threshold is not None,
-        HAS_GRAD_SCALE=grad_scale is not None,
-        BLOCK_V=cfg.backward_block_v,
-        num_warps=cfg.backward_warps,
     )
 
 
