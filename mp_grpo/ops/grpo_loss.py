@@ -16,11 +16,14 @@ Forward
     3. Context parallelism only: all-reduce of the sums over the CP group (``all_reduce_sum``).
     4. ``grpo_loss_combine_kernel``: per token the share c_t / D_t and its gradient w.r.t. the log-prob
        (and the entropy); gspo / gmpo add ∂share/∂m_s per sequence; per program the metric partials.
-    5. ``grpo_loss_finalize_kernel``: the loss (0-dim) and the metric pairs and extremes.
+    5. ``grpo_loss_finalize_kernel``: the loss (0-dim) and the metric pairs and extremes; gspo / gmpo without
+       context parallelism: its other programs add ∂share/∂m_s · ∂m_s/∂log π_θ[t] into the per-token gradient
+       (the per-sequence sums are complete only then), so that the gradient is one coefficient per token.
 Backward
     1. gspo / gmpo under context parallelism only: all-reduce over the CP group of g · ∂share/∂m_s (each
        CP rank's share depends on the whole sequence's mean, like ``SumOverGroup``).
-    2. ``grpo_loss_backward_kernel``: g × the forward's gradients (+ ∂share/∂m_s · ∂m_s/∂log π_θ[t]).
+    2. ``grpo_loss_backward_kernel``: g × the forward's gradients (+ under context parallelism
+       ∂share/∂m_s · ∂m_s/∂log π_θ[t], step 1's).
 
 Launches per call: forward 2 (no per-sequence sums: combine, finalize) to 4 (memset, token, combine,
 finalize), backward 1. No host synchronization; the step's counts and decisions are read by the kernels
@@ -239,24 +242,34 @@ class LossSaved(NamedTuple):
     """With :class:`FromStats`: [3, N] fp32 (M, log S, entropy) of every position, for the log-prob backward."""
 
 
-def _meta(plan: FusedLossPlan, kernel: str, compute, from_stats: bool, owns_sequences: bool) -> LaunchMeta:
-    """The keywords of one of the forward's launches for ``plan`` (built once, kept in the plan)."""
-    key = (kernel, compute, from_stats, owns_sequences)
+def _kept_meta(plan: FusedLossPlan, key: tuple, build) -> LaunchMeta:
+    """The launch keywords of ``key`` for ``plan``: built once by ``build()``, kept in the plan."""
     meta = plan.launch_metas.get(key)
     if meta is None:
-        blocks = _launch_config()
-        if kernel == "token":
-            meta = LaunchMeta(FROM_STATS=from_stats, **plan.token_flags, COMPUTE=compute, BLOCK=blocks.token_block,
-                              num_warps=blocks.token_warps)
-        elif kernel == "combine":
-            meta = LaunchMeta(FROM_STATS=from_stats, **plan.combine_flags, OWNS_SEQUENCES=owns_sequences,
-                              COMPUTE=compute, BLOCK=blocks.combine_block, CONSTANTS_KEY=CONSTANTS_KEY,
-                              num_warps=blocks.combine_warps)
-        else:
-            meta = LaunchMeta(HAS_SKIP=plan.has_skip, COLS=_FINALIZE_COLS, BLOCK_P=blocks.finalize_block,
-                              CONSTANTS_KEY=CONSTANTS_KEY)
-        plan.launch_metas[key] = meta
+        meta = plan.launch_metas[key] = build()
     return meta
+
+
+def _token_meta(plan: FusedLossPlan, compute, from_stats: bool) -> LaunchMeta:
+    blocks = _launch_config()
+    return _kept_meta(plan, ("token", compute, from_stats), lambda: LaunchMeta(
+        FROM_STATS=from_stats, **plan.token_flags, COMPUTE=compute, BLOCK=blocks.token_block,
+        num_warps=blocks.token_warps))
+
+
+def _combine_meta(plan: FusedLossPlan, compute, from_stats: bool, owns_sequences: bool) -> LaunchMeta:
+    blocks = _launch_config()
+    return _kept_meta(plan, ("combine", compute, from_stats, owns_sequences), lambda: LaunchMeta(
+        FROM_STATS=from_stats, **plan.combine_flags, OWNS_SEQUENCES=owns_sequences, COMPUTE=compute,
+        BLOCK=blocks.combine_block, CONSTANTS_KEY=CONSTANTS_KEY, num_warps=blocks.combine_warps))
+
+
+def _finalize_meta(plan: FusedLossPlan, fold: bool, packed: bool) -> LaunchMeta:
+    blocks = _launch_config()
+    return _kept_meta(plan, ("finalize", fold, packed), lambda: LaunchMeta(
+        HAS_SKIP=plan.has_skip, FOLD_SEQ_GRAD=fold, PACKED=packed, COLS=_FINALIZE_COLS,
+        BLOCK_P=blocks.finalize_block, BLOCK=blocks.backward_block, CONSTANTS_KEY=CONSTANTS_KEY,
+        num_warps=blocks.backward_warps))
 
 
 def loss_forward(
@@ -312,7 +325,7 @@ def loss_forward(
         seq_grad = call.params
     if plan.num_cols:
         # --- 2. per-sequence sums ---
-        meta = _meta(plan, "token", tl_compute, from_stats is not None, False)
+        meta = _token_meta(plan, tl_compute, from_stats is not None)
         launch_meta(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),), meta,
             lp, old, rollout, adv, mask, stats, target, cu, call.params, seq_sums,
             n, row_length, s, search_steps, *stats_sizes,
@@ -323,7 +336,7 @@ def loss_forward(
 
     # --- 4. per-token shares, gradients, metric partials ---
     unused = call.params
-    meta = _meta(plan, "combine", tl_compute, from_stats is not None, seqs.owns_sequences)
+    meta = _combine_meta(plan, tl_compute, from_stats is not None, seqs.owns_sequences)
     launch_meta(grpo_loss_combine_kernel, (programs,), meta,
         lp, old, rollout, ref, ent, adv, mask,
         stats, target, placeholder if from_stats is None else rows, errors,
@@ -337,11 +350,16 @@ def loss_forward(
 
     # --- 5. loss and metric entries ---
     loss = torch.empty((), dtype=compute, device=device)
-    launch_meta(grpo_loss_finalize_kernel, (1,), _meta(plan, "finalize", None, False, False),
+    # gspo / gmpo without context parallelism: the sequence-mean path folded into grad_lp here (finalize step 4)
+    fold = plan.seq_grad and group_size(seqs.cp_group) <= 1
+    fold_programs = ceil_div(n, blocks.backward_block) if fold else 0
+    launch_meta(grpo_loss_finalize_kernel, (1 + fold_programs,),
+        _finalize_meta(plan, fold, packed),
         partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
-        programs,
+        grad_lp, seq_grad, grad_lp if seq_factor is None else seq_factor, cu,
+        programs, n, row_length, s, search_steps,
     )
-    saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad else None, seq_factor, cu,
+    saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad and not fold else None, seq_factor, cu,
                       (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute,
                       rows[:row_values].view(3, n) if from_stats is not None else None)
     return loss, pairs, extremes, saved

@@ -65,11 +65,14 @@ def _compile_all() -> None:
             seq_factor_ptr="*fp32", cu_ptr="*i64", grad_lp_ptr="*bf16", grad_ent_ptr="*fp32", **sizes,
         ), dict(PACKED=packed, ENTROPY_GRAD=packed, SEQ_GRAD=seq_grad, SEQ_GRAD_SCALED=scaled, COMPUTE=tl.float32,
                 BLOCK=1024))
-    for skip, loss in ((False, "*fp32"), (True, "*fp64")):
+    for skip, loss, fold, packed in ((False, "*fp32", False, False), (True, "*fp64", True, True),
+                                     (False, "*fp32", True, False)):
         compile_kernel(grpo_loss_finalize_kernel, dict(
             partial_ptr="*fp64", micro_batches_ptr="*fp64", skip_ptr="*i1", loss_ptr=loss, pairs_ptr="*fp64",
-            extremes_ptr="*fp64", P="i32",
-        ), dict(HAS_SKIP=skip, COLS=32, BLOCK_P=64, CONSTANTS_KEY=CONSTANTS_KEY))
+            extremes_ptr="*fp64", grad_lp_ptr=loss, seq_grad_ptr="*fp64",
+            seq_factor_ptr=loss, cu_ptr="*i64", P="i32", **sizes,
+        ), dict(HAS_SKIP=skip, FOLD_SEQ_GRAD=fold, PACKED=packed, COLS=32, BLOCK_P=64, BLOCK=1024,
+                CONSTANTS_KEY=CONSTANTS_KEY))
     print(f"compiled {compiler.count} kernels for sm_90")
 
 
