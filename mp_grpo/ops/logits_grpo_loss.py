@@ -21,14 +21,15 @@ Forward
        combine kernel also stores M, log S and the entropy for backward and adds the merge's error counts
        into the deferred ledger (no host read). Then the finalize kernel: the loss and the metric entries.
 Backward
-    1. gspo / gmpo only: the fused loss's backward kernel adds the path through the sequence mean (after the
-       CP all-reduce of its per-sequence factor) and applies the upstream gradient g.
+    1. gspo / gmpo under context parallelism only (without, the finalize kernel folded it in forward): the
+       fused loss's backward kernel adds the path through the sequence mean (after the CP all-reduce of its
+       per-sequence factor) and applies the upstream gradient g.
     2. ``logprob_backward_kernel``: one read of the shard, one write of its gradient, with upstream gradients
        g · d share / d log π and g · d share / d H — g read on the device (``HAS_GRAD_SCALE``); gspo / gmpo:
        step 1's, unscaled. No collective: logZ and H describe the whole vocabulary already.
 
 Launches: forward 3 (stats, combine, finalize; + memset and token kernel with per-sequence sums), backward 1
-(gspo / gmpo: 2) — against 4–6 and 2 for the log-prob op and the loss apart (stats, merge; combine, finalize
+(gspo / gmpo under context parallelism: 2) — against 4–6 and 2 for the log-prob op and the loss apart (stats, merge; combine, finalize
 (+ memset, token); two backward kernels).
 """
 
@@ -91,9 +92,8 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
         raise_on_merge_errors(gathered, spec.check_inputs)
 
         ctx.mark_non_differentiable(pairs, extremes)
-        ctx.save_for_backward(x, t, saved.rows, saved.grad_lp, saved.grad_ent, saved.seq_grad, saved.seq_factor,
-                              saved.cu)
-        ctx.saved = saved._replace(grad_lp=None, grad_ent=None, seq_grad=None, seq_factor=None, cu=None, rows=None)
+        ctx.save_for_backward(x, t)  # the inputs; the forward's own buffers are kept on ctx (as autograd allows)
+        ctx.saved = saved
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
         ctx.spec = spec
@@ -104,14 +104,14 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, _grad_pairs, _grad_extremes):
         if grad_loss is None:
             return None, None, None, None
-        x, t, rows, grad_lp, grad_ent, seq_grad, seq_factor, cu = ctx.saved_tensors
-        row_max, log_sum, entropy = rows.unbind(0)
+        x, t = ctx.saved_tensors
+        saved: LossSaved = ctx.saved
+        row_max, log_sum, entropy = saved.rows.unbind(0)
+        grad_lp, grad_ent = saved.grad_lp, saved.grad_ent
         spec: LogitsSpec = ctx.spec
         grad_scale = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.float()
         # --- 1. gspo / gmpo: the path through the sequence mean, g applied ---
-        if seq_grad is not None:
-            saved: LossSaved = ctx.saved._replace(grad_lp=grad_lp, grad_ent=grad_ent, seq_grad=seq_grad,
-                                                  seq_factor=seq_factor, cu=cu)
+        if saved.seq_grad is not None:  # under context parallelism (else folded in forward)
             grad_lp, grad_ent = loss_backward(saved, grad_scale, torch.float32,
                                               torch.float32 if grad_ent is not None else None)
             grad_scale = None

@@ -182,9 +182,46 @@ def case_tensor_parallel() -> None:
                      f"grad rank {rank} {feature}")
 
 
+def case_context_parallel() -> None:
+    """CP = 2: each rank holds chunks of every row (Megatron's load-balanced split); the shares sum to the
+    float64 objective, each rank's logits gradient is the reference's on its positions — gspo and gmpo, whose
+    sequence mean spans both ranks (backward's CP all-reduce)."""
+    from mp_grpo.loss import PaddedSequences
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    width = 2 * cp  # the first 2·CP positions of every row, one chunk of one position each
+    cols = torch.tensor([rank, 2 * cp - 1 - rank])
+    for feature, aggregation in (CASES[1], CASES[2]):
+        cfg = config(feature, aggregation)
+        logits, target, inputs = _case(zlib.crc32(f"cp/{feature}".encode()))
+        logits, target = logits[:, :width], target[:, :width]
+        inputs = {k: (v[:, :width] if v.dim() == 2 else v) for k, v in inputs.items()}
+        layout = PaddedSequences(dist.group.WORLD)
+        mine = {k: (v[:, cols] if v.dim() == 2 else v) for k, v in inputs.items()}
+        batch = GlobalBatch.from_rollouts(cfg, [mine["loss_mask"]], old_logprobs=[mine["old_logprobs"]],
+                                          rollout_logprobs=[mine["rollout_logprobs"]], group=dist.group.WORLD,
+                                          layouts=[layout])
+        g = 1.1
+        share, grad, _ = _on_logits(cfg, logits[:, cols], target[:, cols], mine, g, batch=batch, layout=layout)
+        total = share.clone()
+        dist.all_reduce(total)
+        ref = logits.double().requires_grad_()
+        lp_ref, ent_ref = logprobs_reference(ref, target)
+        j = grpo_objective_reference(
+            cfg, lp_ref, inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"],
+            rollout_logprobs=inputs["rollout_logprobs"], ref_logprobs=inputs["ref_logprobs"], entropy=ent_ref)
+        (j * g).backward()
+        assert_close(total, j, torch.float32, f"loss rank {rank} {feature}")
+        assert_close(grad, ref.grad[:, cols], torch.float32, f"grad rank {rank} {feature}")
+
+
 def test_tensor_parallel() -> None:
     torchrun(__file__, "case_tensor_parallel", 2)
 
 
+def test_context_parallel() -> None:
+    torchrun(__file__, "case_context_parallel", 2)
+
+
 if __name__ == "__main__":
-    worker_main({"case_tensor_parallel": case_tensor_parallel})
+    worker_main({"case_tensor_parallel": case_tensor_parallel, "case_context_parallel": case_context_parallel})
