@@ -98,7 +98,7 @@ def cispo(lp, ratio, adv, low_bound, high_bound):
 @triton.jit
 def sapo(ratio, adv, tau_pos, tau_neg):
     """SAPO's soft gate: ``(term, ∂term/∂ratio)``; term = −(4/τ)·sigmoid(τ·(r − 1))·A, τ = tau_pos where A > 0,
-    else tau_neg."""
+    else tau_neg (0-dim tensors of the compute dtype on the torch path, as the kernel's loaded parameters)."""
     tau = tl.where(adv > 0, tau_pos, tau_neg)
     gate = tl.sigmoid(tau * (ratio - 1.0))
     term = -(4.0 / tau) * gate * adv
@@ -113,7 +113,7 @@ def gmpo_log_clip(log_ratio, adv, low_bound, high_bound):
     high = (adv > 0) & (log_ratio > high_bound)
     low = (adv < 0) & (log_ratio < low_bound)
     clipped = tl.where(high, high_bound, tl.where(low, low_bound, log_ratio))
-    d_clipped = tl.where(low | high, 0.0, 1.0)
+    d_clipped = tl.where(low | high, 0.0, tl.zeros_like(log_ratio) + 1.0)
     return clipped, d_clipped, low, high
 
 

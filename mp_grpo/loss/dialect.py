@@ -37,10 +37,19 @@ def _maximum(a, b):
     return torch.where(b > a, b, a)
 
 
+def _where(condition, x, y):
+    """``torch.where``; one of ``x``, ``y`` must be a tensor, whose dtype the result takes (two Python scalars
+    would give torch's default dtype, where Triton gives the compute dtype)."""
+    if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+        raise TypeError("tl.where in a token_math formula needs a tensor operand on the torch path (both were "
+                        "Python scalars); pass a 0-dim tensor of the compute dtype, or build one with tl.zeros_like")
+    return torch.where(condition, x, y)
+
+
 class TorchLanguage:
     """The part of ``triton.language`` the dialect allows, on torch tensors."""
 
-    where = staticmethod(torch.where)
+    where = staticmethod(_where)
     zeros_like = staticmethod(torch.zeros_like)
     minimum = staticmethod(_minimum)
     maximum = staticmethod(_maximum)
