@@ -61,6 +61,7 @@ from mp_grpo.kernels.token_math import (
     sapo,
     token_divisor,
     truncated_weight,
+    weighted_kl,
 )
 
 
@@ -199,17 +200,16 @@ def grpo_loss_combine_kernel(
     if HAS_REF:
         ref = load_clean(ref_ptr, offs, valid, COMPUTE)
         x, x_inside = clamp_sym(ref - lp, param(params_ptr, K.P_KL_INPUT_CLAMP, COMPUTE))
-        base, d_base_d_x = kl_estimator(x, KL_ESTIMATOR, KL_STRAIGHT_THROUGH)  # token_math: written once
-        d_base = tl.where(x_inside, -d_base_d_x, 0.0)  # ∂x/∂log π_θ = −1 inside the input clamp
+        # token_math (written once); the score log π_θ − stopgrad(log π_θ) is 0 in value
+        before_clamp, d_estimator, weight, d_log_ratio, d_score = weighted_kl(
+            x, log_ratio, zero, KL_ESTIMATOR, KL_STRAIGHT_THROUGH, KL_RATIO
+        )
+        # chained to ∂/∂log π_θ: ∂x = −1 inside the input clamp, ∂ℓ = 1 inside the log-ratio clamp, ∂score = 1
+        d_before_clamp = tl.where(x_inside, -d_estimator, 0.0) * weight
         if KL_RATIO == K.KL_RATIO_BIAS_CORRECTION:
-            before_clamp = base * ratio_token
-            d_before_clamp = d_base * ratio_token + tl.where(log_ratio_inside, base * ratio_token, 0.0)
+            d_before_clamp = d_before_clamp + tl.where(log_ratio_inside, d_log_ratio, 0.0)
         elif KL_RATIO == K.KL_RATIO_SCORE_FUNCTION:
-            before_clamp = base * 1.0
-            d_before_clamp = d_base + base
-        else:
-            before_clamp = base
-            d_before_clamp = d_base
+            d_before_clamp = d_before_clamp + d_score
         kl, kl_inside = clamp_sym(before_clamp, param(params_ptr, K.P_KL_OUTPUT_CLAMP, COMPUTE))
         if KL_IN_LOSS:
             kl_coef = param(params_ptr, K.P_KL_COEF, COMPUTE)

@@ -22,7 +22,7 @@ detached quantities come without a derivative.
 All of the per-token maths the kernels and the torch path share is here: the symmetric and range clamps, the
 objectives (ppo_clip / gspo surrogate, cispo, sapo, gmpo, reinforce), the rollout correction (level log-ratio,
 truncated and normalized weight, rejection), the OPSM and top-entropy keeps, the aggregation divisor, the KL
-estimators and the mismatch metrics (k1 / k3 are the KL estimators of d; χ²). What only the torch path
+estimators and their ratio / score-function weights, and the mismatch metrics (k1 / k3 are the KL estimators of d; χ²). What only the torch path
 implements (vespo, clip_cov, kl_cov, GSPO-token, the regularizer's own aggregation, adaptive entropy, NLL)
 is written in ``mp_grpo/loss`` alone.
 """
@@ -221,6 +221,30 @@ def kl_estimator(x, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr):
             value = k3
             d_value = x_expm1
     return value, d_value
+
+
+@triton.jit
+def weighted_kl(x, log_ratio, score, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr, KL_RATIO: tl.constexpr):
+    """The KL penalty before its output clamp: the estimator of x (:func:`kl_estimator`) times a weight — with
+    ``KL_RATIO`` = bias correction the ratio e^ℓ to the sampling policy (``log_ratio`` ℓ), with score function
+    e^score where ``score`` = log π_θ − stopgrad(log π_θ) (value 1: only the score-function gradient), else 1.
+
+    ``(value, ∂estimator/∂x, weight, ∂value/∂ℓ, ∂value/∂score)``: ∂value/∂x = weight·∂estimator/∂x, returned as
+    its two factors so that the kernel masks the input clamp's gradient before the product (and keeps its
+    fused multiply-add). ``log_ratio`` / ``score`` are read only in their mode."""
+    value, d_estimator = kl_estimator(x, ESTIMATOR, STRAIGHT_THROUGH)
+    weight = tl.zeros_like(x) + 1.0
+    d_log_ratio = tl.zeros_like(x)
+    d_score = tl.zeros_like(x)
+    if KL_RATIO == K.KL_RATIO_BIAS_CORRECTION:
+        weight = tl.exp(log_ratio)
+        value = value * weight
+        d_log_ratio = value
+    elif KL_RATIO == K.KL_RATIO_SCORE_FUNCTION:
+        weight = tl.exp(score)
+        value = value * weight
+        d_score = value
+    return value, d_estimator, weight, d_log_ratio, d_score
 
 
 @triton.jit

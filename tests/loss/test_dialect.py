@@ -281,7 +281,7 @@ def test_kernel_and_torch_path_agree() -> None:
 
 def test_the_torch_modules_run_token_math() -> None:
     """mp_grpo/loss calls the kernels' formulas, not copies of them."""
-    from mp_grpo.loss import aggregation, clamps, entropy, mismatch, objectives, opsm, rollout_correction
+    from mp_grpo.loss import aggregation, clamps, entropy, kl, mismatch, objectives, opsm, rollout_correction
 
     for module, name, formula in [
         (clamps, "_clamp_sym", T.clamp_sym), (objectives, "_clipped_surrogate", T.clipped_surrogate),
@@ -292,6 +292,23 @@ def test_the_torch_modules_run_token_math() -> None:
         (rollout_correction, "_normalized_weight", T.normalized_weight),
         (rollout_correction, "_rejection_keep", T.rejection_keep), (opsm, "_opsm_keep", T.opsm_keep),
         (entropy, "_high_entropy", T.high_entropy), (aggregation, "_token_divisor", T.token_divisor),
-        (mismatch, "_kl_estimator", T.kl_estimator), (mismatch, "_chi2", T.chi2),
+        (mismatch, "_kl_estimator", T.kl_estimator), (mismatch, "_chi2", T.chi2), (kl, "_weighted_kl", T.weighted_kl),
     ]:
         assert getattr(module, name).__code__ is formula.fn.__code__, (module.__name__, name)
+
+
+@pytest.mark.parametrize("mode", [CODES.KL_RATIO_NONE, CODES.KL_RATIO_BIAS_CORRECTION, CODES.KL_RATIO_SCORE_FUNCTION])
+@pytest.mark.parametrize(("estimator", "straight_through"), CASES)
+def test_weighted_kl_partial_derivatives(mode: int, estimator: KLEstimator, straight_through: bool) -> None:
+    x = _random(30, scale=0.5).requires_grad_()
+    log_ratio = _random(31, scale=0.2).requires_grad_()
+    score = torch.zeros_like(x, requires_grad=True)  # log π_θ − stopgrad(log π_θ): 0 in value
+    value, d_estimator, weight, d_log_ratio, d_score = torch_formula(T.weighted_kl)(
+        x, log_ratio, score, CODE[estimator], straight_through, mode)
+    d_x = d_estimator * weight
+    g = _random(32).abs() + 0.5
+    grads = torch.autograd.grad((value * g).sum(), (x, log_ratio, score), allow_unused=True)
+    for grad, derivative in zip(grads, (d_x, d_log_ratio, d_score)):
+        _close(torch.zeros_like(x) if grad is None else grad / g, derivative)
+    base, _ = torch_formula(kl_estimator)(x, CODE[estimator], straight_through)
+    _close(value, base * log_ratio.exp() if mode == CODES.KL_RATIO_BIAS_CORRECTION else base)
