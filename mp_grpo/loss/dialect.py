@@ -23,18 +23,23 @@ from mp_grpo.kernels import grpo_loss_common
 
 
 def _minimum(a, b):
-    """``min(a, b)`` with ``torch.clamp``'s gradient: all of it to ``a`` where ``a ≤ b`` (an inclusive bound, as
-    the kernels' masks; ``torch.minimum`` would split it at a tie), NaN in ``a`` kept."""
-    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-        return min(a, b)
-    return torch.where(b < a, b, a)
+    """``min(a, b)`` as ``torch.clamp``: its gradient goes to a tensor ``a`` wherever ``a ≤ b`` (an inclusive
+    bound, as the kernels' masks; ``torch.minimum`` would split it at a tie); NaN propagates. ``b`` may be a
+    Python scalar or a tensor."""
+    if isinstance(a, torch.Tensor):
+        return torch.clamp(a, max=b)
+    if isinstance(b, torch.Tensor):
+        return torch.clamp(b, max=a)
+    return min(a, b)
 
 
 def _maximum(a, b):
-    """``max(a, b)`` with ``torch.clamp``'s gradient (all of it to ``a`` where ``a ≥ b``), NaN in ``a`` kept."""
-    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
-        return max(a, b)
-    return torch.where(b > a, b, a)
+    """``max(a, b)`` as ``torch.clamp`` (gradient to a tensor ``a`` wherever ``a ≥ b``); see :func:`_minimum`."""
+    if isinstance(a, torch.Tensor):
+        return torch.clamp(a, min=b)
+    if isinstance(b, torch.Tensor):
+        return torch.clamp(b, min=a)
+    return max(a, b)
 
 
 def _where(condition, x, y):
