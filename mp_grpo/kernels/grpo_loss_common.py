@@ -1,8 +1,8 @@
 """Shared pieces of the fused GRPO loss kernels (``grpo_loss_token``, ``grpo_loss_combine``, ``grpo_loss_backward``).
 
 - Codes of the config's modes and the slots of the config-parameter vector (float64, built once per
-  GRPOLoss by ``mp_grpo.ops.grpo_loss_plan``); absent bounds are ±inf there, so a clamp or a test
-  against them is the identity, as in the torch path where ``None`` skips it.
+  GRPOLoss by ``mp_grpo.ops.grpo_loss_plan``); absent bounds are ±inf there (and in what the torch path
+  passes to the same ``token_math`` formulas), so a clamp or a test against them is the identity.
 - Slots of the per-program partial sums / extremes the combine kernel writes and the finalize kernel
   reduces, and of the metric pairs it writes.
 - Token blocks: the sequence of each position (padded rows or packed segments), validity, inputs
