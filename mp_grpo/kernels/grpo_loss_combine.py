@@ -1,6 +1,7 @@
 """Fused GRPO loss, pass 2 of 2 (forward): every token's term, its gradient and the metrics' partials (Triton).
 
-The formulas are those of the torch path (``mp_grpo/loss/grpo_loss.py`` steps 5–6, ``docs/loss.md``); each
+The per-token formulas are those of ``token_math.py``, which the torch path (``mp_grpo/loss/grpo_loss.py``
+steps 5–6, ``docs/loss.md``) runs too; this kernel loads their inputs and chains their derivatives. Each
 token's contribution to the share is c_t / D_t, and its gradient is written here already — every
 sequence-level quantity it depends on is detached except the gspo / gmpo sequence mean m:
 
@@ -29,11 +30,8 @@ import triton
 import triton.language as tl
 
 from mp_grpo.kernels import grpo_loss_common as K
-from mp_grpo.kernels.token_math import kl_estimator
 from mp_grpo.kernels.grpo_loss_common import (
     block_ends,
-    clamp_sym,
-    expm1,
     gmpo_clip,
     load_clean,
     masked_max,
@@ -46,18 +44,25 @@ from mp_grpo.kernels.grpo_loss_common import (
     token_block,
     token_logprobs,
 )
-
-
-@triton.jit
-def _level_log_ratio(d, sum_d, count_floor, clamp, LEVEL: tl.constexpr):
-    """Rollout-correction log-ratio at LEVEL: d, clamp(Σd), or Σd / n (mp_grpo.loss.rollout_correction)."""
-    if LEVEL == K.LEVEL_TOKEN:
-        out = d
-    elif LEVEL == K.LEVEL_SEQUENCE:
-        out, _ = clamp_sym(sum_d, clamp)
-    else:
-        out = sum_d / count_floor
-    return out
+from mp_grpo.kernels.token_math import (
+    chi2,
+    cispo,
+    clamp_sym,
+    clipped_surrogate,
+    floor_count,
+    gmpo,
+    high_entropy,
+    kl_estimator,
+    level_log_ratio,
+    normalized_weight,
+    opsm_keep,
+    reinforce,
+    rejection_keep,
+    sapo,
+    token_divisor,
+    truncated_weight,
+    weighted_kl,
+)
 
 
 @triton.jit
@@ -111,7 +116,7 @@ def grpo_loss_combine_kernel(
     row = seq_sums_ptr + seq * NUM_COLS
     if NUM_COLS > 0:
         count = tl.load(row, mask=valid, other=0.0).to(COMPUTE)
-        count_floor = tl.maximum(count, K.COUNT_FLOOR)
+        count_floor = floor_count(count)
     sum_d = zero
     if COL_D >= 0:
         sum_d = tl.load(row + COL_D, mask=valid, other=0.0).to(COMPUTE)
@@ -130,84 +135,60 @@ def grpo_loss_combine_kernel(
             seq_mean = tl.load(row + COL_SEQ_IN, mask=valid, other=0.0).to(COMPUTE) / count_floor
             ratio = tl.exp(seq_mean)
             seq_input_grad = tl.where(log_ratio_inside, 1.0, 0.0).to(COMPUTE)
-        low_bound = param(params_ptr, K.P_CLIP_LOW, COMPUTE)
-        high_bound = param(params_ptr, K.P_CLIP_HIGH, COMPUTE)
-        delta = param(params_ptr, K.P_DELTA, COMPUTE)
-        r2 = tl.minimum(tl.maximum(ratio, low_bound), high_bound)
-        r1 = tl.minimum(ratio, delta)
-        u1 = r1 * adv
-        u2 = r2 * adv
-        first = u1 <= u2  # −min(u1, u2); ties take the unclipped branch
-        term = -tl.where(first, u1, u2)
-        passes = tl.where(first, ratio <= delta, (ratio >= low_bound) & (ratio <= high_bound))
-        d_term_d_ratio = tl.where(passes, -adv, 0.0)
-        if DUAL_CLIP:
-            cap = -adv * param(params_ptr, K.P_DUAL_CLIP_C, COMPUTE)
-            dual = (adv < 0) & (term > cap)
-            term = tl.where(dual, cap, term)
-            d_term_d_ratio = tl.where(dual, 0.0, d_term_d_ratio)
-        clip_low = (ratio < low_bound) & (adv < 0)
-        clip_high = (ratio > high_bound) & (adv > 0)
+        term, d_term_d_ratio, clip_low, clip_high, dual = clipped_surrogate(
+            ratio, adv, param(params_ptr, K.P_CLIP_LOW, COMPUTE), param(params_ptr, K.P_CLIP_HIGH, COMPUTE),
+            param(params_ptr, K.P_DELTA, COMPUTE), param(params_ptr, K.P_DUAL_CLIP_C, COMPUTE), DUAL_CLIP,
+        )
         if OBJECTIVE == K.OBJ_GSPO:
             along_mean = d_term_d_ratio * ratio
         else:
             direct = tl.where(log_ratio_inside, d_term_d_ratio * ratio, 0.0)
     elif OBJECTIVE == K.OBJ_CISPO:
         ratio = ratio_token
-        low_bound = param(params_ptr, K.P_CLIP_LOW, COMPUTE)
-        high_bound = param(params_ptr, K.P_CLIP_HIGH, COMPUTE)
-        weight = tl.minimum(tl.maximum(ratio, low_bound), high_bound)
-        direct = -weight * adv
-        term = direct * lp
-        clip_low = ratio < low_bound
-        clip_high = ratio > high_bound
+        term, direct, clip_low, clip_high = cispo(
+            lp, ratio, adv, param(params_ptr, K.P_CLIP_LOW, COMPUTE), param(params_ptr, K.P_CLIP_HIGH, COMPUTE)
+        )
     elif OBJECTIVE == K.OBJ_SAPO:
         ratio = ratio_token
-        tau = tl.where(adv > 0, param(params_ptr, K.P_TAU_POS, COMPUTE), param(params_ptr, K.P_TAU_NEG, COMPUTE))
-        gate = 1.0 / (1.0 + tl.exp(-(tau * (ratio - 1.0))))
-        term = -(4.0 / tau) * gate * adv
-        d_term_d_ratio = -(4.0 / tau) * (gate * (1.0 - gate)) * tau * adv
+        term, d_term_d_ratio = sapo(
+            ratio, adv, param(params_ptr, K.P_TAU_POS, COMPUTE), param(params_ptr, K.P_TAU_NEG, COMPUTE)
+        )
         direct = tl.where(log_ratio_inside, d_term_d_ratio * ratio, 0.0)
     elif OBJECTIVE == K.OBJ_GMPO:
         clipped, clip_low, clip_high = gmpo_clip(log_ratio, adv, params_ptr, COMPUTE)
         seq_mean = tl.load(row + COL_SEQ_IN, mask=valid, other=0.0).to(COMPUTE) / count_floor
-        ratio = tl.exp(seq_mean)
-        term = -adv * ratio
-        along_mean = term
+        term, along_mean, ratio = gmpo(seq_mean, adv)
         seq_input_grad = tl.where(log_ratio_inside & ~clip_low & ~clip_high, 1.0, 0.0).to(COMPUTE)
     else:  # reinforce
         ratio = ratio_token
-        direct = -adv
-        term = direct * lp
+        term, direct = reinforce(lp, adv)
 
     # --- 4. rollout correction weight, keep masks, the policy term ---
     applied = zero + 1.0
     raw_weight = applied
     truncated = applied
     if WEIGHT_LEVEL != K.LEVEL_NONE:
-        weight_log = _level_log_ratio(d, sum_d, count_floor, clamp, WEIGHT_LEVEL)
-        raw_weight = tl.exp(weight_log)
-        truncated = tl.minimum(
-            tl.maximum(raw_weight, param(params_ptr, K.P_WEIGHT_MIN, COMPUTE)), param(params_ptr, K.P_WEIGHT_MAX, COMPUTE)
+        weight_log = level_log_ratio(d, sum_d, count_floor, clamp, WEIGHT_LEVEL)
+        raw_weight, truncated = truncated_weight(
+            weight_log, param(params_ptr, K.P_WEIGHT_MIN, COMPUTE), param(params_ptr, K.P_WEIGHT_MAX, COMPUTE)
         )
         applied = truncated
         if NORMALIZE_WEIGHTS:
-            mean = tl.load(weight_mean_ptr).to(COMPUTE)
-            applied = truncated / tl.where(mean > K.WEIGHT_MEAN_FLOOR, mean, 1.0)
+            applied = normalized_weight(truncated, tl.load(weight_mean_ptr).to(COMPUTE))
         term = term * applied
     keep_rollout = valid
     keep_opsm = valid
     keep_entropy = valid
     if REJECT_LEVEL != K.LEVEL_NONE:
-        reject_ratio = tl.exp(_level_log_ratio(d, sum_d, count_floor, clamp, REJECT_LEVEL))
-        keep_rollout = (reject_ratio >= param(params_ptr, K.P_REJECT_MIN, COMPUTE)) & (
-            reject_ratio <= param(params_ptr, K.P_REJECT_MAX, COMPUTE)
+        keep_rollout = rejection_keep(
+            level_log_ratio(d, sum_d, count_floor, clamp, REJECT_LEVEL),
+            param(params_ptr, K.P_REJECT_MIN, COMPUTE), param(params_ptr, K.P_REJECT_MAX, COMPUTE),
         )
     if OPSM:
-        drift = tl.load(row + COL_OPSM, mask=valid, other=0.0).to(COMPUTE) / count_floor
-        keep_opsm = ~((adv < 0) & (drift > param(params_ptr, K.P_OPSM_DELTA, COMPUTE)))
+        sum_divergence = tl.load(row + COL_OPSM, mask=valid, other=0.0).to(COMPUTE)
+        keep_opsm = opsm_keep(adv, sum_divergence, count_floor, param(params_ptr, K.P_OPSM_DELTA, COMPUTE))
     if TOP_ENTROPY:
-        keep_entropy = ent.to(tl.float64) >= tl.load(threshold_ptr).to(tl.float64)
+        keep_entropy = high_entropy(ent, tl.load(threshold_ptr).to(tl.float64))
     keep = valid & keep_rollout & keep_opsm & keep_entropy
     policy = tl.where(keep, term, 0.0)
     policy_scale = tl.where(keep, applied, 0.0)  # ∂policy/∂term
@@ -219,17 +200,16 @@ def grpo_loss_combine_kernel(
     if HAS_REF:
         ref = load_clean(ref_ptr, offs, valid, COMPUTE)
         x, x_inside = clamp_sym(ref - lp, param(params_ptr, K.P_KL_INPUT_CLAMP, COMPUTE))
-        base, d_base_d_x = kl_estimator(x, KL_ESTIMATOR, KL_STRAIGHT_THROUGH)  # token_math: written once
-        d_base = tl.where(x_inside, -d_base_d_x, 0.0)  # ∂x/∂log π_θ = −1 inside the input clamp
+        # token_math (written once); the score log π_θ − stopgrad(log π_θ) is 0 in value
+        before_clamp, d_estimator, weight, d_log_ratio, d_score = weighted_kl(
+            x, log_ratio, zero, KL_ESTIMATOR, KL_STRAIGHT_THROUGH, KL_RATIO
+        )
+        # chained to ∂/∂log π_θ: ∂x = −1 inside the input clamp, ∂ℓ = 1 inside the log-ratio clamp, ∂score = 1
+        d_before_clamp = tl.where(x_inside, -d_estimator, 0.0) * weight
         if KL_RATIO == K.KL_RATIO_BIAS_CORRECTION:
-            before_clamp = base * ratio_token
-            d_before_clamp = d_base * ratio_token + tl.where(log_ratio_inside, base * ratio_token, 0.0)
+            d_before_clamp = d_before_clamp + tl.where(log_ratio_inside, d_log_ratio, 0.0)
         elif KL_RATIO == K.KL_RATIO_SCORE_FUNCTION:
-            before_clamp = base * 1.0
-            d_before_clamp = d_base + base
-        else:
-            before_clamp = base
-            d_before_clamp = d_base
+            d_before_clamp = d_before_clamp + d_score
         kl, kl_inside = clamp_sym(before_clamp, param(params_ptr, K.P_KL_OUTPUT_CLAMP, COMPUTE))
         if KL_IN_LOSS:
             kl_coef = param(params_ptr, K.P_KL_COEF, COMPUTE)
@@ -243,15 +223,10 @@ def grpo_loss_combine_kernel(
     live = valid
     if SKIP:
         live = valid & (tl.load(skip_ptr) == 0)
-    sequences = tl.maximum(tl.load(sequences_ptr).to(COMPUTE), K.COUNT_FLOOR)
-    if AGGREGATION == K.AGG_TOKEN_MEAN:
-        divisor = zero + tl.maximum(tl.load(tokens_ptr).to(COMPUTE), K.COUNT_FLOOR)
-    elif AGGREGATION == K.AGG_SEQ_MEAN_TOKEN_MEAN:
-        divisor = count_floor * sequences
-    elif AGGREGATION == K.AGG_SEQ_MEAN_TOKEN_SUM_NORM:
-        divisor = zero + sequences * param(params_ptr, K.P_NORM_CONSTANT, COMPUTE)
-    else:
-        divisor = zero + sequences
+    divisor = zero + token_divisor(  # the loads it does not use are compiled away
+        tl.load(tokens_ptr).to(COMPUTE), tl.load(sequences_ptr).to(COMPUTE), count_floor,
+        param(params_ptr, K.P_NORM_CONSTANT, COMPUTE), AGGREGATION,
+    )
     share = tl.where(live, contribution / divisor, 0.0)
     tl.store(grad_lp_ptr + offs, tl.where(live, d_contribution / divisor, 0.0), mask=offs < N)
     if ENTROPY_BONUS:
@@ -295,9 +270,12 @@ def grpo_loss_combine_kernel(
     mismatch_k3 = none
     chi2_token = none
     if HAS_ROLLOUT:
-        mismatch_k1 = masked_sum(-d, valid)
-        mismatch_k3 = masked_sum(expm1(d) - d, valid)
-        chi2_token = masked_sum(expm1(2.0 * d), valid)
+        k1_d, _ = kl_estimator(d, K.KL_K1, False)  # token_math: the mismatch metrics are the KL estimators of d
+        k3_d, _ = kl_estimator(d, K.KL_K3, False)
+        chi2_d, _ = chi2(d)
+        mismatch_k1 = masked_sum(k1_d, valid)
+        mismatch_k3 = masked_sum(k3_d, valid)
+        chi2_token = masked_sum(chi2_d, valid)
         if OWNS_SEQUENCES:  # each sequence counted once: on CP rank 0
             seqs = pid * BLOCK + tl.arange(0, BLOCK)
             in_seqs = seqs < S
@@ -305,7 +283,8 @@ def grpo_loss_combine_kernel(
             has_token = in_seqs & (seq_count > 0)
             seq_sum_d = tl.load(seq_sums_ptr + seqs * NUM_COLS + COL_D, mask=has_token, other=0.0).to(COMPUTE)
             seq_log_ratio, _ = clamp_sym(seq_sum_d, clamp)
-            chi2_seq = masked_sum(expm1(2.0 * seq_log_ratio), has_token)
+            chi2_seq_values, _ = chi2(seq_log_ratio)
+            chi2_seq = masked_sum(chi2_seq_values, has_token)
             chi2_seq_count = masked_sum(has_token, has_token)
     tl.store(out + K.SUM_MISMATCH_K1, mismatch_k1)
     tl.store(out + K.SUM_MISMATCH_K3, mismatch_k3)

@@ -1,8 +1,8 @@
 """Shared pieces of the fused GRPO loss kernels (``grpo_loss_token``, ``grpo_loss_combine``, ``grpo_loss_backward``).
 
 - Codes of the config's modes and the slots of the config-parameter vector (float64, built once per
-  GRPOLoss by ``mp_grpo.ops.grpo_loss_plan``); absent bounds are ±inf there, so a clamp or a test
-  against them is the identity, as in the torch path where ``None`` skips it.
+  GRPOLoss by ``mp_grpo.ops.grpo_loss_plan``); absent bounds are ±inf there (and in what the torch path
+  passes to the same ``token_math`` formulas), so a clamp or a test against them is the identity.
 - Slots of the per-program partial sums / extremes the combine kernel writes and the finalize kernel
   reduces, and of the metric pairs it writes.
 - Token blocks: the sequence of each position (padded rows or packed segments), validity, inputs
@@ -10,6 +10,8 @@
 - ``segment_add``: one block's per-sequence sums added to a ``[S, NUM_COLS]`` float64 buffer with a
   float64 cumulative sum and one atomic add per sequence end (and one per inner boundary) — a handful of
   atomics per block, whatever the sequence lengths.
+- ``policy_inputs`` / ``gmpo_clip``: the loads and config parameters around the per-token formulas of
+  ``token_math`` (written once there, for these kernels and the torch path; ``clamp_sym`` is re-exported here).
 - ``expm1``: exact near 0 (k3 and χ² of small log-ratios cancel catastrophically as ``exp(x) - 1``);
   the Triton interpreter has no libdevice, so it is a short series below |x| = 0.5.
 """
@@ -169,13 +171,6 @@ def param(params_ptr, slot, COMPUTE: tl.constexpr):
 
 
 @triton.jit
-def clamp_sym(x, bound):
-    """``clamp(x, -bound, bound)`` and whether ``x`` lies inside (inclusive: torch's clamp gradient mask)."""
-    inside = (x >= -bound) & (x <= bound)
-    return tl.minimum(tl.maximum(x, -bound), bound), inside
-
-
-@triton.jit
 def token_logprobs(
     lp_ptr, ent_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr, offs, valid,
     N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
@@ -249,12 +244,11 @@ def policy_inputs(
 
 @triton.jit
 def gmpo_clip(log_ratio, adv, params_ptr, COMPUTE: tl.constexpr):
-    """GMPO's one-sided clip in log space: (clipped ℓ, lower clip active, upper clip active)."""
+    """GMPO's one-sided clip in log space with the config's bounds (``token_math.gmpo_log_clip``):
+    (clipped ℓ, lower clip active, upper clip active)."""
     high_bound = param(params_ptr, P_GMPO_HIGH, COMPUTE)
     low_bound = param(params_ptr, P_GMPO_LOW, COMPUTE)
-    high = (adv > 0) & (log_ratio > high_bound)
-    low = (adv < 0) & (log_ratio < low_bound)
-    clipped = tl.where(high, high_bound, tl.where(low, low_bound, log_ratio))
+    clipped, _, low, high = gmpo_log_clip(log_ratio, adv, low_bound, high_bound)
     return clipped, low, high
 
 
@@ -320,3 +314,8 @@ CONSTANTS_KEY: int = _constants_key()
 names bare (``NAME``) against its value at compile time — about a microsecond each, ~68 µs of host time per
 combine launch. Read as attributes of the module (``K.NAME``) they are not checked, and not hashed into
 Triton's cache key either: this key puts their values back into it, so that editing a constant recompiles."""
+
+
+# The per-token formulas (mp_grpo/kernels/token_math.py) read this module's codes, so they are imported last;
+# clamp_sym is re-exported from here.
+from mp_grpo.kernels.token_math import clamp_sym, gmpo_log_clip  # noqa: E402,F401

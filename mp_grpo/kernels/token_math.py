@@ -1,24 +1,34 @@
 """Per-token formulas of the GRPO loss, written once for the fused kernels and the torch path (issue 17, item 3).
 
 Each formula is a ``@triton.jit`` function in a restricted dialect, so that :mod:`mp_grpo.loss.dialect` can run
-the very same source on torch tensors (it rebinds ``tl``, ``K`` and the helpers below in the function's
-globals). The dialect: arithmetic; ``tl.where`` and ``tl.zeros_like``; compile-time branches on the codes
-of :mod:`mp_grpo.kernels.grpo_loss_common` (``K.*``) and on ``tl.constexpr`` flags; the helpers
-``expm1`` (``torch.expm1`` on the torch path) and :func:`stop_gradient` (the identity here, ``detach``
-there). Each formula returns its value and its derivative with respect to its input: the kernels chain
-derivatives by hand, the torch path differentiates the value with autograd, and a test checks that the two
-agree (``tests/loss/test_dialect.py``).
+the very same source on torch tensors (it rebinds ``tl``, ``K``, the helpers below and the other formulas of
+this module in the function's globals). The dialect: arithmetic and comparisons; ``tl.where``,
+``tl.zeros_like``, ``tl.minimum`` / ``tl.maximum`` (on the torch path with ``torch.clamp``'s gradient: all of
+it to the first operand at a tie, so a bound is inclusive like the kernels' masks), ``tl.exp``,
+``tl.sigmoid``, ``.to(tl.float64)``; compile-time branches on the codes of
+:mod:`mp_grpo.kernels.grpo_loss_common` (``K.*``) and on ``tl.constexpr`` flags; the helpers ``expm1``
+(``torch.expm1`` on the torch path) and :func:`stop_gradient` (the identity here, ``detach`` there); calls to
+the other formulas of this module.
 
-Converted so far: the KL estimators (:func:`kl_estimator`). Still written twice (torch in ``mp_grpo/loss``,
-Triton in ``grpo_loss_combine.py`` / ``grpo_loss_common.py``): the objectives, the rollout correction,
-OPSM, the clamps, the mismatch metrics.
+Parameters come in as arguments: the kernels pass the values they load from the config-parameter vector (an
+absent bound is ±inf there, ``mp_grpo.ops.grpo_loss_plan.config_parameters``), the torch path passes the
+config's floats with the same ±inf for an absent bound; modes are ``tl.constexpr`` codes (``K.*``).
+
+A differentiable formula returns its value and its derivative with respect to its first argument (or the
+argument its docstring names): the kernels chain derivatives by hand, the torch path differentiates the value
+with autograd, and ``tests/loss/test_dialect.py`` checks that the two agree. Masks (keep / clip flags) and
+detached quantities come without a derivative.
+
+All of the per-token maths the kernels and the torch path share is here: the symmetric and range clamps, the
+objectives (ppo_clip / gspo surrogate, cispo, sapo, gmpo, reinforce), the rollout correction (level log-ratio,
+truncated and normalized weight, rejection), the OPSM and top-entropy keeps, the aggregation divisor, the KL
+estimators and their ratio / score-function weights, and the mismatch metrics (k1 / k3 are the KL estimators of d; χ²). What only the torch path
+implements (vespo, clip_cov, kl_cov, GSPO-token, the regularizer's own aggregation, adaptive entropy, NLL)
+is written in ``mp_grpo/loss`` alone.
 """
 
 import triton
 import triton.language as tl
-
-from mp_grpo.kernels import grpo_loss_common as K
-from mp_grpo.kernels.grpo_loss_common import expm1
 
 
 @triton.jit
@@ -27,11 +37,173 @@ def stop_gradient(x):
     return x
 
 
+# ------------------------------------------------------------------------------------ clamps
+@triton.jit
+def clamp_sym(x, bound):
+    """``clamp(x, -bound, bound)`` and whether ``x`` lies inside (inclusive: torch's clamp gradient mask, the
+    derivative of the value); ``bound`` = inf: the identity."""
+    inside = (x >= -bound) & (x <= bound)
+    return tl.minimum(tl.maximum(x, -bound), bound), inside
+
+
+@triton.jit
+def clip_range(x, low, high):
+    """``clamp(x, low, high)`` (−inf / inf: that side open); gradient 1 inside, bounds included."""
+    return tl.minimum(tl.maximum(x, low), high)
+
+
+@triton.jit
+def floor_count(count):
+    """A count used as a divisor, floored at ``COUNT_FLOOR`` (``mp_grpo.loss.clamps`` says why)."""
+    return tl.maximum(count, K.COUNT_FLOOR)
+
+
+# ------------------------------------------------------------------------------------ objectives
+@triton.jit
+def clipped_surrogate(ratio, adv, low_bound, high_bound, delta, dual_clip_c, DUAL_CLIP: tl.constexpr):
+    """PPO's clipped surrogate (ppo_clip; gspo with the sequence ratio): ``(term, ∂term/∂ratio, lower clip
+    active, upper clip active, dual clip active)``.
+
+    r2 = clip(r, low_bound, high_bound), r1 = min(r, delta); term = −min(r1·A, r2·A) (ties: the unclipped
+    branch); with ``DUAL_CLIP`` where A < 0 min(term, −A·c). ``delta`` = inf: none.
+    """
+    r2 = clip_range(ratio, low_bound, high_bound)
+    r1 = tl.minimum(ratio, delta)
+    u1 = r1 * adv
+    u2 = r2 * adv
+    first = u1 <= u2  # −min(u1, u2); ties take the unclipped branch
+    term = -tl.where(first, u1, u2)
+    passes = tl.where(first, ratio <= delta, (ratio >= low_bound) & (ratio <= high_bound))
+    d_term = tl.where(passes, -adv, 0.0)
+    dual = first != first  # all False
+    if DUAL_CLIP:
+        cap = -adv * dual_clip_c
+        dual = (adv < 0) & (term > cap)
+        term = tl.where(dual, cap, term)
+        d_term = tl.where(dual, 0.0, d_term)
+    clip_low = (ratio < low_bound) & (adv < 0)
+    clip_high = (ratio > high_bound) & (adv > 0)
+    return term, d_term, clip_low, clip_high, dual
+
+
+@triton.jit
+def cispo(lp, ratio, adv, low_bound, high_bound):
+    """CISPO: ``(term, ∂term/∂lp, ratio below low_bound, ratio above high_bound)``;
+    term = −stopgrad(clip(r, low_bound, high_bound))·A·lp."""
+    weight = stop_gradient(clip_range(ratio, low_bound, high_bound))
+    d_term = -weight * adv
+    return d_term * lp, d_term, ratio < low_bound, ratio > high_bound
+
+
+@triton.jit
+def sapo(ratio, adv, tau_pos, tau_neg):
+    """SAPO's soft gate: ``(term, ∂term/∂ratio)``; term = −(4/τ)·sigmoid(τ·(r − 1))·A, τ = tau_pos where A > 0,
+    else tau_neg (0-dim tensors of the compute dtype on the torch path, as the kernel's loaded parameters)."""
+    tau = tl.where(adv > 0, tau_pos, tau_neg)
+    gate = tl.sigmoid(tau * (ratio - 1.0))
+    term = -(4.0 / tau) * gate * adv
+    d_term = -(4.0 / tau) * (gate * (1.0 - gate)) * tau * adv
+    return term, d_term
+
+
+@triton.jit
+def gmpo_log_clip(log_ratio, adv, low_bound, high_bound):
+    """GMPO's one-sided clip in log space: ``(clipped ℓ, ∂clipped/∂ℓ, lower clip active, upper clip active)``;
+    ℓ ≤ high_bound where A > 0, ℓ ≥ low_bound where A < 0 (low_bound = −eps_low; ∓inf: none)."""
+    high = (adv > 0) & (log_ratio > high_bound)
+    low = (adv < 0) & (log_ratio < low_bound)
+    clipped = tl.where(high, high_bound, tl.where(low, low_bound, log_ratio))
+    d_clipped = tl.where(low | high, 0.0, tl.zeros_like(log_ratio) + 1.0)
+    return clipped, d_clipped, low, high
+
+
+@triton.jit
+def gmpo(seq_mean, adv):
+    """GMPO's term from the sequence mean m of the clipped ℓ: ``(term, ∂term/∂m, ratio)``; term = −A·eᵐ."""
+    ratio = tl.exp(seq_mean)
+    term = -adv * ratio
+    return term, term, ratio
+
+
+@triton.jit
+def reinforce(lp, adv):
+    """REINFORCE: ``(term, ∂term/∂lp)``; term = −A·lp."""
+    d_term = -adv
+    return d_term * lp, d_term
+
+
+# ------------------------------------------------------------------------------------ rollout correction
+@triton.jit
+def level_log_ratio(d, sum_d, count_floor, clamp, LEVEL: tl.constexpr):
+    """Rollout-correction log-ratio at LEVEL (token: d; sequence: clamp(Σd, ±clamp); geometric: Σd / n) from the
+    token's d and its sequence's Σd and floored length."""
+    if LEVEL == K.LEVEL_TOKEN:
+        out = d
+    elif LEVEL == K.LEVEL_SEQUENCE:
+        out, _ = clamp_sym(sum_d, clamp)
+    else:
+        out = sum_d / count_floor
+    return out
+
+
+@triton.jit
+def truncated_weight(log_ratio, weight_min, weight_max):
+    """The IS weight: ``(raw e^log_ratio, truncated to [weight_min, weight_max])``, both detached."""
+    raw = tl.exp(stop_gradient(log_ratio))
+    return raw, clip_range(raw, weight_min, weight_max)
+
+
+@triton.jit
+def normalized_weight(weight, mean):
+    """``weight / mean``, unless the mean is not above ``WEIGHT_MEAN_FLOOR`` (then ``weight`` unchanged)."""
+    return weight / tl.where(mean > K.WEIGHT_MEAN_FLOOR, mean, 1.0)
+
+
+@triton.jit
+def rejection_keep(log_ratio, reject_min, reject_max):
+    """Bool: the ratio e^log_ratio lies in ``[reject_min, reject_max]`` (∓inf: that side never rejects)."""
+    ratio = tl.exp(log_ratio)
+    return (ratio >= reject_min) & (ratio <= reject_max)
+
+
+# ------------------------------------------------------------------------------------ keeps, divisor
+@triton.jit
+def opsm_keep(adv, sum_divergence, count_floor, delta):
+    """OPSM: bool, keep unless A < 0 and the sequence's mean divergence Σ / n exceeds ``delta``."""
+    drift = sum_divergence / count_floor
+    return ~((adv < 0) & (drift > delta))
+
+
+@triton.jit
+def high_entropy(entropy, threshold):
+    """Top-entropy selection: bool, the entropy is at least ``threshold`` (compared in float64)."""
+    return entropy.to(tl.float64) >= threshold
+
+
+@triton.jit
+def token_divisor(tokens, sequences, count_floor, norm_constant, AGGREGATION: tl.constexpr):
+    """The aggregation's divisor D_t from the step's valid tokens and sequences and the token's floored
+    sequence length (``mp_grpo.loss.aggregation``); every count floored at ``COUNT_FLOOR``."""
+    sequences = floor_count(sequences)
+    if AGGREGATION == K.AGG_TOKEN_MEAN:
+        divisor = floor_count(tokens)
+    elif AGGREGATION == K.AGG_SEQ_MEAN_TOKEN_MEAN:
+        divisor = count_floor * sequences
+    elif AGGREGATION == K.AGG_SEQ_MEAN_TOKEN_SUM_NORM:
+        divisor = sequences * norm_constant
+    else:
+        divisor = sequences
+    return divisor
+
+
+# ------------------------------------------------------------------------------------ KL, mismatch
 @triton.jit
 def kl_estimator(x, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr):
     """Schulman's estimator of KL(π_θ ‖ π_ref) from ``x = log π_ref − log π_θ`` (http://joschu.net/blog/kl-approx.html):
     ``(value, ∂value/∂x)``. k1 = −x; k2 = x²/2; k3 = eˣ − x − 1 (as expm1(x) − x: exact near 0); with
-    ``STRAIGHT_THROUGH`` (k3 only) the value of k3 with the gradient of k2 (verl's ``k3+``)."""
+    ``STRAIGHT_THROUGH`` (k3 only) the value of k3 with the gradient of k2 (verl's ``k3+``).
+
+    Also the mismatch metrics k1 / k3 of the rollout log-ratio d (the same estimators, of KL(μ ‖ π_trainer))."""
     if ESTIMATOR == K.KL_K1:
         value = -x
         d_value = tl.zeros_like(x) - 1.0
@@ -49,3 +221,40 @@ def kl_estimator(x, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr):
             value = k3
             d_value = x_expm1
     return value, d_value
+
+
+@triton.jit
+def weighted_kl(x, log_ratio, score, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr, KL_RATIO: tl.constexpr):
+    """The KL penalty before its output clamp: the estimator of x (:func:`kl_estimator`) times a weight — with
+    ``KL_RATIO`` = bias correction the ratio e^ℓ to the sampling policy (``log_ratio`` ℓ), with score function
+    e^score where ``score`` = log π_θ − stopgrad(log π_θ) (value 1: only the score-function gradient), else 1.
+
+    ``(value, ∂estimator/∂x, weight, ∂value/∂ℓ, ∂value/∂score)``: ∂value/∂x = weight·∂estimator/∂x, returned as
+    its two factors so that the kernel masks the input clamp's gradient before the product (and keeps its
+    fused multiply-add). ``log_ratio`` / ``score`` are read only in their mode."""
+    value, d_estimator = kl_estimator(x, ESTIMATOR, STRAIGHT_THROUGH)
+    weight = tl.zeros_like(x) + 1.0
+    d_log_ratio = tl.zeros_like(x)
+    d_score = tl.zeros_like(x)
+    if KL_RATIO == K.KL_RATIO_BIAS_CORRECTION:
+        weight = tl.exp(log_ratio)
+        value = value * weight
+        d_log_ratio = value
+    elif KL_RATIO == K.KL_RATIO_SCORE_FUNCTION:
+        weight = tl.exp(score)
+        value = value * weight
+        d_score = value
+    return value, d_estimator, weight, d_log_ratio, d_score
+
+
+@triton.jit
+def chi2(log_ratio):
+    """χ² estimate ρ² − 1 = e^{2x} − 1 of a log-ratio x (exact near 0): ``(value, ∂value/∂x)``."""
+    value = expm1(2.0 * log_ratio)
+    return value, 2.0 * (value + 1.0)
+
+
+# Imported last: grpo_loss_common imports this module's functions (its policy_inputs and gmpo_clip call them),
+# and these names are only looked up when a formula is compiled or rebound to torch.
+from mp_grpo.kernels import grpo_loss_common as K  # noqa: E402
+from mp_grpo.kernels.grpo_loss_common import expm1  # noqa: E402

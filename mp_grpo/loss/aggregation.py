@@ -18,7 +18,17 @@ from __future__ import annotations
 import torch
 
 from mp_grpo.config.loss import Aggregation
-from mp_grpo.loss.clamps import COUNT_FLOOR
+from mp_grpo.kernels import token_math
+from mp_grpo.loss.dialect import CODES, torch_formula
+
+_floor_count = torch_formula(token_math.floor_count)
+_token_divisor = torch_formula(token_math.token_divisor)
+AGGREGATION_CODES = {
+    Aggregation.TOKEN_MEAN: CODES.AGG_TOKEN_MEAN, Aggregation.SEQ_MEAN_TOKEN_MEAN: CODES.AGG_SEQ_MEAN_TOKEN_MEAN,
+    Aggregation.SEQ_MEAN_TOKEN_SUM: CODES.AGG_SEQ_MEAN_TOKEN_SUM,
+    Aggregation.SEQ_MEAN_TOKEN_SUM_NORM: CODES.AGG_SEQ_MEAN_TOKEN_SUM_NORM,
+}
+"""An :class:`Aggregation` as the formula's ``AGGREGATION`` code."""
 
 
 def token_divisor(
@@ -31,12 +41,8 @@ def token_divisor(
     """``D_t`` (broadcastable to the tokens), every factor floored at :data:`COUNT_FLOOR`.
 
     ``seq_count`` is the per-token broadcast of the whole sequence's valid-token count.
+    (:func:`mp_grpo.kernels.token_math.token_divisor`, the kernels' formula.)
     """
-    sequences = global_sequences.clamp(min=COUNT_FLOOR)
-    if mode == Aggregation.TOKEN_MEAN:
-        return global_tokens.clamp(min=COUNT_FLOOR)
-    if mode == Aggregation.SEQ_MEAN_TOKEN_MEAN:
-        return seq_count.clamp(min=COUNT_FLOOR) * sequences
-    if mode == Aggregation.SEQ_MEAN_TOKEN_SUM:
-        return sequences
-    return sequences * norm_constant  # type: ignore[operator]
+    count_floor = _floor_count(seq_count) if mode == Aggregation.SEQ_MEAN_TOKEN_MEAN else seq_count
+    norm = 1.0 if norm_constant is None else norm_constant
+    return _token_divisor(global_tokens, global_sequences, count_floor, norm, AGGREGATION_CODES[mode])

@@ -21,10 +21,17 @@ WEIGHT_MEAN_FLOOR = 1e-8
 
 
 def symmetric_clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
-    """``x`` clamped to ``[-bound, bound]``; ``x`` itself when ``bound`` is None (disabled in the config)."""
+    """``x`` clamped to ``[-bound, bound]`` (:func:`mp_grpo.kernels.token_math.clamp_sym`, the kernels' clamp);
+    ``x`` itself when ``bound`` is None (disabled in the config: what the clamp gives at ±inf)."""
     if bound is None:
         return x
-    return x.clamp(-bound, bound)
+    return _clamp_sym(x, float(bound))[0]
+
+
+def bound_or_inf(bound: float | None, sign: float = 1.0) -> float:
+    """A config bound as the per-token formulas take it: ``sign``·inf when absent (None), as in the kernels'
+    parameter vector (``mp_grpo.ops.grpo_loss_plan.config_parameters``)."""
+    return sign * math.inf if bound is None else float(bound)
 
 
 VESPO_LOG_W_MIN = math.log(1e-8)
@@ -42,3 +49,10 @@ of its definition: applied whatever ``policy.log_ratio_clamp`` is."""
 
 VESPO_LAMBDA_FLOOR = 1e-4
 """Floor of VESPO's gamma rate λ (TRL / Liger ``.clamp(min=1e-4)``): with λ = 0, φ(w) = w^k is unbounded."""
+
+
+# Imported after the constants: mp_grpo.kernels.grpo_loss_common (imported through the dialect) reads them.
+from mp_grpo.kernels.token_math import clamp_sym  # noqa: E402
+from mp_grpo.loss.dialect import torch_formula  # noqa: E402
+
+_clamp_sym = torch_formula(clamp_sym)

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from mp_grpo.kernels import token_math
+from mp_grpo.loss.dialect import torch_formula
+
+_high_entropy = torch_formula(token_math.high_entropy)
+
 
 def linear_quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     """The ``q`` quantile of 1-D ``values`` with linear interpolation (``torch.quantile``'s default), float64.
@@ -39,5 +44,6 @@ def entropy_threshold(valid_entropies: torch.Tensor, top_quantile: float) -> tor
 
 
 def high_entropy(entropy: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """Bool: the token's entropy is at least ``threshold`` (compared in float64, like the threshold)."""
-    return entropy.detach().to(torch.float64) >= threshold
+    """Bool: the token's entropy is at least ``threshold`` (compared in float64, like the threshold;
+    :func:`mp_grpo.kernels.token_math.high_entropy`, the kernels' formula)."""
+    return _high_entropy(entropy.detach(), threshold)

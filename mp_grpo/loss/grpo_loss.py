@@ -55,7 +55,7 @@ from mp_grpo.loss.kl import kl_penalty
 from mp_grpo.loss.mismatch import chi2_sequence, chi2_token, k1, k3
 from mp_grpo.loss.objectives import needs_sequence_sum, policy_term, sequence_input, sequence_value
 from mp_grpo.loss.opsm import opsm_divergence, opsm_keep
-from mp_grpo.loss.rollout_correction import kept, level_log_ratio, normalized_weight, token_log_ratio, truncated_weight
+from mp_grpo.loss.rollout_correction import kept, level_log_ratio, normalized_weight, token_log_ratio, weights
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
 from mp_grpo.loss.vespo import vespo_token_input
 from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
@@ -515,8 +515,8 @@ def _combine_stage(
     folded = cfg.policy.objective == Objective.VESPO
     if rc.weight_level is not None and not folded:
         w_log = level_log_ratio(rc.weight_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
-        raw_weight = w_log.exp()
-        weight = truncated = truncated_weight(w_log, rc)
+        raw_weight, truncated = weights(w_log, rc)
+        weight = truncated
         if rc.normalize_weights:
             weight = normalized_weight(truncated, step.weight_mean)  # type: ignore[arg-type]
         policy = policy * weight

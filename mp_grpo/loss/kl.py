@@ -3,11 +3,13 @@
 Schedule of :func:`kl_penalty`
     1. ``x = clamp(ref − log π_θ, ±input_clamp)`` (0 on masked tokens, whose inputs were zeroed).
     2. ``k1 = −x``, ``k2 = x²/2``, ``k3 = eˣ − x − 1``; with ``straight_through`` the value of k3 with the
-       gradient of k2 (verl's ``k3+``) — :func:`mp_grpo.kernels.token_math.kl_estimator`, the one definition
-       the fused kernels use too, run on torch tensors (:mod:`mp_grpo.loss.dialect`).
+       gradient of k2 (verl's ``k3+``).
     3. ``bias_correction``: times the ratio π_θ/π_old at ``bias_correction_level`` (token: the clamped token
-       ratio, DeepSeek-V3.2's unbiased estimate; geometric / sequence: the sequence's), with its gradient. ``score_function``: times ``exp(log π_θ − stopgrad(log π_θ))`` (value 1; adds the
-       score-function gradient, NeMo-RL's default).
+       ratio, DeepSeek-V3.2's unbiased estimate; geometric / sequence: the sequence's), with its gradient.
+       ``score_function``: times ``exp(log π_θ − stopgrad(log π_θ))`` (value 1; adds the score-function
+       gradient, NeMo-RL's default).
+    Steps 2–3 are :func:`mp_grpo.kernels.token_math.weighted_kl`, the one definition the fused kernels use
+    too, run on torch tensors (:mod:`mp_grpo.loss.dialect`); the clamps of steps 1 and 4 its ``clamp_sym``.
     4. ``clamp(·, ±output_clamp)``.
 The penalty is added on every valid token; the IS weights and the rejection / OPSM / entropy masks of
 the policy term never touch it.
@@ -18,12 +20,12 @@ from __future__ import annotations
 import torch
 
 from mp_grpo.config.loss import KLConfig, KLEstimator
-from mp_grpo.kernels.token_math import kl_estimator
+from mp_grpo.kernels.token_math import weighted_kl
 from mp_grpo.loss.clamps import symmetric_clamp
 from mp_grpo.loss.dialect import CODES, torch_formula
 
-_kl_estimator = torch_formula(kl_estimator)
-"""The estimator of ``mp_grpo/kernels/token_math.py`` (one definition for this path and the fused kernels)."""
+_weighted_kl = torch_formula(weighted_kl)
+"""Estimator and weight of ``mp_grpo/kernels/token_math.py`` (one definition for this path and the fused kernels)."""
 _ESTIMATOR_CODES = {KLEstimator.K1: CODES.KL_K1, KLEstimator.K2: CODES.KL_K2, KLEstimator.K3: CODES.KL_K3}
 
 
@@ -38,12 +40,13 @@ def kl_penalty(
     """
     # --- 1. the clamped log-ratio of the reference to the policy ---
     x = symmetric_clamp(ref_logprobs.detach() - logprobs, cfg.input_clamp)
-    # --- 2. the estimator (mp_grpo/kernels/token_math.py; autograd differentiates its value) ---
-    kl, _ = _kl_estimator(x, _ESTIMATOR_CODES[cfg.estimator], cfg.straight_through)
-    # --- 3. importance ratio for the sampling policy ---
+    # --- 2. + 3. the estimator and its weight (mp_grpo/kernels/token_math.py; autograd differentiates the value) ---
     if cfg.bias_correction:
-        kl = kl * log_ratio.exp()
+        mode, score = CODES.KL_RATIO_BIAS_CORRECTION, None
     elif cfg.score_function:
-        kl = kl * (logprobs - logprobs.detach()).exp()
+        mode, score = CODES.KL_RATIO_SCORE_FUNCTION, logprobs - logprobs.detach()
+    else:
+        mode, score = CODES.KL_RATIO_NONE, None
+    kl, _, _, _, _ = _weighted_kl(x, log_ratio, score, _ESTIMATOR_CODES[cfg.estimator], cfg.straight_through, mode)
     # --- 4. the output clamp ---
     return symmetric_clamp(kl, cfg.output_clamp)

@@ -21,17 +21,33 @@ the value of the sequence ratio, the gradient of token t's own log-prob only.
 
 Per-sequence sums come in already reduced over the sequence (and the context-parallel group);
 :func:`sequence_value` turns them into what the objective reads (the mean m, or VESPO's log w).
+
+The formulas of ppo_clip / gspo, cispo, sapo, gmpo and reinforce are those of
+:mod:`mp_grpo.kernels.token_math`, run on torch tensors (:mod:`mp_grpo.loss.dialect`): one definition for
+this path and the fused kernels. vespo, clip_cov's selection, kl_cov and GSPO-token exist only here.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from mp_grpo.config.loss import GSPOGradient, Objective, PolicyConfig
-from mp_grpo.loss.clamps import COUNT_FLOOR
+from mp_grpo.kernels import token_math
+from mp_grpo.loss.clamps import bound_or_inf
+from mp_grpo.loss.dialect import torch_formula
 from mp_grpo.loss.vespo import gamma_weight, sequence_log_weight
+
+_floor_count = torch_formula(token_math.floor_count)
+_clip_range = torch_formula(token_math.clip_range)
+_clipped_surrogate = torch_formula(token_math.clipped_surrogate)
+_cispo = torch_formula(token_math.cispo)
+_sapo = torch_formula(token_math.sapo)
+_gmpo_log_clip = torch_formula(token_math.gmpo_log_clip)
+_gmpo = torch_formula(token_math.gmpo)
+_reinforce = torch_formula(token_math.reinforce)
 
 
 @dataclass(frozen=True)
@@ -62,7 +78,7 @@ def sequence_value(cfg: PolicyConfig, seq_sum: torch.Tensor, seq_count: torch.Te
     gradient) or VESPO's log w (detached)."""
     if cfg.objective == Objective.VESPO:
         return sequence_log_weight(seq_sum)
-    return seq_sum / seq_count.clamp(min=COUNT_FLOOR)
+    return seq_sum / _floor_count(seq_count)
 
 
 def sequence_input(cfg: PolicyConfig, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
@@ -107,60 +123,48 @@ def policy_term(
         return PolicyTerm(-phi * advantages * logprobs, seq_value.exp(), None, None, None, phi)  # type: ignore[union-attr]
     if objective == Objective.CISPO:
         ratio = log_ratio.exp()
-        weight = clip_ratio(ratio, cfg).detach()
-        low, high = _clip_flags(ratio, cfg)
-        return PolicyTerm(-weight * advantages * logprobs, ratio.detach(), low, high, None)
+        low_bound, high_bound = _ratio_bounds(cfg)
+        term, _, low, high = _cispo(logprobs, ratio, advantages, low_bound, high_bound)
+        return PolicyTerm(term, ratio.detach(), low, high, None)
     if objective == Objective.SAPO:
         ratio = log_ratio.exp()
-        tau = torch.where(advantages > 0, torch.full_like(ratio, cfg.sapo_tau_pos), torch.full_like(ratio, cfg.sapo_tau_neg))
-        term = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
+        tau_pos, tau_neg = (torch.tensor(tau, dtype=ratio.dtype, device=ratio.device)
+                            for tau in (cfg.sapo_tau_pos, cfg.sapo_tau_neg))
+        term, _ = _sapo(ratio, advantages, tau_pos, tau_neg)
         return PolicyTerm(term, ratio.detach(), None, None, None)
     if objective == Objective.GMPO:
         _, low, high = _gmpo_clipped(cfg, log_ratio, advantages)
-        ratio = seq_value.exp()  # type: ignore[union-attr]
-        return PolicyTerm(-advantages * ratio, ratio.detach(), low, high, None)
-    return PolicyTerm(-advantages * logprobs, log_ratio.detach().exp(), None, None, None)
+        term, _, ratio = _gmpo(seq_value, advantages)
+        return PolicyTerm(term, ratio.detach(), low, high, None)
+    term, _ = _reinforce(logprobs, advantages)
+    return PolicyTerm(term, log_ratio.detach().exp(), None, None, None)
+
+
+def _ratio_bounds(cfg: PolicyConfig) -> tuple[float, float]:
+    """(1 − eps_low, 1 + eps_high), an absent bound ∓inf."""
+    return (-math.inf if cfg.eps_low is None else 1.0 - cfg.eps_low,
+            math.inf if cfg.eps_high is None else 1.0 + cfg.eps_high)
 
 
 def clip_ratio(ratio: torch.Tensor, cfg: PolicyConfig) -> torch.Tensor:
     """clip(r, 1 − eps_low, 1 + eps_high), a null bound left open."""
-    low = None if cfg.eps_low is None else 1.0 - cfg.eps_low
-    high = None if cfg.eps_high is None else 1.0 + cfg.eps_high
-    if low is None and high is None:
-        return ratio
-    return ratio.clamp(min=low, max=high)
-
-
-def _clip_flags(ratio: torch.Tensor, cfg: PolicyConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    low = ratio < 1.0 - cfg.eps_low if cfg.eps_low is not None else torch.zeros_like(ratio, dtype=torch.bool)
-    high = ratio > 1.0 + cfg.eps_high if cfg.eps_high is not None else torch.zeros_like(ratio, dtype=torch.bool)
-    return low, high
+    return _clip_range(ratio, *_ratio_bounds(cfg))
 
 
 def _ppo_clip(cfg: PolicyConfig, ratio: torch.Tensor, advantages: torch.Tensor) -> PolicyTerm:
-    r2 = clip_ratio(ratio, cfg)
-    r1 = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
-    u1, u2 = r1 * advantages, r2 * advantages
-    term = -torch.where(u1 <= u2, u1, u2)  # −min(r1·A, r2·A); ties take the unclipped branch
-    dual = None
-    if cfg.dual_clip_c is not None:
-        cap = -advantages * cfg.dual_clip_c
-        dual = (advantages < 0) & (term > cap)
-        term = torch.where(dual, cap, term)
-    low, high = _clip_flags(ratio, cfg)
-    return PolicyTerm(term, ratio.detach(), low & (advantages < 0), high & (advantages > 0), dual)
+    low_bound, high_bound = _ratio_bounds(cfg)
+    dual_clip = cfg.dual_clip_c is not None
+    term, _, low, high, dual = _clipped_surrogate(
+        ratio, advantages, low_bound, high_bound, bound_or_inf(cfg.delta), cfg.dual_clip_c if dual_clip else 0.0,
+        dual_clip,
+    )
+    return PolicyTerm(term, ratio.detach(), low, high, dual if dual_clip else None)
 
 
 def _gmpo_clipped(
     cfg: PolicyConfig, log_ratio: torch.Tensor, advantages: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ℓ clipped one-sidedly in log space, lower clip active, upper clip active)."""
-    no = torch.zeros_like(log_ratio, dtype=torch.bool)
-    high = (advantages > 0) & (log_ratio > cfg.eps_high) if cfg.eps_high is not None else no
-    low = (advantages < 0) & (log_ratio < -cfg.eps_low) if cfg.eps_low is not None else no
-    clipped = log_ratio
-    if cfg.eps_high is not None:
-        clipped = torch.where(high, torch.full_like(log_ratio, cfg.eps_high), clipped)
-    if cfg.eps_low is not None:
-        clipped = torch.where(low, torch.full_like(log_ratio, -cfg.eps_low), clipped)
+    low_bound = -math.inf if cfg.eps_low is None else -cfg.eps_low
+    clipped, _, low, high = _gmpo_log_clip(log_ratio, advantages, low_bound, bound_or_inf(cfg.eps_high))
     return clipped, low, high

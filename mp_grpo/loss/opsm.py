@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from mp_grpo.loss.clamps import COUNT_FLOOR
+from mp_grpo.kernels import token_math
+from mp_grpo.loss.dialect import torch_formula
+
+_floor_count = torch_formula(token_math.floor_count)
+_opsm_keep = torch_formula(token_math.opsm_keep)
 
 
 def opsm_divergence(behaviour: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -23,6 +27,6 @@ def opsm_divergence(behaviour: torch.Tensor, logprobs: torch.Tensor, valid: torc
 def opsm_keep(
     advantages: torch.Tensor, seq_sum_div: torch.Tensor, seq_count: torch.Tensor, delta: float
 ) -> torch.Tensor:
-    """Bool per token: keep unless ``A < 0`` and the sequence's mean divergence exceeds ``delta``."""
-    mean = seq_sum_div / seq_count.clamp(min=COUNT_FLOOR)
-    return ~((advantages < 0) & (mean > delta))
+    """Bool per token: keep unless ``A < 0`` and the sequence's mean divergence exceeds ``delta``
+    (:func:`mp_grpo.kernels.token_math.opsm_keep`, the kernels' formula)."""
+    return _opsm_keep(advantages, seq_sum_div, _floor_count(seq_count), delta)
