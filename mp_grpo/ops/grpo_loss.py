@@ -25,6 +25,10 @@ Backward
     2. ``grpo_loss_backward_kernel``: g × the forward's gradients (+ under context parallelism
        ∂share/∂m_s · ∂m_s/∂log π_θ[t], step 1's).
 
+With :class:`FromStats` (``GRPOLoss.on_logits``, :mod:`mp_grpo.ops.logits_grpo_loss`) there are no log-prob
+inputs: steps 2 and 4 merge them from the log-prob op's all-gathered statistics, and step 4 also writes M,
+log S and the entropy for the log-prob backward (a third part of the compute-dtype buffer).
+
 Launches per call: forward 2 (no per-sequence sums: combine, finalize) to 4 (memset, token, combine,
 finalize), backward 1. No host synchronization; the step's counts and decisions are read by the kernels
 from the GlobalBatch's device tensors. Per-sequence sums meet through float64 atomics, so their last
