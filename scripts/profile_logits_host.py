@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_loss import CONFIGS, N_TOKENS  # noqa: E402
 from bench_loss import make_inputs as loss_inputs  # noqa: E402
+from measure import host_us  # noqa: E402
 
 from mp_grpo import vocab_parallel_logprobs  # noqa: E402
 from mp_grpo.loss import GlobalBatch, GRPOLoss  # noqa: E402
@@ -70,15 +71,7 @@ def floors(calls: int) -> dict[str, float]:
     out = {}
 
     def timed(fn) -> float:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-        return 1e6 * elapsed / calls
+        return host_us(fn, calls)
 
     def empty_function():
         torch.autograd.backward(_Empty.apply(x), grad_one)

@@ -21,7 +21,7 @@ import hashlib
 import triton
 import triton.language as tl
 
-from mp_grpo.kernels.logprob_merge import merge_rows
+from mp_grpo.kernels.logprob_merge import add_error_counts, merge_rows
 from mp_grpo.loss.clamps import COUNT_FLOOR as _COUNT_FLOOR
 from mp_grpo.loss.clamps import WEIGHT_MEAN_FLOOR as _WEIGHT_MEAN_FLOOR
 
@@ -194,9 +194,7 @@ def token_logprobs(
             tl.store(row_out_ptr + N + offs, log_sum, mask=in_range)
             if HAS_ENTROPY:
                 tl.store(row_out_ptr + 2 * N + offs, entropy, mask=in_range)
-            if tl.program_id(0) == 0:
-                tl.atomic_add(errors_ptr + 0, shard_mismatches.to(tl.int64))
-            tl.atomic_add(errors_ptr + 1, tl.sum((out_of_range & in_range).to(tl.int64), axis=0))
+            add_error_counts(errors_ptr, shard_mismatches, out_of_range, in_range)
     else:
         lp = load_clean(lp_ptr, offs, valid, COMPUTE)
         ent = tl.zeros_like(lp)

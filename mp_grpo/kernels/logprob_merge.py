@@ -74,6 +74,15 @@ def merge_rows(
 
 
 @triton.jit
+def add_error_counts(errors_ptr, shard_mismatches, out_of_range, row_mask):
+    """Step 4 below: the shard-size mismatches (once, by program 0) and this block's bad targets, added into the
+    ``[2]`` int64 counters (the deferred ledger's own slots, or fresh zeros)."""
+    if tl.program_id(0) == 0:
+        tl.atomic_add(errors_ptr + 0, shard_mismatches.to(tl.int64))
+    tl.atomic_add(errors_ptr + 1, tl.sum((out_of_range & row_mask).to(tl.int64), axis=0))
+
+
+@triton.jit
 def logprob_merge_kernel(
     # pointers
     stats_ptr,  # [TP, N + 1, 4] fp32 per-shard (m, s, u, z_t); row N holds (V_local, 0, 0, 0)
@@ -111,6 +120,4 @@ def logprob_merge_kernel(
         tl.store(entropy_ptr + rows, entropy, mask=row_mask)
 
     # --- 4. error counts, added into the counters (the deferred ledger's own slots, or fresh zeros) ---
-    if pid == 0:
-        tl.atomic_add(errors_ptr + 0, shard_mismatches.to(tl.int64))
-    tl.atomic_add(errors_ptr + 1, tl.sum((out_of_range & row_mask).to(tl.int64), axis=0))
+    add_error_counts(errors_ptr, shard_mismatches, out_of_range, row_mask)

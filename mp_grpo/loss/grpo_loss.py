@@ -305,7 +305,7 @@ class GRPOLoss:
         layout = PaddedSequences() if layout is None else layout
         if not isinstance(layout, SequenceLayout):
             raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
-        check_logits_and_target(logits, target)
+        check_logits_and_target(logits, target)  # first: _use_fused reads logits.is_cuda
         with_entropy = bool(with_entropy) or cfg.needs_entropy
         if batch is None or sampling_filter is not None or not self._use_fused(logits, layout):
             out = vocab_parallel_logprobs(

@@ -221,7 +221,6 @@ class FromStats(NamedTuple):
     """[2] int64 counters the merge adds into (``mp_grpo.ops.checks.kernel_counters``)."""
     v_global: int
     ignore_index: int
-    with_entropy: bool
 
 
 class LossSaved(NamedTuple):
@@ -410,8 +409,7 @@ class FusedGRPOLossFunction(torch.autograd.Function):
         # --- 1.–5. ---
         loss, pairs, extremes, saved = loss_forward(_flat(logprobs), None if entropy is None else _flat(entropy), call)
         ctx.mark_non_differentiable(pairs, extremes)
-        ctx.save_for_backward(saved.grad_lp, saved.grad_ent, saved.seq_grad, saved.seq_factor, saved.cu)
-        ctx.saved = saved._replace(grad_lp=None, grad_ent=None, seq_grad=None, seq_factor=None, cu=None)
+        ctx.saved = saved  # the forward's own buffers (not inputs or outputs): kept on ctx, as autograd allows
         ctx.shapes = (logprobs.shape, logprobs.dtype, None if entropy is None else (entropy.shape, entropy.dtype))
         return loss, pairs, extremes
 
@@ -420,11 +418,8 @@ class FusedGRPOLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, _grad_pairs, _grad_extremes):
         if grad_loss is None:
             return None, None, None
-        grad_lp_fwd, grad_ent_fwd, seq_grad, seq_factor, cu = ctx.saved_tensors
-        saved = ctx.saved._replace(grad_lp=grad_lp_fwd, grad_ent=grad_ent_fwd, seq_grad=seq_grad,
-                                   seq_factor=seq_factor, cu=cu)
         (lp_shape, lp_dtype), ent_meta = ctx.shapes[:2], ctx.shapes[2]
         ent_dtype = ent_meta[1] if ent_meta is not None and ctx.needs_input_grad[1] else None
         # --- 1.–2. ---
-        grad_lp, grad_ent = loss_backward(saved, grad_loss, lp_dtype, ent_dtype)
+        grad_lp, grad_ent = loss_backward(ctx.saved, grad_loss, lp_dtype, ent_dtype)
         return grad_lp.view(lp_shape), None if grad_ent is None else grad_ent.view(ent_meta[0]), None

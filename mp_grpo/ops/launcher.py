@@ -105,9 +105,7 @@ def _arg_key(a: Any) -> Any:
         return (a == 1, not (a & _ALIGN_MASK), size)
     if t is float:
         return float
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, not (a.data_ptr() & _ALIGN_MASK))
-    return (t, a)
+    return (t, a)  # tensors are keyed in specialization_key itself
 
 
 def _kwargs_key(kwargs: dict) -> tuple:

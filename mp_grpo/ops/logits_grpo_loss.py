@@ -87,7 +87,7 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
                                      check_inputs=spec.check_inputs)
         # --- 3. the fused loss on the merged log-probs: shares, per-token gradient coefficients, loss, metrics ---
         from_stats = FromStats(gathered.stats, t, gathered.errors, gathered.stats.shape[0] * v_local,
-                               spec.ignore_index, with_entropy)
+                               spec.ignore_index)
         loss, pairs, extremes, saved = loss_forward(None, None, call, from_stats)
         raise_on_merge_errors(gathered, spec.check_inputs)
 

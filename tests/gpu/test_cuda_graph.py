@@ -91,14 +91,19 @@ def test_fused_output_op_is_capturable_with_default_checks() -> None:
     _replay_equals_eager(step, make)
 
 
-def test_logits_to_grpo_loss_is_capturable_with_default_checks() -> None:
-    cfg = LossConfig(policy=PolicyConfig(eps_high=0.28))  # DAPO clip, token-mean
-    B, T = 8, N // 8
-    gen = torch.Generator(device="cuda").manual_seed(5)
+def _loss_inputs(B: int, T: int, seed: int):
+    """(loss mask, old log-probs, per-sequence advantages, GlobalBatch) of a padded [B, T] micro-batch."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     mask = torch.arange(T, device="cuda") < torch.randint(T // 4, T + 1, (B, 1), generator=gen, device="cuda")
     old = -torch.rand(B, T, generator=gen, device="cuda") * 3
     adv = torch.randn(B, generator=gen, device="cuda")
-    batch = GlobalBatch.from_masks([mask])
+    return mask, old, adv, GlobalBatch.from_masks([mask])
+
+
+def test_logits_to_grpo_loss_is_capturable_with_default_checks() -> None:
+    cfg = LossConfig(policy=PolicyConfig(eps_high=0.28))  # DAPO clip, token-mean
+    B, T = 8, N // 8
+    mask, old, adv, batch = _loss_inputs(B, T, seed=5)
     loss_fn = GRPOLoss(cfg, backend=LossBackend.TRITON)
 
     def make(seed: int) -> list[torch.Tensor]:
@@ -127,11 +132,7 @@ def test_loss_on_logits_is_capturable_and_equals_the_two_ops(objective: str) -> 
     cfg = LossConfig(policy=PolicyConfig(objective=Objective(objective), eps_high=0.28),
                      aggregation=AggregationConfig(mode=Aggregation.SEQ_MEAN_TOKEN_MEAN))
     B, T = 8, N // 8
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    mask = torch.arange(T, device="cuda") < torch.randint(T // 4, T + 1, (B, 1), generator=gen, device="cuda")
-    old = -torch.rand(B, T, generator=gen, device="cuda") * 3
-    adv = torch.randn(B, generator=gen, device="cuda")
-    batch = GlobalBatch.from_masks([mask])
+    mask, old, adv, batch = _loss_inputs(B, T, seed=6)
     loss_fn = GRPOLoss(cfg, backend=LossBackend.TRITON)
 
     def make(seed: int) -> list[torch.Tensor]:

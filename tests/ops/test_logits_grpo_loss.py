@@ -49,6 +49,18 @@ def _case(seed: int, vocab: int = VOCAB):
     return logits, target, inputs
 
 
+def _reference(cfg, logits, target, inputs, g: float):
+    """The float64 objective of the full-vocabulary ``logits`` (log-probs and entropy of the reference, then
+    the objective) and its gradient w.r.t. the logits under the upstream gradient ``g``."""
+    ref = logits.double().requires_grad_()
+    lp_ref, ent_ref = logprobs_reference(ref, target)
+    j = grpo_objective_reference(
+        cfg, lp_ref, inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"],
+        rollout_logprobs=inputs["rollout_logprobs"], ref_logprobs=inputs["ref_logprobs"], entropy=ent_ref)
+    (j * g).backward()
+    return j, ref.grad
+
+
 def _batch(cfg, logits, target, inputs, layout=None) -> GlobalBatch:
     """The step's account as a training loop builds it: from a forward-only pass's entropies."""
     from mp_grpo import vocab_parallel_logprobs
@@ -76,14 +88,9 @@ def test_matches_float64_reference(feature: str, aggregation: str) -> None:
     g = 0.7
     loss, grad, _ = _on_logits(cfg, logits, target, inputs, g, batch=_batch(cfg, logits, target, inputs))
 
-    ref = logits.double().requires_grad_()
-    lp_ref, ent_ref = logprobs_reference(ref, target)
-    j = grpo_objective_reference(
-        cfg, lp_ref, inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"],
-        rollout_logprobs=inputs["rollout_logprobs"], ref_logprobs=inputs["ref_logprobs"], entropy=ent_ref)
-    (j * g).backward()
+    j, ref_grad = _reference(cfg, logits, target, inputs, g)
     assert_close(loss, j, torch.float32, "loss")
-    assert_close(grad, ref.grad, torch.float32, "d loss / d logits")
+    assert_close(grad, ref_grad, torch.float32, "d loss / d logits")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -171,14 +178,9 @@ def case_tensor_parallel() -> None:
                                           rollout_logprobs=[inputs["rollout_logprobs"]], entropies=[entropy])
         g = 0.9
         loss, grad, _ = _on_logits(cfg, shard, target, inputs, g, batch=batch, tp_group=dist.group.WORLD)
-        ref = logits.double().requires_grad_()
-        lp_ref, ent_ref = logprobs_reference(ref, target)
-        j = grpo_objective_reference(
-            cfg, lp_ref, inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"],
-            rollout_logprobs=inputs["rollout_logprobs"], ref_logprobs=inputs["ref_logprobs"], entropy=ent_ref)
-        (j * g).backward()
+        j, ref_grad = _reference(cfg, logits, target, inputs, g)
         assert_close(loss, j, torch.float32, f"loss rank {rank} {feature}")
-        assert_close(grad, ref.grad[..., rank * v_local:(rank + 1) * v_local], torch.float32,
+        assert_close(grad, ref_grad[..., rank * v_local:(rank + 1) * v_local], torch.float32,
                      f"grad rank {rank} {feature}")
 
 
@@ -205,14 +207,9 @@ def case_context_parallel() -> None:
         share, grad, _ = _on_logits(cfg, logits[:, cols], target[:, cols], mine, g, batch=batch, layout=layout)
         total = share.clone()
         dist.all_reduce(total)
-        ref = logits.double().requires_grad_()
-        lp_ref, ent_ref = logprobs_reference(ref, target)
-        j = grpo_objective_reference(
-            cfg, lp_ref, inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"],
-            rollout_logprobs=inputs["rollout_logprobs"], ref_logprobs=inputs["ref_logprobs"], entropy=ent_ref)
-        (j * g).backward()
+        j, ref_grad = _reference(cfg, logits, target, inputs, g)
         assert_close(total, j, torch.float32, f"loss rank {rank} {feature}")
-        assert_close(grad, ref.grad[:, cols], torch.float32, f"grad rank {rank} {feature}")
+        assert_close(grad, ref_grad[:, cols], torch.float32, f"grad rank {rank} {feature}")
 
 
 def test_tensor_parallel() -> None:
