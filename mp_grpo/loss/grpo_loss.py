@@ -50,6 +50,7 @@ from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.input_checks import (
     check_covariance,
     check_float,
+    check_is_weights,
     check_like,
     check_loss_inputs,
     check_token_inputs,
@@ -163,6 +164,7 @@ class GRPOLoss:
         positive: torch.Tensor | None = None,
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
 
@@ -190,6 +192,13 @@ class GRPOLoss:
             generator: with ``policy.objective=clip_cov`` (only then): the generator of its random selection,
                 on the tokens' device; the same generator state gives the same selection (pass one seeded per
                 step and micro-batch for reproducible runs). None: the device's default generator, as verl.
+            is_weights: a per-token importance weight computed by the caller (verl's ``rollout_is_weights``:
+                its own rollout correction, truncated and normalized as it is configured), token-shaped; it
+                multiplies the policy term where the computed rollout-correction weight would (step 5b), with
+                no gradient. It takes the place of that weight: not with ``rollout_correction.weight_level``,
+                nor with vespo (whose φ holds the IS weight inside). The rollout rejection, OPSM and the other
+                selections still apply; the KL and entropy terms are not weighted. Torch path only (``AUTO``
+                takes it; ``TRITON`` refuses).
         """
         cfg = self.config
         # --- 1. check the inputs ---
@@ -204,12 +213,19 @@ class GRPOLoss:
             raise ValueError("entropy_coef must be given exactly when entropy.adaptive is true (the step's coefficient "
                              f"from AdaptiveEntropyCoefficient.applied); entropy.adaptive is {cfg.entropy.adaptive}")
         check_covariance(cfg, layout, generator, logprobs.device)
+        if is_weights is not None:
+            check_is_weights(cfg, is_weights, logprobs.shape, logprobs.device)
         token_shape = logprobs.shape
         positive_mask = positive_token_mask(cfg, layout, token_shape, positive, logprobs.device)
         fused = self._use_fused(logprobs, layout)
         if kl_logprobs is not None and fused:
             if self.backend == LossBackend.TRITON:
                 raise ValueError("kl_logprobs: backend TRITON does not implement a separate KL input; use "
+                                 "LossBackend.AUTO or LossBackend.TORCH")
+            fused = False  # AUTO: the torch path
+        if is_weights is not None and fused:
+            if self.backend == LossBackend.TRITON:
+                raise ValueError("is_weights: backend TRITON does not implement a precomputed IS weight; use "
                                  "LossBackend.AUTO or LossBackend.TORCH")
             fused = False  # AUTO: the torch path
         # --- 2. the step's account ---
@@ -243,7 +259,7 @@ class GRPOLoss:
         # --- 3. token stage ---
         tokens = self._token_stage(
             logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy, kl_logprobs,
-            positive_mask,
+            positive_mask, is_weights,
         )
         if cfg.policy.objective in COVARIANCE_OBJECTIVES:  # per call = per micro-batch (verl), see .covariance
             tokens = tokens._replace(cov_selected=covariance_selection(

@@ -43,8 +43,17 @@ def use_vocab_parallel_logprobs(enable: bool = True) -> None:
     """Replace (``enable``) or restore verl's Megatron LM-head log-prob + entropy processor, in this process."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead as Engine
 
-    original = _ORIGINAL.setdefault("processor", Engine.__dict__["_lm_head_logits_processor"])
+    original = verl_processor()  # recorded before the first replacement
     Engine._lm_head_logits_processor = lm_head_logprobs if enable else original
+
+
+def verl_processor() -> Callable[..., Any]:
+    """verl's own processor (recorded before the switch replaces it)."""
+    if "processor" not in _ORIGINAL:
+        from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead as Engine
+
+        _ORIGINAL["processor"] = Engine.__dict__["_lm_head_logits_processor"]
+    return _ORIGINAL["processor"]
 
 
 def switch_from_env() -> bool:
@@ -81,7 +90,7 @@ def lm_head_logprobs(
     verl's processor (module docstring).
     """
     if calculate_sum_pi_squared or distillation_use_topk or distillation_only or temperature.is_nested:
-        return _ORIGINAL["processor"](
+        return verl_processor()(
             engine, logits, label, temperature, calculate_sum_pi_squared=calculate_sum_pi_squared,
             calculate_entropy=calculate_entropy, distillation_use_topk=distillation_use_topk,
             distillation_only=distillation_only, logits_processor_func=logits_processor_func, batch=batch,

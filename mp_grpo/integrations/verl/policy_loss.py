@@ -179,14 +179,17 @@ class VerlPolicyLoss:
         verl's masked_mean), read in one host transfer."""
         valid = response_mask.bool()
         zero = torch.zeros((), dtype=torch.float64, device=log_prob.device)
+        count = valid.sum().double()
+        objective = self.config.policy.objective
         log_ratio = symmetric_clamp(log_prob.detach() - old_log_prob, self.config.policy.log_ratio_clamp)
-        minus_log_ratio = torch.where(valid, -log_ratio, torch.zeros_like(log_ratio))
-        pairs = {"actor/ppo_kl": torch.stack([minus_log_ratio.sum().double(), valid.sum().double()])}
-        clip = [metrics[k] for k in ("clip_frac/low", "clip_frac/high") if k in metrics]
-        if self.config.policy.objective == Objective.CLIP_COV:  # verl: the fraction whose term is zeroed
-            clip = [metrics["cov/selected_frac"]]
-        pairs["actor/pg_clipfrac"] = torch.stack(clip).sum(0) if clip else torch.stack([zero, zero])
-        pairs["actor/pg_clipfrac_lower"] = metrics.get("clip_frac/dual", torch.stack([zero, zero]))
+        # verl's ppo_kl: the mean of −ℓ; kl_cov's mode reports the mean of |ℓ| under that name
+        kl_value = log_ratio.abs() if objective == Objective.KL_COV else -log_ratio
+        pairs = {"actor/ppo_kl": torch.stack([torch.where(valid, kl_value, 0.0).sum().double(), count])}
+        clipped = [metrics[k][0] for k in ("clip_frac/low", "clip_frac/high") if k in metrics]  # disjoint sets
+        if objective == Objective.CLIP_COV:  # verl: the fraction whose term is zeroed
+            clipped = [metrics["cov/selected_frac"][0]]
+        pairs["actor/pg_clipfrac"] = torch.stack([sum(clipped, zero), count])
+        pairs["actor/pg_clipfrac_lower"] = metrics.get("clip_frac/dual", torch.stack([zero, count]))
         for name, value in metrics.items():
             if value.shape == (2,) and name not in ("loss", "valid_tokens"):  # a [sum, count] mean entry
                 pairs[METRIC_PREFIX + name] = value
