@@ -46,21 +46,21 @@ CASES: dict[str, Case] = {
     "dr_grpo": Case({"loss_mode": "vanilla"}, "mp_grpo:trl_dr_grpo", weights="sequence", exact=True,
                     shared={"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 512}),
     "cispo": Case({"loss_mode": "cispo", "clip_ratio_low": 1.0, "clip_ratio_high": 4.0}, "mp_grpo:trl_cispo",
-                  weights="token"),
-    "sapo": Case({"loss_mode": "sapo"}, "mp_grpo:trl_sapo", weights="token",
+                  weights="token", exact=True),
+    "sapo": Case({"loss_mode": "sapo"}, "mp_grpo:trl_sapo", weights="token", exact=True,
                  shared={"loss_agg_mode": "seq-mean-token-mean"}),
     "luspo": Case({"loss_mode": "gspo", "clip_ratio_low": 2e-3, "clip_ratio_high": 2.5e-3}, "mp_grpo:trl_luspo",
-                  weights="sequence", shared={"loss_agg_mode": "seq-mean-token-sum"}),
+                  weights="sequence", exact=True, shared={"loss_agg_mode": "seq-mean-token-sum"}),
     # GSPO (verl: GSPO-token; the preset: the sequence gradient — the same with per-sequence advantages)
     "gspo": Case({"loss_mode": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}, "mp_grpo:gspo",
                  shared={"loss_agg_mode": "seq-mean-token-mean"}),
     # verl's covariance objectives (clip_cov with ratio 1: every candidate is zeroed, no random draw)
     "clip_cov": Case({"loss_mode": "clip_cov", "clip_cov_ratio": 1.0}, "mp_grpo:test_clip_cov",
-                     ("verl_clip_cov", "policy.clip_cov_ratio=1.0")),
-    "kl_cov": Case({"loss_mode": "kl_cov"}, "mp_grpo:verl_kl_cov"),
+                     ("verl_clip_cov", "policy.clip_cov_ratio=1.0"), exact=True),
+    "kl_cov": Case({"loss_mode": "kl_cov"}, "mp_grpo:verl_kl_cov", exact=True),
     # verl's gpg is REINFORCE: −A·log π
     "gpg": Case({"loss_mode": "gpg"}, "mp_grpo:test_reinforce", ("verl_ppo", "policy.objective=reinforce",
-                                                                  "policy.dual_clip_c=null")),
+                                                                  "policy.dual_clip_c=null"), exact=True),
 }
 
 

@@ -74,3 +74,30 @@ def test_register_a_config_of_ones_own() -> None:
         register("mp_grpo:test_kl", load_config("verl_ppo", ["kl.coef=0.1"]))
     with pytest.raises(TypeError, match="config must be a LossConfig"):
         register("mp_grpo:test_bad", {"policy": {}})  # type: ignore[arg-type]
+
+
+def test_the_one_line_in_verls_own_config() -> None:
+    """The documented command-line lines compose with verl's own Hydra config (ppo_megatron_trainer), the actor
+    section becomes verl's McoreActorConfig (which rejects unknown keys), and its loss mode is mp_grpo's."""
+    pytest.importorskip("hydra", reason="hydra-core is not installed (verl's CI stage installs hydra-core 1.3.2)")
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from mp_grpo.integrations.verl import VerlPolicyLoss
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose("ppo_megatron_trainer", overrides=[
+            "actor_rollout_ref.actor.policy_loss.loss_mode=mp_grpo:trl_dapo",
+            '+ray_kwargs.ray_init.runtime_env.env_vars.MP_GRPO_VERL_LOGPROBS="1"',
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        ])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert type(actor).__name__ == "McoreActorConfig" and actor.loss_agg_mode == "token-mean"
+    loss = get_policy_loss_fn(actor.policy_loss.loss_mode)
+    assert isinstance(loss, VerlPolicyLoss) and loss.name == "mp_grpo:trl_dapo"
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.MP_GRPO_VERL_LOGPROBS == "1"  # Ray wants str values
