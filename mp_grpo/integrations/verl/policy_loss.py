@@ -20,7 +20,9 @@ Schedule of :meth:`VerlPolicyLoss.__call__`
        convention: DP averages gradients). No collective.
     5. Metrics in verl's form (one host read): ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``
        as this micro-batch's means (verl averages them over micro-batches and ranks), and every mean metric of
-       the loss as ``actor/mp_grpo/<name>``.
+       the loss as ``actor/mp_grpo/<name>``. Then :func:`mp_grpo.check_errors` raises any input error recorded
+       on the device since the last call (a micro-batch beyond the counts, a bad target in the LM-head kernel):
+       verl's loop has no other mp_grpo sync point.
 
 What a config may hold (:func:`verl_refusals` names what it may not, and why): every objective (vespo
 without IS weights), every aggregation mode but verl's ``token-sum``, OPSM (measured against the old
@@ -42,6 +44,7 @@ import torch
 from mp_grpo.config.loss import Aggregation, LossConfig, Objective, RolloutCorrectionConfig
 from mp_grpo.loss import GlobalBatch, GRPOLoss
 from mp_grpo.loss.clamps import symmetric_clamp
+from mp_grpo.ops.checks import check_errors
 
 VERL_AGGREGATIONS: dict[str, Aggregation] = {
     "token-mean": Aggregation.TOKEN_MEAN,
@@ -133,8 +136,10 @@ class VerlPolicyLoss:
         kwargs = {} if rollout_is_weights is None else {"is_weights": rollout_is_weights}
         share, metrics = loss_fn(log_prob, old_log_prob, advantages, response_mask, batch=batch, **kwargs)
         loss = share * info["dp_size"]
-        # --- 5. metrics in verl's form ---
-        return loss, self._verl_metrics(metrics, log_prob, old_log_prob, response_mask)
+        # --- 5. metrics in verl's form (one host read), then the errors recorded on the device ---
+        verl_metrics = self._verl_metrics(metrics, log_prob, old_log_prob, response_mask)
+        check_errors()  # verl has no mp_grpo sync point of its own: this read raises what was deferred
+        return loss, verl_metrics
 
     # ------------------------------------------------------------------------------------------ parts
     def _check_aggregation(self, loss_agg_mode: str, loss_scale_factor: Any) -> None:

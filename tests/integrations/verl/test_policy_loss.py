@@ -172,9 +172,13 @@ def test_counts_required_under_data_parallelism_and_fallback_alone() -> None:
 def test_micro_batch_beyond_the_counts_is_refused() -> None:
     """A micro-batch with more valid tokens than verl's batch_num_tokens (counts of another mini-batch)."""
     from mp_grpo.loss import StaleGlobalBatchError
+    from mp_grpo.ops.checks import deferred_checks
 
     batch = make_verl_batch(7, LENGTHS, R)
     with pytest.raises(StaleGlobalBatchError, match="does not fit in this GlobalBatch's counts"):
+        _call("mp_grpo:verl_ppo", batch, tokens=int(batch.mask.sum()) - 1)
+    # Deferred as on a GPU: the policy loss raises it at its own host read, within the same call.
+    with deferred_checks(), pytest.raises(StaleGlobalBatchError, match="valid tokens 39 > the step's valid_tokens 38"):
         _call("mp_grpo:verl_ppo", batch, tokens=int(batch.mask.sum()) - 1)
 
 
