@@ -10,8 +10,10 @@ sequence packing — with ``global_valid_toks`` / ``global_valid_seqs``, the ste
 1. The per-token fields at logit positions (:mod:`.data`): log-prob input ``[B, S-1]`` — every field
    ``x[:, 1:]``; logit input — this rank's ``[B, S_local, V/TP]`` shard, the data dict shifted on the whole
    sequence and cut like the logits (NeMo-RL's load-balanced CP split).
-2. The step's :class:`~mp_grpo.GlobalBatch` from NeMo-RL's counts (N = ``global_valid_toks``, S =
-   ``global_valid_seqs``) and this call's mask (:func:`step_account`); no collective.
+2. The step's :class:`~mp_grpo.GlobalBatch` from NeMo-RL's counts (:func:`step_account`:
+   :meth:`GlobalBatch.from_counts`, N = ``global_valid_toks``, S = ``global_valid_seqs``); no collective. A
+   micro-batch with more valid tokens than the step is refused (NeMo-RL's split-API trainers, which pass
+   placeholder counts of 1 and rescale afterwards, are not supported).
 3. GRPOLoss: ``loss(logprobs, ...)`` (log-prob input) or ``loss.on_logits(logits, target, ...)`` on the TP group
    from megatron-core's ``parallel_state`` (logit input; the fused path on a GPU: the loss's backward inside
    the log-prob backward kernel). Temperature 1: NeMo-RL's Megatron worker divides the logits by the
@@ -72,27 +74,21 @@ step's two counts, so they are refused."""
 _SEQUENCE_LEVEL = (Aggregation.SEQ_MEAN_TOKEN_MEAN, Aggregation.SEQ_MEAN_TOKEN_SUM, Aggregation.SEQ_MEAN_TOKEN_SUM_NORM)
 
 
-def step_account(mask: torch.Tensor, global_valid_toks: torch.Tensor, global_valid_seqs: torch.Tensor) -> GlobalBatch:
-    """The step's GlobalBatch from NeMo-RL's counts and this call's mask.
+def step_account(global_valid_toks: torch.Tensor, global_valid_seqs: torch.Tensor, device: torch.device) -> GlobalBatch:
+    """The step's GlobalBatch from NeMo-RL's counts (:meth:`GlobalBatch.from_counts`, no collective).
 
-    ``global_valid_toks`` = Σ token_mask[:, 1:]·sample_mask over the DP group = mp_grpo's N.
+    ``global_valid_toks`` = Σ token_mask[:, 1:]·sample_mask over the DP group: mp_grpo's N (``valid_tokens``).
     ``global_valid_seqs`` = Σ sample_mask over the DP group: every row NeMo-RL trains on, with or without a
-    valid token — mp_grpo's "every sequence" (``aggregation.count_empty_sequences=true``); mp_grpo's S.
+    valid token — mp_grpo's ``all_sequences`` (the S of ``aggregation.count_empty_sequences=true``); NeMo-RL has
+    no count of the rows with a valid token.
     """
-    device = mask.device
-    tokens = _count("global_valid_toks", global_valid_toks, device)
-    sequences = _count("global_valid_seqs", global_valid_seqs, device)
-    return GlobalBatch(
-        valid_tokens=tokens, valid_sequences=sequences, all_sequences=sequences,
-        num_micro_batches=torch.ones((), dtype=torch.float64, device=device),
-        all_positions=torch.full((), float(mask.numel()), dtype=torch.float64, device=device),
-        micro_batch_shapes=(tuple(mask.shape),), masks=(mask,), mask_versions=(mask._version,),
-    )
+    return GlobalBatch.from_counts(valid_tokens=_count("global_valid_toks", global_valid_toks, device),
+                                   all_sequences=_count("global_valid_seqs", global_valid_seqs, device), device=device)
 
 
-def _count(name: str, value: object, device: torch.device) -> torch.Tensor:
+def _count(name: str, value: object, device: torch.device) -> torch.Tensor | float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = torch.tensor(float(value))
+        return float(value)
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise TypeError(f"{name} must be a one-element tensor (NeMo-RL's global count), got {value!r}")
     return value.detach().reshape(()).to(device=device, dtype=torch.float64)
@@ -144,6 +140,10 @@ class MPGRPOLossFn:
             if needs(config):
                 raise ValueError(f"config: {name} needs {what} before the step's first micro-batch; NeMo-RL gives a "
                                  "loss only the step's token and sequence counts — switch it off")
+        if config.aggregation.mode in _SEQUENCE_LEVEL and not config.aggregation.count_empty_sequences:
+            raise ValueError(f"config: aggregation.mode={config.aggregation.mode.value} divides by the step's sequences; "
+                             "NeMo-RL counts them as Σ sample_mask (with or without a valid token): set "
+                             "aggregation.count_empty_sequences=true")
         if kind == InputType.LOGPROB and config.needs_entropy:
             raise ValueError("config: entropy.bonus_coef needs the policy entropy, which the log-prob input does not "
                              "carry; use input_type=InputType.LOGIT (NeMo-RL's Megatron worker)")
@@ -250,7 +250,7 @@ class MPGRPOLossFn:
             raise ValueError(f"next_token_logprobs has shape {tuple(logprobs.shape)}, the data dict's shifted fields "
                              f"{tuple(fields.mask.shape)}")
         # --- 2. the step's account ---
-        batch = step_account(fields.mask, global_valid_toks, global_valid_seqs)
+        batch = step_account(global_valid_toks, global_valid_seqs, fields.mask.device)
         # --- 3. the loss ---
         f = fields.fields
         positive, positive_tokens = self._positive(fields, rewards, None)
@@ -281,7 +281,7 @@ class MPGRPOLossFn:
             raise ValueError(f"logits has shape {tuple(logits.shape)}; the data dict has {fields.mask.shape[0]} rows")
         layout = PaddedSequences(cp_group=cp)
         # --- 2. the step's account ---
-        batch = step_account(fields.mask, global_valid_toks, global_valid_seqs)
+        batch = step_account(global_valid_toks, global_valid_seqs, fields.mask.device)
         # --- 3. the loss ---
         f = fields.fields
         positive, positive_tokens = self._positive(fields, rewards, cp)

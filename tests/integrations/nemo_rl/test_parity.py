@@ -25,7 +25,7 @@ CASES = {
             ["rollout_correction.weight_level=token", "rollout_correction.weight_max=2.0"]),
     "k2_no_kl_clamps": (dict(reference_policy_kl_type="k2", kl_input_clamp_value=None, kl_output_clamp_value=None),
                         ["kl.estimator=k2", "kl.input_clamp=null", "kl.output_clamp=null"]),
-    "sequence_level": (dict(token_level_loss=False), ["aggregation.mode=seq_mean_token_mean"]),
+    "sequence_level": (dict(token_level_loss=False), ["aggregation.mode=seq_mean_token_mean", "aggregation.count_empty_sequences=true"]),
     "vapo": (dict(positive_example_nll_weight=0.1), ["nll.positive_coef=0.1"]),
 }
 SKIP_METRICS = {"is_oob_ratio"}  # NeMo-RL's TIS out-of-bounds fraction: not reported by mp_grpo
