@@ -3,7 +3,8 @@
 ``megatron/rl/rl_utils.py`` imports Megatron-LM's whole RL stack (inference engine, agents, wandb, tensorboard,
 Transformer Engine, ``megatron.training``) and needs Python 3.12. The function itself is plain torch: the test
 compiles only its definition from the file (``ast``), with ``torch`` in its globals and one stub —
-``log_single_rank`` (a logging call on a shape mismatch, never reached here). Its source: a checkout named by
+``log_single_rank`` (a logging call on a shape mismatch, never reached here); the GPU benchmark takes
+``selective_log_softmax`` the same way (stub: ``is_batch_invariant_mode_enabled`` → False). Its source: a checkout named by
 ``MP_GRPO_MEGATRON_LM_SRC``, or an importable ``megatron.rl``.
 """
 
@@ -35,20 +36,27 @@ def rl_utils_path() -> Path | None:
     return path if path.is_file() else None
 
 
+def megatron_lm_functions(path: Path, names: tuple[str, ...]) -> dict:
+    """Functions of ``megatron/rl/rl_utils.py`` compiled alone from its source, with ``torch`` in their globals and
+    two stubs: ``log_single_rank`` (a warning on a shape mismatch) and ``is_batch_invariant_mode_enabled`` (False:
+    Megatron-LM's default, no batch-invariant kernels)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    missing = set(names) - {n.name for n in nodes}
+    if missing:
+        raise LookupError(f"{path} has no {sorted(missing)}")
+    namespace = {"torch": torch, "logging": __import__("logging"), "logger": None,
+                 "log_single_rank": lambda *args, **kwargs: None, "is_batch_invariant_mode_enabled": lambda: False}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
 def calculate_grpo_loss_or_skip():
     """Megatron-LM's ``calculate_grpo_loss`` compiled from its source, or skip the test saying why."""
     path = rl_utils_path()
     if path is None:
         pytest.skip(SKIP_REASON)
-    tree = ast.parse(path.read_text(), filename=str(path))
-    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "calculate_grpo_loss"]
-    if not nodes:
-        pytest.fail(f"{path} has no calculate_grpo_loss")
-    module = ast.Module(body=nodes, type_ignores=[])
-    namespace = {"torch": torch, "logging": __import__("logging"), "logger": None,
-                 "log_single_rank": lambda *args, **kwargs: None}
-    exec(compile(module, str(path), "exec"), namespace)
-    return namespace["calculate_grpo_loss"]
+    return megatron_lm_functions(path, ("calculate_grpo_loss",))["calculate_grpo_loss"]
 
 
 def unpacked(seed: int, B: int, S: int, *, vocab: int = 13, far: bool = False, with_inference: bool = True,
