@@ -17,7 +17,8 @@ d/dlogits against a float64 reference (log_softmax of the float64 logits, then m
   (LOGPROB), against **MPGRPOLossFn (LOGIT)** on the same logits: preset ``nemo_rl_grpo``.
 
 Times: median of CUDA-event-timed forward+backward calls (``scripts/measure.py``); memory: peak beyond the inputs.
-Writes ``integrations.json`` and ``integrations.md`` to ``--out``.
+Writes ``integrations.json``, ``integrations.md`` and ``integrations.png`` to ``--out``
+(``--replot integrations.json`` redraws the plot from a result file, no GPU needed).
 """
 
 from __future__ import annotations
@@ -48,15 +49,44 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).abs().max() / ref.abs().max())
 
 
+def plot(result_file: Path) -> Path:
+    """Time and extra memory of each path, pairs side by side (framework's own path, then mp_grpo's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(result_file.read_text())
+    names, res = list(data["results"]), data["results"]
+    colors = ["tab:gray" if not n.startswith("mp_grpo") else "tab:blue" for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "ms", "forward + backward (ms)"), (axes[1], "extra_peak_GiB", "extra peak memory (GiB)")):
+        ax.barh(names, [res[n][key] for n in names], color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+    m = data["meta"]
+    fig.suptitle(f"Loss from bf16 logits, {m['device']}, B={m['B']} S={m['S']} V={m['V']} (gray: the framework's own path)")
+    fig.tight_layout()
+    out = result_file.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--megatron-lm-src", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--replot", type=Path, help="redraw the plot of an integrations.json and exit")
+    parser.add_argument("--megatron-lm-src", type=Path)
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--smoke", action="store_true", help="CPU, no timing: check the script runs (tiny sizes)")
     opts = parser.parse_args()
+    if opts.replot is not None:
+        print(plot(opts.replot))
+        return
+    if opts.megatron_lm_src is None or opts.out is None:
+        parser.error("--megatron-lm-src and --out are required (or --replot)")
     fns = megatron_lm_functions(opts.megatron_lm_src / "megatron" / "rl" / "rl_utils.py",
                                 ("selective_log_softmax", "calculate_grpo_loss"))
     B, S, V = opts.batch, opts.seq, opts.vocab
@@ -176,6 +206,7 @@ def main() -> None:
                      f"{r['grad_rel_err']:.1e} |")
     (opts.out / "integrations.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(opts.out / "integrations.json")
 
 
 if __name__ == "__main__":
