@@ -196,9 +196,11 @@ class MPGRPOLossFn:
         return loss
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._groups is not None:
+            raise TypeError("an MPGRPOLossFn built with explicit groups cannot be pickled (process groups belong to "
+                            "one process): build it with groups=None, the worker then takes megatron-core's")
         state = dict(self.__dict__)
         state["_loss"] = None  # rebuilt on the worker
-        state["_groups"] = None if self._groups is None else self._groups  # explicit groups travel (tests)
         for name in ("input_type", "loss_type"):
             state[name] = state[name].value
         state["metric_normalizations"] = {k: v.value for k, v in self.metric_normalizations.items()}

@@ -123,10 +123,9 @@ def nemo_rl_metrics(
     vector = all_reduce_sum(vector, cp_group)
     extremes = torch.stack([-ratio_min.to(dtype), ratio_max.to(dtype)]).reshape(2)
     extremes = all_reduce_max(extremes, cp_group)
-    values = vector.tolist()
-    lo, hi = -extremes[0].item(), extremes[1].item()
-
-    tokens = float(global_valid_toks)
+    counts = torch.stack([global_valid_toks.to(dtype).reshape(()), fields.sample_mask.sum().to(dtype)])
+    *values, neg_lo, hi, tokens, samples = torch.cat([vector, extremes, counts]).tolist()  # the one host read
+    lo = -neg_lo
     out: dict[str, float] = {}
     for n, v in zip(names, values):
         out[n] = v if n == "loss" else v / (tokens + 1e-8)
@@ -136,7 +135,7 @@ def nemo_rl_metrics(
     # the clamp is monotone: the clamped extremes are the clamped extremes (±inf: nothing to report)
     out["probs_ratio_clamped_min"] = min(max(lo, low), high) if math.isfinite(lo) else lo
     out["probs_ratio_clamped_max"] = min(max(hi, low), high) if math.isfinite(hi) else hi
-    out["num_valid_samples"] = float(fields.sample_mask.sum())
+    out["num_valid_samples"] = samples
     if positive is not None:
         total, count = values[len(names)], values[len(names) + 1]
         out["positive_nll_loss"] = total / count if count > 0 else 0.0
