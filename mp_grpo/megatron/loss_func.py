@@ -19,7 +19,10 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On
    the logits path without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
    autograd Function, the loss's backward inside the log-prob backward kernel (same values, fewer host
-   steps per micro-batch).
+   steps per micro-batch). On the logits path the gradient of the logits is written into the logits
+   (``inplace_backward``: Megatron's schedule never reads the model output again), and
+   :meth:`MegatronGRPO.call_model`'s batch-major output layer (:mod:`mp_grpo.megatron.logits_output`)
+   copies neither them nor their gradient: one ``[N, V_local]`` buffer is all the logits path holds.
 3. :class:`~mp_grpo.GRPOLoss` with the step's :class:`~mp_grpo.GlobalBatch` and the micro-batch's
    :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
 4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
@@ -46,6 +49,7 @@ from mp_grpo.loss.grpo_loss import GRPOLoss
 from mp_grpo.loss.metrics import reduce_metrics, total_entry
 from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states, fused_output_loss, loss_in_forward
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
+from mp_grpo.megatron.logits_output import call_for_logits
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
 from mp_grpo.megatron.moe import MoEStats, RoutedTokenAccount, check_moe_config, end_routing_replay, is_moe, replay_routing
 from mp_grpo.megatron.scaling import MegatronScaling
@@ -315,7 +319,9 @@ class MegatronGRPO:
     ) -> tuple[torch.Tensor, OutputWeight | None]:
         """The model's output for ``mb`` on this object's output path, and the output weight it needs.
 
-        ``OutputPath.LOGITS``: ``(logits [*targets, V_local], None)``. ``OutputPath.FUSED``: ``(hidden
+        ``OutputPath.LOGITS``: ``(logits [*targets, V_local], None)``, GPTModel's output layer computing them
+        batch-major (:func:`~mp_grpo.megatron.logits_output.call_for_logits`: no transposed copy of the logits
+        forward or backward). ``OutputPath.FUSED``: ``(hidden
         [*targets, H], OutputWeight)`` with the model's output layer skipped
         (:func:`~mp_grpo.megatron.fused_output.call_for_hidden_states`); on a pipeline stage without an
         output layer ``(activations, None)``. Either way, pass both to :meth:`token_logprobs`.
@@ -325,7 +331,7 @@ class MegatronGRPO:
             kwargs["packed_seq_params"] = mb.packed_seq_params
         if self.output_path == OutputPath.FUSED:
             return call_for_hidden_states(model, mb.input_ids, mb.position_ids, None, **kwargs)
-        return model(mb.input_ids, mb.position_ids, None, **kwargs), None
+        return call_for_logits(model, mb.input_ids, mb.position_ids, None, **kwargs), None
 
     def model_logprobs(
         self, model: torch.nn.Module, mb: MicroBatch, *, model_kwargs: Mapping[str, object] | None = None
@@ -346,12 +352,15 @@ class MegatronGRPO:
         *,
         vocab_size: int | None = None,
         output_weight: OutputWeight | None = None,
+        inplace_backward: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Steps 1–2: fp32 log-probs of ``mb.targets`` (and entropy) from the model output of :meth:`call_model`.
 
         ``OutputPath.LOGITS``: ``output_tensor`` is the vocab-parallel logits and ``output_weight`` None.
         ``OutputPath.FUSED``: ``output_tensor`` is the output layer's TP-mapped input and ``output_weight``
-        its weight.
+        its weight. ``inplace_backward`` (logits path): the logits' gradient is written into the logits
+        themselves (one ``[N, V_local]`` buffer fewer; they are overwritten in backward) — what
+        :meth:`loss_func` does with the model output, which Megatron's schedule never reads again.
         """
         # --- 1. the output must cover the micro-batch's positions and this rank's vocabulary shard ---
         if self.output_path == OutputPath.FUSED:
@@ -373,7 +382,7 @@ class MegatronGRPO:
             accumulate = output_weight.accumulate_into_main_grad and torch.is_grad_enabled() and weight.requires_grad
             out = fused_linear_logprobs(hidden, weight, mb.targets, accumulate_into_main_grad=accumulate, **common)
         else:
-            out = vocab_parallel_logprobs(output_tensor, mb.targets, **common)
+            out = vocab_parallel_logprobs(output_tensor, mb.targets, inplace_backward=inplace_backward, **common)
         return out if self.with_entropy else (out, None)
 
     def _check_vocab_shards(self, v_local: int, what: str, vocab_size: int | None) -> None:
@@ -453,14 +462,15 @@ class MegatronGRPO:
                 output_tensor, mb.targets, mb.old_logprobs, mb.advantages, mb.loss_mask, tp_group=self.groups.tp,
                 temperature=self.temperature, with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
                 check_inputs=self.check_inputs, rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
-                batch=batch, layout=mb.sequences,
+                batch=batch, layout=mb.sequences, inplace_backward=True,
             )
             # No sampling filter: no trained token lies outside it (the name kept, as share_of reports it).
             outside = torch.zeros((), dtype=torch.int64, device=share.device)
             metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
         else:
             # --- 1.–2. log-probs (and entropy) ---
-            logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size, output_weight=output_weight)
+            logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size, output_weight=output_weight,
+                                                    inplace_backward=True)
             # --- 3. this micro-batch's share of the step objective ---
             share, metrics = share_of(logprobs, entropy)
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
