@@ -29,7 +29,8 @@ Resumable: rows already in ``<out>/step.json`` are skipped (``--force`` measures
 ``--seq``, ``--recompute``, ``--rows`` (``KIND`` or ``KIND:PATH``) and ``--paths`` select; the configurations run
 in the order 1.5B @ 2048 (selective, full), 0.5B @ 2048, 1.5B @ 8192, 0.5B @ 8192. ``--time-budget`` stops
 starting new rows after that many seconds. The JSON and ``step.md`` are rewritten after every row, ``step.png``
-at the end. Before timing, the loss paths are checked to give the same gradients on a tiny model
+at the end. ``--profile KIND:PATH ...`` (for ``--profile-configs``) writes ``step_profile.txt``: per pass the host
+time to issue it, its kernel time against its wall time (GPU idle), its memory statistics and its top kernels. Before timing, the loss paths are checked to give the same gradients on a tiny model
 (``check_paths``).
 
 Needs a CUDA GPU, megatron-core, torch, triton, matplotlib.
@@ -180,6 +181,50 @@ def search_row(rig, kind: str, path: Path, seq: int, row: dict, args) -> dict:
     return out
 
 
+PROFILE_STEPS = 3
+"""Steps per profile (back to back, as the timed rows run them)."""
+
+
+def profile_row(rig, kind: str, path: Path, seq: int) -> str:
+    """Where one pass's time goes: the host time to issue it, the summed kernel time of ``PROFILE_STEPS`` passes
+    (torch.profiler, CUDA activity) against their wall time (the difference: the GPU idle), the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b0 = max(1, TIMING_TOKENS // seq)
+    micro = synthetic_micro_batches(1, b0, seq, rig.vocab, seed=11, device=DEVICE)
+    run = pass_closure(rig, kind, path, micro)
+    run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    issue_ms = (time.perf_counter() - t0) * 1e3  # an upper bound when the pass synchronizes inside
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(PROFILE_STEPS):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    events = prof.key_averages()
+    kernel_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3 / PROFILE_STEPS
+    wall_ms = start.elapsed_time(end) / PROFILE_STEPS
+    text = (f"### {kind} / {path.value}, B = {b0} x S = {seq}\n"
+            f"host time to issue one pass {issue_ms:.1f} ms; per pass: kernel time {kernel_ms:.1f} ms, wall {wall_ms:.1f} ms, "
+            f"GPU idle {wall_ms - kernel_ms:.1f} ms\n"
+            f"memory of one pass: peak allocated {stats['allocated_bytes.all.peak'] / GiB:.2f} GiB, peak reserved "
+            f"{stats['reserved_bytes.all.peak'] / GiB:.2f} GiB, allocations {stats['allocation.all.allocated']}, "
+            f"allocator retries {stats['num_alloc_retries']}\n\n"
+            + events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=80) + "\n")
+    del run, prof, events
+    cleanup()
+    return text
+
+
 def step_row(rig, path: Path, seq: int, optimizer, args) -> dict:
     b0 = max(1, TIMING_TOKENS // seq)
     micro = synthetic_micro_batches(args.step_micro_batches, b0, seq, rig.vocab, seed=17, device=DEVICE)
@@ -223,7 +268,8 @@ def run(args) -> Results:
         todo = [(kind, path) for kind in KINDS for path in paths if selected(kind, path, args.rows)
                 and (kind != "step" or step_here) and (args.force or not results.complete(
                     row_key(shape_name, seq, recompute, kind, path), search=args.search and kind != "step"))]
-        if not todo:
+        profiles = [spec for spec in args.profile or [] if f"{shape_name}@{seq}@{recompute}" in args.profile_configs]
+        if not todo and not profiles:
             continue
         if time.monotonic() > deadline:
             log("time budget reached: rerun the same command to continue")
@@ -240,6 +286,14 @@ def run(args) -> Results:
             results.update(key, row)
             log(f"{kind:<8} {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB")
             write_reports(results, args.out, plot=False)
+        for spec in profiles:
+            kind, _, path = spec.partition(":")
+            if time.monotonic() > deadline:
+                break
+            text = profile_row(rig, kind, Path(path), seq)
+            with open(args.out / "step_profile.txt", "a") as f:
+                f.write(f"## {shape_name} @ {seq}, {recompute} recompute ({results.meta.get('device')})\n{text}\n")
+            log(text.splitlines()[1])
         step_todo = [path for kind, path in todo if kind == "step"]
         if step_todo and time.monotonic() < deadline:
             from mp_grpo.megatron.gpt import megatron_optimizer
@@ -289,12 +343,18 @@ def main() -> None:
     parser.add_argument("--no-search", dest="search", action="store_false")
     parser.add_argument("--no-check", dest="check", action="store_false")
     parser.add_argument("--force", action="store_true", help="measure rows already in step.json again")
+    parser.add_argument("--profile", nargs="+", metavar="KIND:PATH", help="profile these passes (step_profile.txt)")
+    parser.add_argument("--profile-configs", nargs="*", default=["1.5b@2048@selective"], metavar="SHAPE@SEQ@RECOMPUTE")
     parser.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; no new row starts after")
     args = parser.parse_args()
     for spec in args.rows or []:
         kind, _, path = spec.partition(":")
         if kind not in KINDS or (path and path not in [p.value for p in Path]):
             parser.error(f"--rows: {spec!r} is not KIND or KIND:PATH (kinds {', '.join(KINDS)})")
+    for spec in args.profile or []:
+        kind, _, path = spec.partition(":")
+        if kind not in ("train", "forward") or path not in [p.value for p in Path]:
+            parser.error(f"--profile: {spec!r} is not KIND:PATH with KIND train or forward")
     args.out.mkdir(parents=True, exist_ok=True)
     # Before the first CUDA allocation: segments that grow in place, so that the search measures what the
     # passes hold rather than how the caching allocator's blocks happen to fragment.
