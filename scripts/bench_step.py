@@ -59,6 +59,9 @@ ALLOC_CONF = "expandable_segments:True"
 TIMING_TOKENS = 8192
 """Tokens of the timed micro-batch: B₀ = 8192 / S rows."""
 KINDS = ("train", "forward", "step")
+FORWARD_RECOMPUTE = "selective"
+"""The forward-only rows run with this model only: a no-grad pass recomputes nothing, so both modes run the
+same code (megatron-core's checkpointing only wraps the forward)."""
 DEFAULT_PATHS = (Path.FLOOR, Path.COMMON, Path.LOGITS, Path.FUSED)
 CHECK_RTOL = 1.6e-2
 """bf16 tolerance on the relative L2 error of the gradients of the loss paths against each other (tests/tolerances)."""
@@ -83,10 +86,39 @@ def init_distributed() -> None:
 
 
 def cleanup() -> None:
+    """Free what the last pass left: megatron-core's global memory buffer (the local attention writes its S × S
+    scores there, and the buffer keeps the largest size ever asked for: without this a probe at a large B
+    would stay resident through every later row), garbage cycles, the caching allocator's free blocks."""
     import gc
 
+    from megatron.core import parallel_state as ps
+
+    if ps._GLOBAL_MEMORY_BUFFER is not None:
+        ps.get_global_memory_buffer().buffer.clear()
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def release_optimizer(rig, optimizer) -> None:
+    """Drop megatron-core's Adam and its fp32 master weights (each model parameter keeps one as ``main_param``)."""
+    for param in rig.model.parameters():
+        if hasattr(param, "main_param"):
+            del param.main_param
+    del optimizer
+    rig.zero_grad()
+    cleanup()
+
+
+def release_rig(rig) -> None:
+    """Free the model: Megatron DDP keeps its gradient hooks' nodes (which hold it) in ``grad_accs``."""
+    getattr(rig.model, "grad_accs", []).clear()
+    rig.model = None
+    cleanup()
+
+
+def resting_gib() -> float:
+    cleanup()
+    return torch.cuda.memory_allocated() / GiB
 
 
 # ------------------------------------------------------------------------------------------------ check
@@ -121,7 +153,8 @@ def time_row(rig, kind: str, path: Path, seq: int, args) -> dict:
     b0 = max(1, TIMING_TOKENS // seq)
     micro = synthetic_micro_batches(1, b0, seq, rig.vocab, seed=11, device=DEVICE)
     run = pass_closure(rig, kind, path, micro)
-    row = {"B": b0, "tokens": b0 * seq, "ms": timed_ms(run, args.iters, warmup=args.warmup)}
+    row = {"B": b0, "tokens": b0 * seq, "resting_GiB": resting_gib(),
+           "ms": timed_ms(run, args.iters, warmup=args.warmup + (kind == "forward"))}
     row["peak_bytes"] = peak_bytes(run)
     row["peak_GiB"] = row["peak_bytes"] / GiB
     del run
@@ -154,15 +187,15 @@ def search_row(rig, kind: str, path: Path, seq: int, row: dict, args) -> dict:
 
     def fits(b: int) -> bool:
         micro = synthetic_micro_batches(1, b, seq, rig.vocab, seed=13, device=DEVICE)
+        resting = resting_gib()
         ok, peak = fits_in_memory(pass_closure(rig, kind, path, micro))
         log(f"  probe {kind}/{path.value} B = {b}: {'fits' if ok else 'out of memory'}"
-            + (f", peak {peak / GiB:.2f} GiB" if ok else ""))
+            + (f", peak {peak / GiB:.2f} GiB" if ok else "") + f" (resting {resting:.2f} GiB)")
         if ok:
             peaks[b] = peak
         return ok
 
-    cleanup()
-    base = torch.cuda.memory_allocated()
+    base = int(resting_gib() * GiB)
     usable = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
     b1 = min(2 * b0, limit)
     known_fit, known_failure = b0, None
@@ -266,26 +299,28 @@ def run(args) -> Results:
         shape = SHAPES[shape_name]
         step_here = f"{shape_name}@{seq}" in args.step_configs
         todo = [(kind, path) for kind in KINDS for path in paths if selected(kind, path, args.rows)
-                and (kind != "step" or step_here) and (args.force or not results.complete(
-                    row_key(shape_name, seq, recompute, kind, path), search=args.search and kind != "step"))]
+                and (kind != "step" or step_here) and (kind != "forward" or recompute == FORWARD_RECOMPUTE)
+                and (args.force or not results.complete(row_key(shape_name, seq, recompute, kind, path),
+                                                        search=args.search and kind != "step"))]
         profiles = [spec for spec in args.profile or [] if f"{shape_name}@{seq}@{recompute}" in args.profile_configs]
         if not todo and not profiles:
             continue
         if time.monotonic() > deadline:
             log("time budget reached: rerun the same command to continue")
             break
-        log(f"=== {shape_name} @ {seq}, {recompute} recompute: {len(todo)} rows ===")
+        log(f"=== {shape_name} @ {seq}, {recompute} recompute: {len(todo)} rows (resting {resting_gib():.2f} GiB) ===")
         rig = gpu_rig(shape, Recompute(recompute), seq_len=seq)
-        for kind, path in todo:  # times first (cheap), the step next, the searches last
+        # --- 1. times and peaks at the timing micro-batch (cheap) ---
+        for kind, path in todo:
             key = row_key(shape_name, seq, recompute, kind, path)
-            if kind == "step" or (not args.force and "ms" in results.row(key)):
+            if kind == "step" or (not args.force and "ms" in results.row(key)) or time.monotonic() > deadline:
                 continue
-            if time.monotonic() > deadline:
-                break
             row = time_row(rig, kind, path, seq, args)
             results.update(key, row)
-            log(f"{kind:<8} {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB")
+            log(f"{kind:<8} {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB "
+                f"(resting {row['resting_GiB']:.2f} GiB)")
             write_reports(results, args.out, plot=False)
+        # --- 2. profiles ---
         for spec in profiles:
             kind, _, path = spec.partition(":")
             if time.monotonic() > deadline:
@@ -294,21 +329,7 @@ def run(args) -> Results:
             with open(args.out / "step_profile.txt", "a") as f:
                 f.write(f"## {shape_name} @ {seq}, {recompute} recompute ({results.meta.get('device')})\n{text}\n")
             log(text.splitlines()[1])
-        step_todo = [path for kind, path in todo if kind == "step"]
-        if step_todo and time.monotonic() < deadline:
-            from mp_grpo.megatron.gpt import megatron_optimizer
-
-            optimizer = megatron_optimizer(rig.model, lr=1e-6, clip_grad=1.0, bf16=True)
-            for path in step_todo:
-                if time.monotonic() > deadline:
-                    break
-                row = step_row(rig, path, seq, optimizer, args)
-                results.update(row_key(shape_name, seq, recompute, "step", path), row)
-                log(f"step     {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB")
-                write_reports(results, args.out, plot=False)
-            del optimizer
-            rig.zero_grad()
-            cleanup()
+        # --- 3. the largest micro-batches (before the optimizer exists: its state is no part of these rows) ---
         if args.search:
             for kind, path in todo:
                 key = row_key(shape_name, seq, recompute, kind, path)
@@ -321,8 +342,23 @@ def run(args) -> Results:
                 log(f"{kind:<8} {path.value:<18} max B = {found['max_B']} ({found['max_tokens']} tokens), "
                     f"{len(found['probes'])} probes, {found['search_s']:.0f} s")
                 write_reports(results, args.out, plot=False)
+        # --- 4. whole GRPO steps with megatron-core's optimizer ---
+        step_todo = [path for kind, path in todo if kind == "step"]
+        if step_todo and time.monotonic() < deadline:
+            from mp_grpo.megatron.gpt import megatron_optimizer
+
+            optimizer = megatron_optimizer(rig.model, lr=1e-6, clip_grad=1.0, bf16=True)
+            for path in step_todo:
+                if time.monotonic() > deadline:
+                    break
+                row = step_row(rig, path, seq, optimizer, args)
+                results.update(row_key(shape_name, seq, recompute, "step", path), row)
+                log(f"step     {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB")
+                write_reports(results, args.out, plot=False)
+            release_optimizer(rig, optimizer)
+            del optimizer
+        release_rig(rig)
         del rig
-        cleanup()
     write_reports(results, args.out, plot=True)
     return results
 

@@ -31,6 +31,19 @@ KIND_TITLES = {
     "forward": "Forward-only log-prob pass (old / reference policy), no_grad",
     "step": "Whole GRPO step: forward-only pass + training pass + megatron-core Adam step",
 }
+KIND_NOTES = {
+    "train": "The floor's time is its decoder's plus the bare output-layer matmuls' (in brackets); its peak and max "
+             "tokens are the decoder's alone. Peaks include the bf16 weights and Megatron DDP's fp32 gradient buffers "
+             "(1.5B: 2.9 + 5.8 GiB; 0.5B: 0.9 + 1.9 GiB).",
+    "forward": "A no-grad pass recomputes nothing (megatron-core's checkpointing only wraps the forward), so these rows "
+               "were measured once per shape and length, with the selective-recompute model. The floor is the decoder's "
+               "forward plus the output matmul; its max tokens are the decoder's alone.",
+    "step": "Two micro-batches of 8192 tokens: the forward-only pass over both (old log-probs), then the training pass "
+            "over both (on-policy: the old log-probs are the current ones), then megatron-core's Adam "
+            "(`Float16OptimizerWithFloat16Params`: fp32 master weights, gradient clipping at 1.0). The floor's step runs "
+            "the decoder in both passes; its output matmuls (one forward GEMM and three training GEMMs per "
+            "micro-batch) are timed apart and added.",
+}
 TARGET_FUSED_TIME = 1.01
 TARGET_FUSED_TOKENS = 0.95
 TARGET_LOGITS_TIME = 1.02
@@ -210,7 +223,9 @@ def markdown(results: Results) -> str:
         "random tokens. Every pass runs through megatron-core's `forward_backward_func`. Times: median of a few steps "
         "(CUDA events) of one micro-batch of 8192 tokens (4 × 2048 or 1 × 8192); peak: allocated memory during one "
         "step, weights and gradient buffers included; max tokens: the largest micro-batch (B × S) that runs, found by "
-        "probing (out-of-memory caught, cache emptied between probes; `PYTORCH_CUDA_ALLOC_CONF="
+        "probing (out-of-memory caught; between probes and rows the caching allocator is emptied and so is "
+        "megatron-core's global memory buffer, which holds the local attention's S × S scores at the largest size "
+        "ever asked for; `PYTORCH_CUDA_ALLOC_CONF="
         f"{meta.get('runs', [{}])[-1].get('PYTORCH_CUDA_ALLOC_CONF')}`). The loss is the same objective on every "
         "path (PPO clip 0.2, dual clip 3, token mean, on-policy in the timed rows; no entropy, no KL). "
         f"torch {meta.get('torch')}, triton {meta.get('triton')}, megatron-core {meta.get('megatron_core')}.",
@@ -231,6 +246,8 @@ def markdown(results: Results) -> str:
         if not groups:
             continue
         lines += [f"## {KIND_TITLES[kind]}", ""]
+        if kind in KIND_NOTES:
+            lines += [KIND_NOTES[kind], ""]
         if kind == "step":
             lines += ["| model | S | recompute | path | step ms | × floor | peak GiB |", "|---|---|---|---|---|---|---|"]
         else:
