@@ -292,16 +292,17 @@ def plot_results(results: Results, path: FilePath) -> None:
               ("train", "max_tokens", "training pass: max tokens per micro-batch"),
               ("forward", "max_tokens", "forward-only pass: max tokens per micro-batch")]
     groups = results.groups()
-    configs = [k for k in groups if k[3] == "train"]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.6 * len(configs) + 3), 11))
+    n = max(len([k for k in groups if k[3] == kind]) for kind in ("train", "forward"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.6 * n + 3), 11))
     colors = {"floor": "tab:gray", "common": "tab:red", "logits_model_layer": "tab:purple", "logits": "tab:blue",
               "fused": "tab:green"}
     width = 0.16
     for ax, (kind, metric, title) in zip(axes, panels):
         labels = []
+        configs = [k for k in groups if k[3] == kind]
         for i, (shape, seq, rec, _) in enumerate(configs):
-            rows = groups.get((shape, seq, rec, kind), {})
-            labels.append(f"{shape} S={seq}\n{rec}")
+            rows = groups[(shape, seq, rec, kind)]
+            labels.append(f"{shape} S={seq}" + (f"\n{rec} recompute" if kind == "train" else ""))
             x_ratios = ratios(rows)
             for j, name in enumerate(PATH_ORDER):
                 r = rows.get(name, {})
@@ -316,8 +317,8 @@ def plot_results(results: Results, path: FilePath) -> None:
             ax.axhline(TARGET_FUSED_TIME, color="tab:green", linestyle="--", linewidth=0.8)
             ax.axhline(TARGET_LOGITS_TIME, color="tab:blue", linestyle="--", linewidth=0.8)
             ax.set_ylim(0.95, None)
-        ax.legend(fontsize=7, ncol=5)
+        ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     fig.suptitle(f"GRPO step, Qwen2.5 shapes, local layer spec, bf16 — {results.meta.get('device', '')}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(h_pad=2.5)
     fig.savefig(path, dpi=110)
     plt.close(fig)
