@@ -22,7 +22,10 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On
    the logits path without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
    autograd Function, the loss's backward inside the log-prob backward kernel (same values, fewer host
-   steps per micro-batch).
+   steps per micro-batch). On the logits path the gradient of the logits is written into the logits
+   (``inplace_backward``: Megatron's schedule never reads the model output again), and
+   :meth:`MegatronGRPO.call_model`'s batch-major output layer (:mod:`mp_grpo.megatron.logits_output`)
+   copies neither them nor their gradient: one ``[N, V_local]`` buffer is all the logits path holds.
 3. :class:`~mp_grpo.GRPOLoss` with the step's :class:`~mp_grpo.GlobalBatch` and the micro-batch's
    :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
 4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
@@ -50,6 +53,7 @@ from mp_grpo.loss.input_checks import check_batch, check_loss_call
 from mp_grpo.loss.metrics import reduce_metrics, total_entry
 from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states, fused_output_loss, loss_in_forward
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
+from mp_grpo.megatron.logits_output import call_for_logits
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
 from mp_grpo.megatron.moe import MoEStats, RoutedTokenAccount, check_moe_config, end_routing_replay, is_moe, replay_routing
 from mp_grpo.megatron.output_checks import checked_output
@@ -323,7 +327,9 @@ class MegatronGRPO:
     ) -> tuple[torch.Tensor, OutputWeight | None]:
         """The model's output for ``mb`` on this object's output path, and the output weight it needs.
 
-        ``OutputPath.LOGITS``: ``(logits [*targets, V_local], None)``. ``OutputPath.FUSED``: ``(hidden
+        ``OutputPath.LOGITS``: ``(logits [*targets, V_local], None)``, GPTModel's output layer computing them
+        batch-major (:func:`~mp_grpo.megatron.logits_output.call_for_logits`: no transposed copy of the logits
+        forward or backward). ``OutputPath.FUSED``: ``(hidden
         [*targets, H], OutputWeight)`` with the model's output layer skipped
         (:func:`~mp_grpo.megatron.fused_output.call_for_hidden_states`); on a pipeline stage without an
         output layer ``(activations, None)``. Either way, pass both to :meth:`token_logprobs`.
@@ -333,7 +339,7 @@ class MegatronGRPO:
             kwargs["packed_seq_params"] = mb.packed_seq_params
         if self.output_path == OutputPath.FUSED:
             return call_for_hidden_states(model, mb.input_ids, mb.position_ids, None, **kwargs)
-        return model(mb.input_ids, mb.position_ids, None, **kwargs), None
+        return call_for_logits(model, mb.input_ids, mb.position_ids, None, **kwargs), None
 
     def model_logprobs(
         self, model: torch.nn.Module, mb: MicroBatch, *, model_kwargs: Mapping[str, object] | None = None
@@ -354,21 +360,24 @@ class MegatronGRPO:
         *,
         vocab_size: int | None = None,
         output_weight: OutputWeight | None = None,
+        inplace_backward: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Steps 1–2: fp32 log-probs of ``mb.targets`` (and entropy) from the model output of :meth:`call_model`.
 
         ``OutputPath.LOGITS``: ``output_tensor`` is the vocab-parallel logits and ``output_weight`` None.
         ``OutputPath.FUSED``: ``output_tensor`` is the output layer's TP-mapped input and ``output_weight``
-        its weight.
+        its weight. ``inplace_backward`` (logits path): the logits' gradient is written into the logits
+        themselves (one ``[N, V_local]`` buffer fewer; they are overwritten in backward) — what
+        :meth:`loss_func` does with the model output, which Megatron's schedule never reads again.
         """
         # --- 1. the output must cover the micro-batch's positions and this rank's vocabulary shard ---
         x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
                            self.groups.tp_size)
         # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
-        return self._logprobs_unchecked(x, mb, output_weight)
+        return self._logprobs_unchecked(x, mb, output_weight, inplace_backward)
 
     def _logprobs_unchecked(
-        self, x: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None
+        self, x: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None, inplace_backward: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step 2 on the output :func:`~mp_grpo.megatron.output_checks.checked_output` returned: the ops' unchecked
         entries."""
@@ -383,7 +392,7 @@ class MegatronGRPO:
             out = fused_linear_logprobs_unchecked(x, weight, mb.targets, chunk_tokens=None, chunk_vocab=None,
                                                   accumulate_into_main_grad=accumulate, **common)
         else:
-            out = vocab_parallel_logprobs_unchecked(x, mb.targets, inplace_backward=False, **common)
+            out = vocab_parallel_logprobs_unchecked(x, mb.targets, inplace_backward=inplace_backward, **common)
         return out if self.with_entropy else (out, None)
 
     def loss_func(
@@ -430,7 +439,7 @@ class MegatronGRPO:
             )
         elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None:
             # --- 2.–3. logits path: log-probs and the share in one autograd Function (GRPOLoss.on_logits) ---
-            spec = LogitsSpec(self.groups.tp, self._inv_temperature, IGNORE_INDEX, False, self.check_inputs)
+            spec = LogitsSpec(self.groups.tp, self._inv_temperature, IGNORE_INDEX, True, self.check_inputs)
             share, metrics = self.loss.on_logits_unchecked(
                 x, mb.targets, mb.old_logprobs, mb.advantages, mb.loss_mask, spec=spec, with_entropy=self.with_entropy,
                 rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, batch=batch, layout=mb.sequences,
@@ -440,7 +449,7 @@ class MegatronGRPO:
             metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
         else:
             # --- 2. log-probs (and entropy) ---
-            logprobs, entropy = self._logprobs_unchecked(x, mb, output_weight)
+            logprobs, entropy = self._logprobs_unchecked(x, mb, output_weight, inplace_backward=True)
             # --- 3. this micro-batch's share of the step objective ---
             share, metrics = share_of(logprobs, entropy)
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
