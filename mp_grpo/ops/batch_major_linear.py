@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from mp_grpo.ops.checks import check_main_grad
-from mp_grpo.ops.fused_linear_logprobs import _matmul_into, main_grad_placeholder
+from mp_grpo.ops.output_chunks import main_grad_placeholder, matmul_into
 
 
 class BatchMajorLinear(torch.autograd.Function):
@@ -71,7 +71,7 @@ class BatchMajorLinear(torch.autograd.Function):
         # --- 3. weight gradient (into main_grad under gradient-accumulation fusion) ---
         if ctx.needs_input_grad[1]:
             if ctx.accumulate_into_main_grad:
-                _matmul_into(weight.main_grad, g.t(), x, accumulate=True)
+                matmul_into(weight.main_grad, g.t(), x, accumulate=True)
                 grad_weight = main_grad_placeholder(weight, weight.dtype)
             else:
                 grad_weight = torch.mm(g.t(), x)
