@@ -41,7 +41,6 @@ if ON_CPU:
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex are|Apex is) not installed")
 # megatron-core's TransformerConfig warns about its own default value of cuda_graph_scope ("full").
 warnings.filterwarnings("ignore", message=r"full scope is deprecated\. Use empty cuda_graph_scope", category=UserWarning)
-warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
