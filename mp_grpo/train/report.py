@@ -131,7 +131,8 @@ def describe_run(cfg, info: dict) -> str:
     layout = info.get("layout", {})
     where = "CPU stand-in model" if str(info.get("description", "")).startswith("CPU") else "megatron-core GPTModel"
     modulus = cfg.task.modulus or cfg.model.vocab_size
-    shape = (f"TP={layout['tp']}, DP={layout['dp']}, CP={layout['cp']} on {layout['world']} processes, "
+    processes = f"{layout['world']} process" + ("es" if layout.get("world") != 1 else "") if layout else ""
+    shape = (f"TP={layout['tp']}, DP={layout['dp']}, CP={layout['cp']} on {processes}, "
              f"{layout['global_batch']} completions a step" if layout else "")
     return (f"on-policy GRPO learning successor counting mod {modulus} ({where}; {shape}; "
             f"{cfg.rollout.group_size} completions per prompt, seed {cfg.train.seed})")
