@@ -11,7 +11,8 @@ run's ``log.json``: the mean reward over the first and last 5 steps with the noi
 (:func:`mp_grpo.train.report.reward_change`) and the entropy at the first and last step.
 
 Writes ``main_job.json`` (every run, the machine, the versions), ``main_job.md`` (a table) and
-``main_job.png`` (mean reward per step of every seed, with the chance level).
+``main_job.png`` (mean reward per step of every run, with the chance level). ``--append`` adds the runs to
+those of an existing ``main_job.json`` (measurements at other times, under other loads).
 """
 
 from __future__ import annotations
@@ -66,19 +67,19 @@ def markdown(result: dict) -> str:
     lines = [
         "# The main job on a CPU machine — wall time and what it learned",
         "",
-        f"Command: `{result['command']}` (the README's), seeds {', '.join(str(r['seed']) for r in runs)} run one after "
-        f"the other on {result['machine']}; wall time around the whole command, the 1-minute load average before / "
-        f"after each run (the job itself adds about 2 on 2 cores; more means other jobs shared the machine). Written by "
-        f"`{result['bench_command']}` on {result['date']}.",
+        f"Command: `{result['command']}` (the README's) with `train.seed=SEED`, the runs one after the other on "
+        f"{result['machine']}; wall time around the whole command, the 1-minute load average before / after each run "
+        f"(the job itself adds about 2 on 2 cores; more means other jobs shared the machine). Written by "
+        f"`{' ; '.join(result['bench_commands'])}`.",
         "",
-        "| seed | wall s | inside the job s | load before / after | reward step 0 | mean reward first 5 → last 5 steps | verdict | entropy first → last step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| date | seed | wall s | inside the job s | load before / after | reward step 0 | mean reward first 5 → last 5 steps | verdict | entropy first → last step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in runs:
-        lines.append(f"| {r['seed']} | {r['wall_s']:.0f} | {r['inside_job_s']:.0f} | {r['load_before'][0]:.2f} / {r['load_after'][0]:.2f} | "
+    for r in sorted(runs, key=lambda r: r["load_before"][0]):
+        lines.append(f"| {r['date']} | {r['seed']} | {r['wall_s']:.0f} | {r['inside_job_s']:.0f} | {r['load_before'][0]:.2f} / {r['load_after'][0]:.2f} | "
                      f"{r['reward_step0']:.3f} | {r['reward_first']:.3f} → {r['reward_last']:.3f} (±{r['noise']:.3f}) | "
                      f"{r['verdict']} | {r['entropy_first']:.2f} → {r['entropy_last']:.2f} |")
-    lines += ["", f"Wall time {min(walls):.0f}–{max(walls):.0f} s over these runs. ±: the half-width of the 95 % interval "
+    lines += ["", f"Wall time {min(walls):.0f}–{max(walls):.0f} s over these runs (sorted by the load before them). ±: the half-width of the 95 % interval "
               "of the difference, from the per-step spread (`mp_grpo/train/report.py`). A uniform policy scores 1/32 = 0.031."]
     return "\n".join(lines) + "\n"
 
@@ -90,8 +91,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for r in result["runs"]:
-        ax.plot(range(len(r["rewards"])), r["rewards"], marker=".", label=f"seed {r['seed']} ({r['wall_s']:.0f} s)")
+    from matplotlib.ticker import MaxNLocator
+
+    for seed in sorted({r["seed"] for r in result["runs"]}):  # one curve a seed: the same seed gives the same curve
+        r = next(r for r in result["runs"] if r["seed"] == seed)
+        ax.plot(range(len(r["rewards"])), r["rewards"], marker=".", label=f"seed {seed}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.axhline(1 / 32, color="gray", linestyle=":", label="chance: a uniform policy, 0.031")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward (fraction of tokens right)")
@@ -107,19 +112,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks")
+    parser.add_argument("--append", action="store_true", help="add the runs to those of an existing main_job.json")
     args = parser.parse_args()
     import torch
 
     with tempfile.TemporaryDirectory() as scratch:
         runs = []
         for seed in args.seeds:
-            runs.append(run_once(seed, Path(scratch)))
+            runs.append(dict(date=date.today().isoformat(), **run_once(seed, Path(scratch))))
             print(f"seed {seed}: {runs[-1]['wall_s']:.0f} s, load {runs[-1]['load_before'][0]:.2f} → "
                   f"{runs[-1]['load_after'][0]:.2f}; {runs[-1]['summary']}", flush=True)
-    result = dict(command=COMMAND, bench_command="python scripts/bench_main_job.py --seeds "
-                  + " ".join(map(str, args.seeds)) + " --out docs/benchmarks",
+    bench = "python scripts/bench_main_job.py --seeds " + " ".join(map(str, args.seeds)) + " --out docs/benchmarks"
+    result = dict(command=COMMAND, bench_commands=[bench],
                   machine=f"{os.cpu_count()} CPU cores, {platform.system()} (Python {platform.python_version()}, torch {torch.__version__})",
-                  date=date.today().isoformat(), runs=runs)
+                  runs=runs)
+    earlier = args.out / "main_job.json"
+    if args.append and earlier.exists():
+        old = json.loads(earlier.read_text())
+        result.update(runs=old["runs"] + runs, bench_commands=old["bench_commands"] + [bench + " --append"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "main_job.json").write_text(json.dumps(result, indent=1))
     (args.out / "main_job.md").write_text(markdown(result))

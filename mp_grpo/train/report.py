@@ -157,6 +157,7 @@ def curves_figure(records: list[dict], *, title: str = "", chance: float | None 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in records]
 
@@ -187,6 +188,7 @@ def curves_figure(records: list[dict], *, title: str = "", chance: float | None 
             ax.text(0.5, 0.5, "not measured in this run", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel, fontsize=8)
         ax.ticklabel_format(axis="y", useOffset=False)
         if len(drawn) + len(lines) > 1:
