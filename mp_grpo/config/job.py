@@ -44,11 +44,11 @@ class OutputPath(str, Enum):
     """How the loss reads the policy's output layer (``model.output_path``; :class:`mp_grpo.megatron.MegatronGRPO`).
 
     Both give the same log-probs and the same parameter gradients; they trade time for memory. Measured
-    on one H200 at N = 16384 tokens, H = 4096, V = 151936, bf16 (``docs/benchmarks/fused.md``): forward +
-    backward of the output layer and the log-probs takes 1.04x the bare output-layer matmuls on the
-    logits path and 1.40x on the fused path (it recomputes the logits in backward), while the logits
-    path holds the ``[tokens, V_local]`` logits (4.6 GiB there, and as much again for their gradient)
-    and the fused path at most 0.72 GiB beyond its inputs.
+    on one H100 at N = 16384 tokens, H = 4096, V = 151936, bf16 (``docs/benchmarks/fused.md``): forward +
+    backward of the output layer and the GRPO loss takes 1.04x the bare output-layer matmuls on the logits
+    path, and on the fused path 1.04x for token-level objectives (the loss's gradient made in forward) and
+    1.34x for sequence-level ones such as GSPO (the logits recomputed in backward); the logits path holds the
+    ``[tokens, V_local]`` logits (4.6 GiB there), the fused path 0.69–0.72 GiB beyond its inputs.
     """
 
     LOGITS = "logits"
@@ -95,7 +95,7 @@ class ModelConfig:
     """Seed of the initial weights (the same on every rank: every TP layout starts from the same model)."""
     output_path: OutputPath = OutputPath.LOGITS
     """logits | fused: how the loss reads the output layer (:class:`OutputPath`; same gradients, fused
-    trades ~35 % more output-layer time for not holding the ``[tokens, V_local]`` logits)."""
+    never holds the ``[tokens, V_local]`` logits, at the same speed for token-level objectives)."""
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_sequence_length"):
