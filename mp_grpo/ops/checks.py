@@ -186,15 +186,22 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_logits_and_target(logits: torch.Tensor, target: torch.Tensor, *, logits_name: str = "logits") -> None:
     """Dtypes, shapes and devices of a ``[..., V_local]`` logits shard and its ``[...]`` targets."""
+    check_logits(logits, logits_name=logits_name)
+    check_target(target, expected_shape=logits.shape[:-1], device=logits.device, expected_from=f"{logits_name}.shape[:-1]")
+
+
+def check_logits(logits: torch.Tensor, *, logits_name: str = "logits") -> None:
+    """A ``[..., V_local]`` logits shard: a float32 / bfloat16 / float16 tensor with a non-empty last dimension (for
+    a caller that checks its targets' shape against it in its own terms, as ``MegatronGRPO.loss_func``)."""
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
         got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise TypeError(f"{logits_name} must be a float32, bfloat16 or float16 tensor, got {got}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"{logits_name} must have a non-empty last (vocabulary) dimension, got shape {tuple(logits.shape)}")
-    check_target(target, expected_shape=logits.shape[:-1], device=logits.device, expected_from=f"{logits_name}.shape[:-1]")
 
 
 def check_target(target: torch.Tensor, *, expected_shape: torch.Size, device: torch.device, expected_from: str) -> None:
+    """``target``: int64 / int32 token ids of ``expected_shape`` on ``device``."""
     if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
         got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
         raise TypeError(f"target must be an int64 (or int32) tensor of token ids, got {got}")
@@ -254,6 +261,13 @@ def raise_on_kernel_errors(
 
 def check_hidden_weight_and_target(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> None:
     """``hidden`` ``[..., H]`` and ``weight`` ``[V_local, H]`` of one float dtype and device; ``target`` ``[...]``."""
+    check_hidden_and_weight(hidden, weight)
+    check_target(target, expected_shape=hidden.shape[:-1], device=hidden.device, expected_from="hidden.shape[:-1]")
+
+
+def check_hidden_and_weight(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """``hidden`` ``[..., H]`` and ``weight`` ``[V_local, H]`` of one float dtype and device (for a caller that
+    checks its targets' shape against ``hidden`` in its own terms, as ``MegatronGRPO.loss_func``)."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
@@ -276,7 +290,6 @@ def check_hidden_weight_and_target(hidden: torch.Tensor, weight: torch.Tensor, t
         )
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
-    check_target(target, expected_shape=hidden.shape[:-1], device=hidden.device, expected_from="hidden.shape[:-1]")
 
 
 def check_chunk_size(value: int | None, name: str) -> int | None:
