@@ -47,7 +47,7 @@ from mp_grpo.config.loss import GSPOGradient, LossConfig, Objective, RatioLevel
 from mp_grpo.loss import torch_path
 from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES, covariance_selection
 from mp_grpo.loss.global_batch import GlobalBatch
-from mp_grpo.loss.input_checks import check_batch, check_float, check_loss_call, checked_layout
+from mp_grpo.loss.input_checks import check_batch, check_float, check_is_weights, check_loss_call, checked_layout
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
 from mp_grpo.loss.torch_path import StepValues
 from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
@@ -156,6 +156,7 @@ class GRPOLoss:
         positive: torch.Tensor | None = None,
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
 
@@ -183,6 +184,13 @@ class GRPOLoss:
             generator: with ``policy.objective=clip_cov`` (only then): the generator of its random selection,
                 on the tokens' device; the same generator state gives the same selection (pass one seeded per
                 step and micro-batch for reproducible runs). None: the device's default generator, as verl.
+            is_weights: a per-token importance weight computed by the caller (verl's ``rollout_is_weights``:
+                its own rollout correction, truncated and normalized as it is configured), token-shaped; it
+                multiplies the policy term where the computed rollout-correction weight would (step 5b), with
+                no gradient. It takes the place of that weight: not with ``rollout_correction.weight_level``,
+                nor with vespo (whose φ holds the IS weight inside). The rollout rejection, OPSM and the other
+                selections still apply; the KL and entropy terms are not weighted. Torch path only (``AUTO``
+                takes it; ``TRITON`` refuses).
         """
         # --- 1. check the inputs ---
         layout = checked_layout(layout)
@@ -192,12 +200,14 @@ class GRPOLoss:
             rollout_logprobs, ref_logprobs, entropy, kl_logprobs=kl_logprobs, entropy_coef=entropy_coef,
             generator=generator, positive=positive, positive_tokens=positive_tokens,
         )
+        if is_weights is not None:
+            check_is_weights(self.config, is_weights, logprobs.shape, logprobs.device)
         if batch is not None:
             check_batch(self.config, batch, loss_mask)
         return self.share_unchecked(
             logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
             entropy=entropy, batch=batch, layout=layout, kl_logprobs=kl_logprobs, entropy_coef=entropy_coef,
-            positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator,
+            positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator, is_weights=is_weights,
         )
 
     def share_unchecked(
@@ -217,6 +227,7 @@ class GRPOLoss:
         positive_mask: torch.Tensor | None = None,
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Steps 2–6 of :meth:`__call__`, for inputs its step 1 checked already — by the public entry point the
         micro-batch entered (:meth:`__call__`, :meth:`on_logits`, ``MegatronGRPO.loss_func``: ``check_loss_call``
@@ -228,6 +239,11 @@ class GRPOLoss:
         if kl_logprobs is not None and fused:
             if self.backend == LossBackend.TRITON:
                 raise ValueError("kl_logprobs: backend TRITON does not implement a separate KL input; use "
+                                 "LossBackend.AUTO or LossBackend.TORCH")
+            fused = False  # AUTO: the torch path
+        if is_weights is not None and fused:
+            if self.backend == LossBackend.TRITON:
+                raise ValueError("is_weights: backend TRITON does not implement a precomputed IS weight; use "
                                  "LossBackend.AUTO or LossBackend.TORCH")
             fused = False  # AUTO: the torch path
         # --- 2. the step's account ---
@@ -256,7 +272,7 @@ class GRPOLoss:
         # --- 3. token stage ---
         tokens = self._token_stage(
             logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy, kl_logprobs,
-            positive_mask,
+            positive_mask, is_weights,
         )
         if cfg.policy.objective in COVARIANCE_OBJECTIVES:  # per call = per micro-batch (verl), see .covariance
             tokens = tokens._replace(cov_selected=covariance_selection(

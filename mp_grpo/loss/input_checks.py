@@ -144,6 +144,20 @@ def check_covariance(
         raise ValueError(f"generator is on {generator.device} but {reference} is on {device}")
 
 
+def check_is_weights(cfg: LossConfig, is_weights: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    """A caller's precomputed IS weight: token-shaped floats on the tokens' device, and no computed weight beside it."""
+    check_float("is_weights", is_weights)
+    check_like("is_weights", is_weights, shape, device)
+    if cfg.rollout_correction.weight_level is not None:
+        raise ValueError(
+            f"is_weights: the config computes its own IS weight (rollout_correction.weight_level="
+            f"{cfg.rollout_correction.weight_level.value}); give one weight or the other — set weight_level to null "
+            "to use the given weights")
+    if cfg.policy.objective == Objective.VESPO:
+        raise ValueError("is_weights: policy.objective=vespo puts the IS weight inside its gamma weight φ(w); a "
+                         "precomputed weight can only multiply the policy term")
+
+
 def positive_token_mask(
     cfg: LossConfig, layout: SequenceLayout, shape: torch.Size, positive: torch.Tensor | None,
     positive_tokens: torch.Tensor | None, layout_device: torch.device, reference: str = "logprobs",

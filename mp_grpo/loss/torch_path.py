@@ -7,7 +7,8 @@ account (steps 1–2), then calls, with the inputs it checked:
        NaN there never reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the
        rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence.
     4. (in ``__call__``: the per-sequence sums of those columns, broadcast back to the tokens.)
-    5. :func:`combine_stage`: 5a. the objective's term; 5b. × the IS weight, the rollout rejection; 5c. zeroed
+    5. :func:`combine_stage`: 5a. the objective's term; 5b. × the IS weight (computed, or the caller's
+       ``is_weights``), the rollout rejection; 5c. zeroed
        where rejected (OPSM, top-entropy, clip_cov's selection); 5d. + coef·KL and − bonus·entropy on every
        valid token; 5e. each divided by its aggregation's global divisor, + the VAPO NLL, zero when the step is
        skipped, summed → this micro-batch's share.
@@ -50,6 +51,8 @@ class Tokens(NamedTuple):
     """The log-probs the KL is taken of (``logprobs`` unless ``kl_logprobs`` was given)."""
     positive: torch.Tensor | None
     """Bool: valid tokens of positive examples (``nll.positive_coef`` only)."""
+    is_weights: torch.Tensor | None
+    """The caller's precomputed IS weight per token (``is_weights``), detached."""
     seq_columns: torch.Tensor
     """``[*tokens, k]``: valid count, then (per config) the objective's sequence input, d, the OPSM divergence,
     ℓ for a sequence-level KL bias correction."""
@@ -83,6 +86,7 @@ def token_stage(
     entropy: torch.Tensor | None,
     kl_logprobs: torch.Tensor | None,
     positive: torch.Tensor | None,
+    is_weights: torch.Tensor | None = None,
 ) -> Tokens:
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
@@ -124,6 +128,7 @@ def token_stage(
         entropy=None if entropy is None else clean(entropy),
         kl_logprobs=lp if kl_logprobs is None else clean(kl_logprobs),
         positive=None if positive is None else valid & positive,
+        is_weights=None if is_weights is None else clean(is_weights).detach(),
         seq_columns=torch.stack(columns, dim=-1),
     )
 
@@ -168,6 +173,8 @@ def combine_stage(
         if rc.normalize_weights:
             weight = normalized_weight(truncated, step.weight_mean)  # type: ignore[arg-type]
         policy = policy * weight
+    if t.is_weights is not None:  # the caller's weight in place of the computed one (never both)
+        policy = policy * t.is_weights
     if rc.reject_level is not None and not folded:
         r_log = level_log_ratio(rc.reject_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
         keep_rc = kept(r_log, rc)
@@ -235,6 +242,8 @@ def combine_stage(
             out.update(M.stats_entries("is_weight/truncated", truncated, valid))  # type: ignore[arg-type]
             if rc.normalize_weights:
                 out.update(M.stats_entries("is_weight/applied", weight, valid))
+        if t.is_weights is not None:
+            out.update(M.stats_entries("is_weight/given", t.is_weights, valid))
         for name, mask in (("rollout", keep_rc), ("opsm", keep_opsm), ("entropy", keep_ent)):
             if mask is not None:
                 out[f"rejected_frac/{name}"] = M.mean_entry((~mask).to(lp.dtype), valid)
