@@ -16,13 +16,17 @@ first steps only)
     3. Step-level sums: IS-weight sum and count (``normalize_weights``), Σ k3(old ‖ rollout)
        (``mismatch.skip_threshold``).
     4. ONE all-reduce over ``group`` (DP, or DP×CP) of [valid tokens, valid sequences, all sequences,
-       micro-batches, positions, weight sum, weight count, k3 sum] in float64.
+       micro-batches, positions, weight sum, weight count, k3 sum] in float64 — and, for a group of more than
+       one rank, the fingerprint of what every rank must hold alike (:mod:`mp_grpo.loss.fingerprint`: the
+       LossConfig, the step id, ``same_on_all_ranks``), checked on the reduced lanes: ranks that disagree get a
+       :class:`~mp_grpo.loss.fingerprint.RankDisagreementError` (every rank alike) and NaN counts.
     5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' entropies over ``group``
        (sizes, then the padded values, fp32 — fp64 for fp64 inputs) and their exact quantile — an exact
        quantile needs the values.
     6. Only under pipeline parallelism (``pp_group``) with step-level quantities: the last stage computes
        them (3–5) and ONE broadcast over ``pp_group`` gives every stage the same values and decisions.
-A host synchronization happens only in step 5 (variable sizes); the counts stay on the device.
+A host synchronization happens only in step 5 (variable sizes; there the fingerprint's verdict is read first, so
+that ranks that disagree raise before a gather some of them would not join); the counts stay on the device.
 
 **Wrong-step protection.** A GlobalBatch knows exactly which loss masks it was built from — by
 identity, not by shape: it holds a reference to each mask (so their memory cannot be reused by other
@@ -33,7 +37,8 @@ content of one of them (a copy), compared on the device and reported through the
 (``mp_grpo.ops.checks``: at once on the CPU, at the step's next sync point on a GPU). A mask of another
 step with the same shapes is rejected.
 A batch records the caller's ``step`` id (:meth:`check_step` raises for another id), and a batch built
-for another LossConfig is rejected.
+for another LossConfig is rejected. Across the ranks of ``group``, the step's all-reduce checks that every rank
+built its batch alike (same LossConfig, step id and ``same_on_all_ranks``; see step 4).
 
 Every rank of ``group`` must call the constructor (it makes collectives), with its own micro-batches.
 Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes them.
@@ -41,7 +46,7 @@ Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +57,17 @@ from mp_grpo.collectives import (
 from mp_grpo.config.loss import LossConfig, RatioLevel
 from mp_grpo.loss.clamps import COUNT_FLOOR
 from mp_grpo.loss.entropy import entropy_threshold
+from mp_grpo.loss.fingerprint import Fingerprint, RankDisagreementError, fingerprint_items
 from mp_grpo.loss.mismatch import k3
 from mp_grpo.loss.rollout_correction import level_log_ratio, token_log_ratio, truncated_weight
 from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
 from mp_grpo.ops.checks import check_errors, record_errors
+
+
+__all__ = ["GlobalBatch", "RankDisagreementError", "StaleGlobalBatchError"]
+
+_NUM_COUNTS = 8
+"""Lanes of step 4's all-reduce before the fingerprint's."""
 
 
 class StaleGlobalBatchError(ValueError):
@@ -106,14 +118,16 @@ class GlobalBatch:
         group: ProcessGroup | None = None,
         layouts: Sequence[SequenceLayout | None] | None = None,
         step: int | None = None,
+        same_on_all_ranks: Mapping[str, object] | None = None,
     ) -> GlobalBatch:
         """Counts only: valid tokens and sequences over ``group`` from this rank's micro-batch loss masks.
 
         One all-reduce over ``group`` (plus one over the CP group of ``layouts`` under context parallelism).
         Enough for a LossConfig without step-level features (IS-weight normalization, top-entropy
-        selection, mismatch skip); :meth:`from_rollouts` computes those too.
+        selection, mismatch skip); :meth:`from_rollouts` computes those too. ``same_on_all_ranks``: as in
+        :meth:`from_rollouts`.
         """
-        return cls._build(None, masks, group=group, layouts=layouts, step=step)
+        return cls._build(None, masks, group=group, layouts=layouts, step=step, same_on_all_ranks=same_on_all_ranks)
 
     @classmethod
     def from_rollouts(
@@ -128,6 +142,7 @@ class GlobalBatch:
         layouts: Sequence[SequenceLayout | None] | None = None,
         step: int | None = None,
         pp_group: ProcessGroup | None = None,
+        same_on_all_ranks: Mapping[str, object] | None = None,
     ) -> GlobalBatch:
         """Counts plus the step-level quantities ``config`` needs, decided identically on every rank.
 
@@ -147,11 +162,16 @@ class GlobalBatch:
                 computed (the other stages need not pass them) and then broadcast over ``pp_group``
                 (step 6), so every stage makes the same decisions (``skip_step`` above all: a stage that
                 steps its optimizer while another does not hangs in the grad-norm collective).
+            same_on_all_ranks: settings of the caller that every rank of ``group`` must hold alike, by name
+                (values: None, bool, numbers, str, enums, dataclasses or tuples of them) — the Megatron adapter
+                passes ``calculate_per_token_loss`` and the sampling temperature. Checked in step 4's all-reduce
+                with ``config`` and ``step`` (:mod:`mp_grpo.loss.fingerprint`).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
         return cls._build(config, masks, group=group, layouts=layouts, step=step, old_logprobs=old_logprobs,
-                          rollout_logprobs=rollout_logprobs, entropies=entropies, pp_group=pp_group)
+                          rollout_logprobs=rollout_logprobs, entropies=entropies, pp_group=pp_group,
+                          same_on_all_ranks=same_on_all_ranks)
 
     @classmethod
     def _build(
@@ -166,6 +186,7 @@ class GlobalBatch:
         rollout_logprobs: Sequence[torch.Tensor] | None = None,
         entropies: Sequence[torch.Tensor] | None = None,
         pp_group: ProcessGroup | None = None,
+        same_on_all_ranks: Mapping[str, object] | None = None,
     ) -> GlobalBatch:
         # --- 1. check the micro-batches; valid tokens of each ---
         masks = list(masks) if isinstance(masks, (list, tuple)) else _not_a_list("masks", masks)
@@ -181,8 +202,14 @@ class GlobalBatch:
             layout.check_tokens(mask.shape, f"masks[{i}]")
             shapes.append(tuple(mask.shape))
             valid.append(layout.valid_tokens(mask))
-        if step is not None and not isinstance(step, int):
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
+        ranks = group_size(group)
+        fingerprint = None
+        if ranks > 1:  # built before any collective: a bad same_on_all_ranks fails on its rank alone, at once
+            fingerprint = Fingerprint(fingerprint_items(config, LossConfig, step, same_on_all_ranks), masks[0].device)
+        elif same_on_all_ranks is not None:
+            fingerprint_items(config, LossConfig, step, same_on_all_ranks)  # its types checked all the same
         decides_here = is_last_rank(pp_group)  # the last pipeline stage decides; the others receive (step 6)
         wants_weight_mean = config is not None and config.rollout_correction.normalize_weights
         wants_skip = config is not None and config.mismatch.skip_threshold is not None
@@ -229,13 +256,21 @@ class GlobalBatch:
         if needs_skip:
             k3_sum = sum(torch.where(v, k3(d.to(torch.float64)), zero).sum() for d, v in zip(ds, valid))
 
-        # --- 4. the one all-reduce over the group ---
-        totals = all_reduce_sum(torch.stack([
+        # --- 4. the one all-reduce over the group, with the fingerprint; its verdict ---
+        local = torch.stack([
             tokens, valid_seqs, all_seqs, torch.full((), float(len(masks)), dtype=torch.float64, device=device),
             torch.full((), float(sum(m.numel() for m in masks)), dtype=torch.float64, device=device),
             w_sum, w_count, k3_sum,
-        ]).to(torch.float64), group)
-        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_sum = totals.unbind()
+        ]).to(torch.float64)
+        if fingerprint is not None:
+            local = torch.cat([local, fingerprint.lanes])
+        totals = all_reduce_sum(local, group)
+        counts = totals[:_NUM_COUNTS]
+        agree = None
+        if fingerprint is not None:
+            agree = fingerprint.verdict(totals[_NUM_COUNTS:], ranks)
+            counts = torch.where(agree, counts, torch.full((), float("nan"), dtype=torch.float64, device=device))
+        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_sum = counts.unbind()
         weight_mean = w_sum / w_count.clamp(min=COUNT_FLOOR) if needs_weight_mean else None
         mismatch_k3 = k3_sum / n_tokens.clamp(min=COUNT_FLOOR) if needs_skip else None
         skip = mismatch_k3 > config.mismatch.skip_threshold if needs_skip else None  # type: ignore[union-attr]
@@ -243,6 +278,8 @@ class GlobalBatch:
         # --- 5. the entropy quantile over every valid token of the group ---
         threshold = None
         if needs_entropy:
+            if agree is not None and not bool(agree):  # a sync step 5 makes anyway: raise before a gather
+                check_errors()  # that ranks built for another config would not join
             dtype = torch.float64 if any(e.dtype == torch.float64 for e in ents) else torch.float32  # type: ignore[union-attr]
             local = torch.cat([e.detach()[v].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
             threshold = entropy_threshold(_gather_varlen(local, group), config.entropy.top_quantile)  # type: ignore[union-attr]

@@ -142,6 +142,10 @@ class MegatronGRPO:
     ) -> GlobalBatch:
         """The step's GlobalBatch over the DP×CP group, from this rank's micro-batches (all ranks must call it).
 
+        Its one all-reduce also checks that every rank of the group has the same LossConfig, step,
+        ``calculate_per_token_loss`` and temperature (:class:`~mp_grpo.loss.fingerprint.RankDisagreementError`
+        otherwise, on every rank: at once on the CPU, at the next ``mp_grpo.check_errors()`` on a GPU).
+
         ``entropies`` (per micro-batch, from the old-log-prob pass) are needed by ``entropy.top_quantile < 1``;
         old and rollout log-probs are taken from the micro-batches when the config needs them.
         """
@@ -166,9 +170,7 @@ class MegatronGRPO:
                         "mismatch.skip_threshold decide on it before the step: set it (MicroBatch.with_logprobs, "
                         "e.g. from a no-grad pass of the model at the start of the step)"
                     )
-        if not step_level and self.config.entropy.top_quantile == 1.0:
-            return GlobalBatch.from_masks(masks, group=self.groups.dp_cp, layouts=layouts, step=step)
-        return GlobalBatch.from_rollouts(
+        return GlobalBatch.from_rollouts(  # without step-level quantities: the counts only, as from_masks
             self.config,
             masks,
             old_logprobs=[mb.old_logprobs for mb in micro_batches] if needs_logprobs else None,
@@ -178,6 +180,10 @@ class MegatronGRPO:
             layouts=layouts,
             step=step,
             pp_group=self.groups.pp,
+            # checked in the batch's all-reduce with the LossConfig and the step: a rank that differs would scale
+            # its gradient (calculate_per_token_loss) or its log-probs (temperature) differently
+            same_on_all_ranks={"calculate_per_token_loss": self.calculate_per_token_loss,
+                               "temperature": self.temperature},
         )
 
     def reduce_metrics(self, losses: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
