@@ -14,13 +14,15 @@ first steps only)
        (and Σd, where a sequence-level weight is normalized), so each sequence is counted once, on CP
        rank 0, and only when it has a valid token anywhere.
     3. Step-level sums: IS-weight sum and count (``normalize_weights``), Σ k3(old ‖ rollout)
-       (``mismatch.skip_threshold``).
+       (``mismatch.skip_threshold``) — over the valid tokens whose old and rollout log-probs are finite (a NaN
+       or ±inf one is left out, never summed: GRPOLoss drops that position and raises, or the step is skipped);
+       with ``nonfinite.skip_step``, the valid positions with a non-finite input given here.
     4. ONE all-reduce over ``group`` (DP, or DP×CP) of [valid tokens, valid sequences, all sequences,
-       micro-batches, positions, weight sum, weight count, k3 sum] in float64 — and, for a group of more than
+       micro-batches, positions, weight sum, weight count, k3 sum, non-finite positions] in float64 — and, for a group of more than
        one rank, the fingerprint of what every rank must hold alike (:mod:`mp_grpo.loss.fingerprint`: the
        LossConfig, the step id, ``same_on_all_ranks``), checked on the reduced lanes: ranks that disagree get a
        :class:`~mp_grpo.loss.fingerprint.RankDisagreementError` (every rank alike) and NaN counts.
-    5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' entropies over ``group``
+    5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' finite entropies over ``group``
        (sizes, then the padded values, fp32 — fp64 for fp64 inputs) and their exact quantile — an exact
        quantile needs the values.
     6. Only under pipeline parallelism (``pp_group``) with step-level quantities: the last stage computes
@@ -66,7 +68,7 @@ from mp_grpo.ops.checks import check_errors, record_errors
 
 __all__ = ["GlobalBatch", "RankDisagreementError", "StaleGlobalBatchError"]
 
-_NUM_COUNTS = 8
+_NUM_COUNTS = 9
 """Lanes of step 4's all-reduce before the fingerprint's."""
 
 
@@ -107,7 +109,11 @@ class GlobalBatch:
     mismatch_k3: torch.Tensor | None = None
     """0-dim float64: global mean of k3(old ‖ rollout) (``mismatch.skip_threshold``)."""
     skip: torch.Tensor | None = None
-    """0-dim bool: skip this step (``mismatch_k3 > skip_threshold``)."""
+    """0-dim bool: skip this step (``mismatch_k3 > skip_threshold``, or with ``nonfinite.skip_step`` a non-finite
+    input anywhere)."""
+    nonfinite_inputs: torch.Tensor | None = None
+    """0-dim float64 (``nonfinite.skip_step``): valid positions of the step, all ranks, with a NaN / ±inf input among
+    those given to :meth:`from_rollouts`."""
 
     # ------------------------------------------------------------------------------------------ build
     @classmethod
@@ -143,6 +149,8 @@ class GlobalBatch:
         step: int | None = None,
         pp_group: ProcessGroup | None = None,
         same_on_all_ranks: Mapping[str, object] | None = None,
+        ref_logprobs: Sequence[torch.Tensor] | None = None,
+        advantages: Sequence[torch.Tensor] | None = None,
     ) -> GlobalBatch:
         """Counts plus the step-level quantities ``config`` needs, decided identically on every rank.
 
@@ -166,12 +174,16 @@ class GlobalBatch:
                 (values: None, bool, numbers, str, enums, dataclasses or tuples of them) — the Megatron adapter
                 passes ``calculate_per_token_loss`` and the sampling temperature. Checked in step 4's all-reduce
                 with ``config`` and ``step`` (:mod:`mp_grpo.loss.fingerprint`).
+            ref_logprobs / advantages: per micro-batch (advantages per sequence ``[S]`` or per token), read only
+                with ``nonfinite.skip_step``: with it, every input given here (old, rollout and reference
+                log-probs, advantages, entropies) is checked at the valid positions, and a NaN / ±inf anywhere in
+                the group skips the step on every rank. An input not given is checked by GRPOLoss, which raises.
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
         return cls._build(config, masks, group=group, layouts=layouts, step=step, old_logprobs=old_logprobs,
                           rollout_logprobs=rollout_logprobs, entropies=entropies, pp_group=pp_group,
-                          same_on_all_ranks=same_on_all_ranks)
+                          same_on_all_ranks=same_on_all_ranks, ref_logprobs=ref_logprobs, advantages=advantages)
 
     @classmethod
     def _build(
@@ -187,6 +199,8 @@ class GlobalBatch:
         entropies: Sequence[torch.Tensor] | None = None,
         pp_group: ProcessGroup | None = None,
         same_on_all_ranks: Mapping[str, object] | None = None,
+        ref_logprobs: Sequence[torch.Tensor] | None = None,
+        advantages: Sequence[torch.Tensor] | None = None,
     ) -> GlobalBatch:
         # --- 1. check the micro-batches; valid tokens of each ---
         masks = list(masks) if isinstance(masks, (list, tuple)) else _not_a_list("masks", masks)
@@ -214,8 +228,10 @@ class GlobalBatch:
         wants_weight_mean = config is not None and config.rollout_correction.normalize_weights
         wants_skip = config is not None and config.mismatch.skip_threshold is not None
         wants_entropy = config is not None and config.entropy.top_quantile < 1.0
-        needs_weight_mean, needs_skip, needs_entropy = (
-            decides_here and wants_weight_mean, decides_here and wants_skip, decides_here and wants_entropy)
+        wants_nonfinite = config is not None and config.nonfinite.skip_step
+        needs_weight_mean, needs_skip, needs_entropy, needs_nonfinite = (
+            decides_here and wants_weight_mean, decides_here and wants_skip, decides_here and wants_entropy,
+            decides_here and wants_nonfinite)
         old = rollout = None
         if needs_weight_mean or needs_skip:
             why = "rollout_correction.normalize_weights" if needs_weight_mean else "mismatch.skip_threshold"
@@ -224,9 +240,17 @@ class GlobalBatch:
         ents = _per_micro_batch("entropies", entropies, shapes, "entropy.top_quantile < 1") if needs_entropy else None
         device = masks[0].device
         clamp = config.policy.log_ratio_clamp if config is not None else None
+        nonfinite = torch.zeros((), dtype=torch.float64, device=device)
+        if needs_nonfinite:
+            nonfinite = _nonfinite_positions(valid, resolved, shapes, old_logprobs=old_logprobs,
+                                             rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+                                             advantages=advantages, entropies=entropies)
+        # the step-level sums read old / rollout only where both are finite (never summing a NaN or inf)
+        summed = [v & torch.isfinite(o) & torch.isfinite(r) for o, r, v in zip(old, rollout, valid)] \
+            if old is not None else None
 
         # --- 2. per-sequence valid counts (and Σd), whole sequences: one all-reduce over the CP group ---
-        ds = [token_log_ratio(o, r, v, clamp) for o, r, v in zip(old, rollout, valid)] if old is not None else None
+        ds = [token_log_ratio(o, r, f, clamp) for o, r, f in zip(old, rollout, summed)] if old is not None else None
         per_seq = []
         for i, (v, layout) in enumerate(zip(valid, resolved)):
             cols = [v.to(torch.float64)] + ([ds[i].to(torch.float64)] if ds is not None else [])
@@ -244,8 +268,8 @@ class GlobalBatch:
         if needs_weight_mean:
             rc = config.rollout_correction  # type: ignore[union-attr]
             if rc.weight_level == RatioLevel.TOKEN:
-                w = [torch.where(v, truncated_weight(d.to(torch.float64), rc), zero) for d, v in zip(ds, valid)]
-                w_sum, w_count = sum(x.sum() for x in w), tokens
+                w = [torch.where(f, truncated_weight(d.to(torch.float64), rc), zero) for d, f in zip(ds, summed)]
+                w_sum, w_count = sum(x.sum() for x in w), sum(f.sum(dtype=torch.float64) for f in summed)
             else:
                 for p in per_seq:
                     count, sum_d = p[:, 0], p[:, 1]
@@ -254,13 +278,13 @@ class GlobalBatch:
                     w_sum = w_sum + owner * torch.where(has, w, zero).sum()
                     w_count = w_count + owner * has.sum(dtype=torch.float64)
         if needs_skip:
-            k3_sum = sum(torch.where(v, k3(d.to(torch.float64)), zero).sum() for d, v in zip(ds, valid))
+            k3_sum = sum(torch.where(f, k3(d.to(torch.float64)), zero).sum() for d, f in zip(ds, summed))
 
         # --- 4. the one all-reduce over the group, with the fingerprint; its verdict ---
         local = torch.stack([
             tokens, valid_seqs, all_seqs, torch.full((), float(len(masks)), dtype=torch.float64, device=device),
             torch.full((), float(sum(m.numel() for m in masks)), dtype=torch.float64, device=device),
-            w_sum, w_count, k3_sum,
+            w_sum, w_count, k3_sum, nonfinite,
         ]).to(torch.float64)
         if fingerprint is not None:
             local = torch.cat([local, fingerprint.lanes])
@@ -270,10 +294,11 @@ class GlobalBatch:
         if fingerprint is not None:
             agree = fingerprint.verdict(totals[_NUM_COUNTS:], ranks)
             counts = torch.where(agree, counts, torch.full((), float("nan"), dtype=torch.float64, device=device))
-        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_sum = counts.unbind()
+        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_sum, nonfinite = counts.unbind()
         weight_mean = w_sum / w_count.clamp(min=COUNT_FLOOR) if needs_weight_mean else None
         mismatch_k3 = k3_sum / n_tokens.clamp(min=COUNT_FLOOR) if needs_skip else None
-        skip = mismatch_k3 > config.mismatch.skip_threshold if needs_skip else None  # type: ignore[union-attr]
+        nonfinite = nonfinite if needs_nonfinite else None
+        skip = _skip(config, mismatch_k3, nonfinite)
 
         # --- 5. the entropy quantile over every valid token of the group ---
         threshold = None
@@ -281,27 +306,29 @@ class GlobalBatch:
             if agree is not None and not bool(agree):  # a sync step 5 makes anyway: raise before a gather
                 check_errors()  # that ranks built for another config would not join
             dtype = torch.float64 if any(e.dtype == torch.float64 for e in ents) else torch.float32  # type: ignore[union-attr]
-            local = torch.cat([e.detach()[v].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
+            local = torch.cat([e.detach()[v & torch.isfinite(e)].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
             threshold = entropy_threshold(_gather_varlen(local, group), config.entropy.top_quantile)  # type: ignore[union-attr]
 
         # --- 6. pipeline parallelism: the last stage's decisions on every stage (one broadcast over PP) ---
-        if group_size(pp_group) > 1 and (wants_weight_mean or wants_skip or wants_entropy):
+        if group_size(pp_group) > 1 and (wants_weight_mean or wants_skip or wants_entropy or wants_nonfinite):
             nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
             mine = torch.stack([
                 weight_mean if weight_mean is not None else nan, mismatch_k3 if mismatch_k3 is not None else nan,
                 threshold.to(torch.float64) if threshold is not None else nan,
+                nonfinite if nonfinite is not None else nan,
             ])
-            weight_mean, mismatch_k3, decided_threshold = broadcast_from_last(mine, pp_group).unbind()
+            weight_mean, mismatch_k3, decided_threshold, nonfinite = broadcast_from_last(mine, pp_group).unbind()
             weight_mean = weight_mean if wants_weight_mean else None
             mismatch_k3 = mismatch_k3 if wants_skip else None
-            skip = mismatch_k3 > config.mismatch.skip_threshold if wants_skip else None  # type: ignore[union-attr]
+            nonfinite = nonfinite if wants_nonfinite else None
+            skip = _skip(config, mismatch_k3, nonfinite)
             threshold = decided_threshold if wants_entropy else None
 
         return cls(
             valid_tokens=n_tokens, valid_sequences=n_valid_seqs, all_sequences=n_all_seqs, num_micro_batches=n_mbs,
             all_positions=n_positions, micro_batch_shapes=tuple(shapes), masks=tuple(masks), mask_versions=tuple(m._version for m in masks),
             step=step, config=config, weight_mean=weight_mean,
-            entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip,
+            entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip, nonfinite_inputs=nonfinite,
         )
 
     # ------------------------------------------------------------------------------------------ use
@@ -310,7 +337,8 @@ class GlobalBatch:
         return self.all_sequences if count_empty else self.valid_sequences
 
     def skip_step(self) -> bool:
-        """Whether the mismatch monitor skipped this step (one host read): then skip ``optimizer.step()`` too.
+        """Whether the step is skipped — by the mismatch monitor, or with ``nonfinite.skip_step`` for a non-finite
+        input (one host read): then skip ``optimizer.step()`` too (the same decision on every rank).
 
         Also raises any input error recorded on the device during the step (:func:`mp_grpo.check_errors`).
         """
@@ -371,6 +399,8 @@ class GlobalBatch:
             needs.append("entropy.top_quantile < 1")
         if config.mismatch.skip_threshold is not None:
             needs.append("mismatch.skip_threshold")
+        if config.nonfinite.skip_step:
+            needs.append("nonfinite.skip_step")
         if self.config is None:
             if needs:
                 raise StaleGlobalBatchError(
@@ -379,6 +409,43 @@ class GlobalBatch:
                 )
         elif self.config is not config and self.config != config:  # identity first: this runs every micro-batch
             raise StaleGlobalBatchError("batch: this GlobalBatch was built for a different LossConfig")
+
+
+def _skip(config: LossConfig | None, mismatch_k3: torch.Tensor | None, nonfinite: torch.Tensor | None) -> torch.Tensor | None:
+    """The step's skip flag from the mismatch monitor and the non-finite count (None when the config has neither)."""
+    flags = []
+    if mismatch_k3 is not None:
+        flags.append(mismatch_k3 > config.mismatch.skip_threshold)  # type: ignore[union-attr]
+    if nonfinite is not None:
+        flags.append(nonfinite != 0)  # NaN (ranks that disagree) skips too
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else flags[0] | flags[1]
+
+
+def _nonfinite_positions(
+    valid: list[torch.Tensor], layouts: list[SequenceLayout], shapes: list[tuple[int, ...]], **inputs
+) -> torch.Tensor:
+    """0-dim float64: valid positions of this rank's micro-batches where any given input is NaN or ±inf (per-sequence
+    advantages broadcast to their tokens)."""
+    count = torch.zeros((), dtype=torch.float64, device=valid[0].device)
+    given = {name: value for name, value in inputs.items() if value is not None}
+    for name, value in given.items():
+        if not isinstance(value, (list, tuple)) or len(value) != len(shapes):
+            raise ValueError(f"{name} must be a list of one tensor per micro-batch ({len(shapes)}), got {value!r}")
+    for i, (v, layout, shape) in enumerate(zip(valid, layouts, shapes)):
+        bad = torch.zeros(shape, dtype=torch.bool, device=v.device)
+        for name, value in given.items():
+            x = value[i]
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise TypeError(f"{name}[{i}] must be a floating-point tensor")
+            if tuple(x.shape) != shape:
+                if name != "advantages" or tuple(x.shape) != (layout.num_sequences(torch.Size(shape)),):
+                    raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)}, masks[{i}] has {shape}")
+                x = layout.broadcast(x, torch.Size(shape))
+            bad = bad | ~torch.isfinite(x)
+        count = count + (v & bad).sum(dtype=torch.float64)
+    return count
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

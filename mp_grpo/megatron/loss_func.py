@@ -170,11 +170,20 @@ class MegatronGRPO:
                         "mismatch.skip_threshold decide on it before the step: set it (MicroBatch.with_logprobs, "
                         "e.g. from a no-grad pass of the model at the start of the step)"
                     )
+        # nonfinite.skip_step: the last stage checks every rollout input the micro-batches hold
+        checks_inputs = self.config.nonfinite.skip_step and is_last_rank(self.groups.pp)
+
+        def given(name: str) -> list[torch.Tensor] | None:
+            values = [getattr(mb, name) for mb in micro_batches]
+            return values if all(v is not None for v in values) else None
+
         return GlobalBatch.from_rollouts(  # without step-level quantities: the counts only, as from_masks
             self.config,
             masks,
-            old_logprobs=[mb.old_logprobs for mb in micro_batches] if needs_logprobs else None,
-            rollout_logprobs=[mb.rollout_logprobs for mb in micro_batches] if needs_logprobs else None,
+            old_logprobs=given("old_logprobs") if needs_logprobs or checks_inputs else None,
+            rollout_logprobs=given("rollout_logprobs") if needs_logprobs or checks_inputs else None,
+            ref_logprobs=given("ref_logprobs") if checks_inputs else None,
+            advantages=given("advantages") if checks_inputs else None,
             entropies=entropies,
             group=self.groups.dp_cp,
             layouts=layouts,
