@@ -8,10 +8,12 @@ checks it there; a disagreement is raised as :class:`RankDisagreementError` nami
 on the CPU, at the next ``mp_grpo.check_errors()`` on a GPU — no host read), and the batch's counts are NaN
 meanwhile, so that the step cannot quietly normalize by them.
 
-The items (:func:`fingerprint_items`): how the batch was built (with a LossConfig or from masks only), every leaf
-of the LossConfig by its dotted key (``aggregation.mode``; "absent" without a config), the step id, and the
-caller's ``same_on_all_ranks`` mapping (one item). Their number depends only on the code, never on the values,
-so every rank's all-reduce has the same length.
+The items (:func:`fingerprint_items`): how the batch was built (with a LossConfig, from masks only, or from
+counts), every leaf of the LossConfig by its dotted key (``aggregation.mode``; "absent" without a config), the
+step id, and the caller's ``same_on_all_ranks`` mapping (one item); for ``GlobalBatch.from_counts`` also every
+count and statistic it takes (NaN where not given), by its bit pattern (cut into chunks on the device: no host
+read). Their number depends only on the code, never on the values, so every rank's all-reduce has the same
+length.
 
 Encoding. Each item's canonical text (:func:`canonical`: deterministic across processes, which ``hash()`` is not;
 ``1`` and ``1.0`` alike) is digested (BLAKE2b, 64 bits) into :data:`CHUNKS` chunks c of :data:`CHUNK_BITS` bits.
@@ -81,14 +83,14 @@ def _get(config: object, key: str) -> object:
 
 
 def fingerprint_items(
-    config: object | None, config_type: type, step: int | None, same_on_all_ranks: Mapping[str, object] | None
+    config: object | None, config_type: type, step: int | None, same_on_all_ranks: Mapping[str, object] | None,
+    built: str = "masks",
 ) -> list[tuple[str, str, str]]:
     """(name, canonical text, this rank's value for messages) of every item, in a fixed order: how the batch was
-    built, each leaf of ``config_type`` (a dataclass; ``config`` one of its instances or None), the step id, and
-    ``same_on_all_ranks`` as one item."""
-    items = [("how the GlobalBatch was built",
-              "config" if config is not None else "masks",
-              "from_rollouts(config, ...)" if config is not None else "from_masks(...) (no LossConfig)")]
+    built (``built``: "masks" or "counts", and whether with a config), each leaf of ``config_type`` (a dataclass;
+    ``config`` one of its instances or None), the step id, and ``same_on_all_ranks`` as one item."""
+    how = f"from {built}" + (" with a LossConfig" if config is not None else " without a LossConfig")
+    items = [("how the GlobalBatch was built", how, how)]
     for key in _leaves(config_type):
         if config is None:
             items.append((f"loss config {key}", "absent", "absent"))
@@ -113,15 +115,29 @@ def _chunks(text: str) -> list[int]:
     return [(digest >> (CHUNK_BITS * i)) & mask for i in range(CHUNKS)]
 
 
+def _device_chunks(values: list[torch.Tensor]) -> torch.Tensor:
+    """``[len(values) · CHUNKS]`` float64: each 0-dim float64 value's bit pattern cut into CHUNKS chunks (on the
+    device: no host read)."""
+    bits = torch.stack([v.reshape(()).to(torch.float64) for v in values]).view(torch.int64)
+    shifts = torch.arange(CHUNKS, device=bits.device, dtype=torch.int64) * CHUNK_BITS
+    return ((bits[:, None] >> shifts) & ((1 << CHUNK_BITS) - 1)).to(torch.float64).reshape(-1)
+
+
 class Fingerprint:
     """The lanes one rank adds to its all-reduce, and the verdict read from the reduced lanes."""
 
-    def __init__(self, items: list[tuple[str, str, str]], device: torch.device) -> None:
-        self.names = [name for name, _, _ in items]
-        self.shown = [shown for _, _, shown in items]
-        chunks = [c for _, text, _ in items for c in _chunks(text)]
-        own = torch.tensor(chunks + [c * c for c in chunks], dtype=torch.float64)
-        self.lanes = own.to(device, non_blocking=True) if device.type != "cpu" else own
+    def __init__(self, items: list[tuple[str, str, str]], device: torch.device,
+                 values: dict[str, torch.Tensor] | None = None) -> None:
+        """``items`` from :func:`fingerprint_items`; ``values``: 0-dim tensors on ``device`` that every rank must
+        hold bit for bit alike too (``GlobalBatch.from_counts``' counts), fingerprinted on the device."""
+        values = values or {}
+        self.names = [name for name, _, _ in items] + list(values)
+        self.shown = [shown for _, _, shown in items] + list(values.values())
+        host = torch.tensor([c for _, text, _ in items for c in _chunks(text)], dtype=torch.float64)
+        chunks = host.to(device, non_blocking=True) if device.type != "cpu" else host
+        if values:
+            chunks = torch.cat([chunks, _device_chunks(list(values.values()))])
+        self.lanes = torch.cat([chunks, chunks * chunks])
         """[2 · items · CHUNKS] float64: the chunks, then their squares."""
 
     def verdict(self, reduced: torch.Tensor, ranks: int) -> torch.Tensor:
@@ -142,7 +158,8 @@ class Fingerprint:
     def _message(self, differs: torch.Tensor, ranks: int) -> Callable[[int], str]:
         def message(_: int) -> str:  # read when raised (a host read then is free)
             which = [i for i, d in enumerate(differs.tolist()) if d]
-            listed = "; ".join(f"{self.names[i]} (this rank: {self.shown[i]})" for i in which[:8])
+            shown = [v.item() if isinstance(v, torch.Tensor) else v for v in self.shown]
+            listed = "; ".join(f"{self.names[i]} (this rank: {shown[i]})" for i in which[:8])
             more = f"; and {len(which) - 8} more" if len(which) > 8 else ""
             return (f"GlobalBatch: the {ranks} ranks of its group disagree on {listed}{more}. Every rank of the group "
                     "must build the step's GlobalBatch for the same LossConfig, step and trainer settings — a rank "

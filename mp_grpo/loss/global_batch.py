@@ -63,7 +63,7 @@ from mp_grpo.collectives import (
     ProcessGroup, all_gather_stacked, all_reduce_sum, broadcast_from_last, group_size, is_last_rank,
 )
 from mp_grpo.config.loss import Aggregation, LossConfig, RatioLevel
-from mp_grpo.loss.step_counts import STEP_STATISTICS, check_counts, check_device, check_within_counts
+from mp_grpo.loss.step_counts import COUNTS, STEP_STATISTICS, check_counts, check_device, check_within_counts
 from mp_grpo.loss.clamps import COUNT_FLOOR
 from mp_grpo.loss.entropy import entropy_threshold
 from mp_grpo.loss.fingerprint import Fingerprint, RankDisagreementError, fingerprint_items
@@ -213,8 +213,11 @@ class GlobalBatch:
         mismatch_k3: float | torch.Tensor | None = None,
         nonfinite_inputs: int | float | torch.Tensor | None = None,
         step: int | None = None,
+        group: ProcessGroup | None = None,
+        same_on_all_ranks: Mapping[str, object] | None = None,
     ) -> GlobalBatch:
-        """The step's account from counts a training framework already made (no collective, no mask).
+        """The step's account from counts a training framework already made (no mask; one collective with
+        ``group``).
 
         For loops that hand the loss global counts instead of the step's masks (verl's ``global_batch_info``,
         NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs``, Megatron-LM's per-token-loss counts). The
@@ -241,6 +244,12 @@ class GlobalBatch:
                 reference log-prob, advantage or entropy, needed by ``nonfinite.skip_step`` (a step with any is
                 skipped); what :meth:`from_rollouts` counts in its step 3.
             step: an optimizer-step id to check later with :meth:`check_step`.
+            group: the group the counts are over (DP, or DP×CP). Given (more than one rank), ONE all-reduce checks
+                that every rank passed the same counts and statistics bit for bit, the same ``config``, ``step`` and
+                ``same_on_all_ranks`` (as :meth:`from_rollouts`; :mod:`mp_grpo.loss.fingerprint`):
+                :class:`~mp_grpo.loss.fingerprint.RankDisagreementError` naming what differs otherwise, on every
+                rank, and NaN counts. None: no collective, nothing compared.
+            same_on_all_ranks: as in :meth:`from_rollouts` (checked with ``group``).
 
         Each value is a Python number or a 0-dim tensor on ``device``. Python numbers are checked at once;
         tensors on the device through the deferred error ledger (see :mod:`mp_grpo.loss.step_counts`): counts
@@ -267,6 +276,16 @@ class GlobalBatch:
         # --- 2. the batch: NaN for the counts not given; skip from mismatch_k3 ---
         nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
         missing = tuple(name for name in ("valid_sequences", "all_sequences", "micro_batches") if name not in values)
+        # --- 3. with a group: one all-reduce of the fingerprint — every rank holds the same values ---
+        ranks = group_size(group)
+        if ranks > 1:
+            names = (*COUNTS, *(stat.name for stat in STEP_STATISTICS))
+            fingerprint = Fingerprint(fingerprint_items(config, LossConfig, step, same_on_all_ranks, built="counts"),
+                                      device, {name: values.get(name, nan) for name in names})
+            agree = fingerprint.verdict(all_reduce_sum(fingerprint.lanes, group), ranks)
+            values = {name: torch.where(agree, v, nan) for name, v in values.items()}
+        elif same_on_all_ranks is not None:
+            fingerprint_items(config, LossConfig, step, same_on_all_ranks)  # its types checked all the same
         mismatch = values.get("mismatch_k3")
         skip = _skip(config, mismatch, values.get("nonfinite_inputs"))
         return cls(

@@ -1,7 +1,7 @@
 """Ranks that disagree fail at the GlobalBatch's one all-reduce (mp_grpo/loss/fingerprint.py), under torchrun / gloo.
 
-Two ranks build the step's GlobalBatch; one of them differs in its LossConfig, its step id, how it built the
-batch, a ``same_on_all_ranks`` setting or — through the Megatron adapter — ``calculate_per_token_loss``. Every
+Two ranks build the step's GlobalBatch (from masks and rollouts, or from counts with a group); one of them differs in its LossConfig, its step id, how it built the
+batch, a ``same_on_all_ranks`` setting, the counts it was given, or — through the Megatron adapter — ``calculate_per_token_loss``. Every
 rank must raise :class:`RankDisagreementError` naming what differs (at once on the CPU; with the checks deferred
 as on a GPU, at ``check_errors()``, the counts NaN meanwhile), and ranks that agree must get the exact counts.
 """
@@ -83,6 +83,36 @@ def case_global_batch() -> None:
         check_errors()
 
 
+def case_from_counts() -> None:
+    """GlobalBatch.from_counts with a group: the ranks' counts, statistics, config and step compared bit for bit."""
+    rank = dist.get_rank()
+    cfg = load_config(None, ["rollout_correction.weight_level=token", "rollout_correction.weight_max=2.0",
+                             "rollout_correction.normalize_weights=true"])
+    common = dict(device="cpu", valid_sequences=7, all_sequences=9, micro_batches=4, config=cfg, step=2,
+                  group=dist.group.WORLD)
+    gb = GlobalBatch.from_counts(valid_tokens=120, weight_mean=torch.tensor(0.97, dtype=torch.float64), **common)
+    assert gb.valid_tokens.item() == 120 and gb.weight_mean.item() == 0.97
+    cases = [
+        (dict(valid_tokens=120 + rank), r"valid_tokens \(this rank: 12[01]\.0\)"),
+        (dict(valid_tokens=torch.tensor(120.0 + rank, dtype=torch.float64)), r"valid_tokens"),
+        (dict(weight_mean=0.97 + 1e-12 * rank), r"weight_mean"),
+    ]
+    for changed, match in cases:
+        kw = dict(common, valid_tokens=120, weight_mean=0.97) | changed
+        with pytest.raises(RankDisagreementError, match=match):
+            GlobalBatch.from_counts(**kw)
+    with pytest.raises(RankDisagreementError, match=r"loss config rollout_correction\.weight_max"):
+        other = load_config(None, ["rollout_correction.weight_level=token",
+                                   f"rollout_correction.weight_max={2.0 + rank}",
+                                   "rollout_correction.normalize_weights=true"])
+        GlobalBatch.from_counts(**(dict(common, valid_tokens=120, weight_mean=0.97) | dict(config=other)))
+    with deferred_checks():
+        gb = GlobalBatch.from_counts(**dict(common, valid_tokens=120 + rank, weight_mean=0.97))
+        assert torch.isnan(gb.valid_tokens) and torch.isnan(gb.weight_mean)
+        with pytest.raises(RankDisagreementError, match="valid_tokens"):
+            check_errors()
+
+
 def case_megatron_per_token_loss() -> None:
     """MegatronGRPO: ranks with different calculate_per_token_loss (or temperature) fail at global_batch."""
     from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
@@ -104,6 +134,7 @@ def test_canonical_is_stable_and_typed() -> None:
     cfg = load_config(None, _STEP_LEVEL)
     items = fingerprint_items(cfg, LossConfig, 3, {"b": 1, "a": (True, None)})
     assert [name for name, _, _ in items][:2] == ["how the GlobalBatch was built", "loss config policy.objective"]
+    assert items[0][1] != fingerprint_items(cfg, LossConfig, 3, None, built="counts")[0][1]
     assert len(items) == len(fingerprint_items(None, LossConfig, None, None))  # same length, whatever the values
     assert canonical(1) == canonical(1.0) and canonical(True) != canonical(1)
     again = fingerprint_items(dataclasses.replace(cfg), LossConfig, 3, {"a": (True, None), "b": 1.0})
@@ -112,10 +143,11 @@ def test_canonical_is_stable_and_typed() -> None:
         fingerprint_items(cfg, LossConfig, 3, {"x": object()})
 
 
-@pytest.mark.parametrize("case", ["case_global_batch", "case_megatron_per_token_loss"])
+@pytest.mark.parametrize("case", ["case_global_batch", "case_from_counts", "case_megatron_per_token_loss"])
 def test_ranks_that_disagree_fail_at_the_all_reduce(case: str) -> None:
     torchrun(__file__, case, nproc=2)
 
 
 if __name__ == "__main__":
-    worker_main({"case_global_batch": case_global_batch, "case_megatron_per_token_loss": case_megatron_per_token_loss})
+    worker_main({"case_global_batch": case_global_batch, "case_from_counts": case_from_counts,
+                 "case_megatron_per_token_loss": case_megatron_per_token_loss})
