@@ -1,15 +1,16 @@
-"""A/B timing of the log-prob kernels and the logits → loss path between two source trees, same GPU, same run.
+"""A/B timing of the log-prob kernels and the logits → loss path between source trees, same GPU, same run.
 
-    python scripts/bench_ab_kernels.py --a /path/to/old/checkout --b . --out docs/benchmarks --name nonfinite_ab
+    python scripts/bench_ab_kernels.py --tree before=/path/to/old/checkout --tree after=. --out docs/benchmarks \
+        --name nonfinite_ab
 
 Each tree is imported in its own child process (``sys.path`` set to that tree, checked); the children run in
-the order A, B, A, B, … (``--rounds``), so that drift shows as a difference between rounds of one tree. Every
+turn, tree after tree, ``--rounds`` times, so that drift shows as a difference between rounds of one tree. Every
 child draws the same inputs (fixed seeds) and times, for V in ``--vocab`` (bf16 logits, N = ``--tokens``):
 ``vocab_parallel_logprobs`` forward, forward+backward, forward+backward with the entropy (default checks), and
 ``GRPOLoss.on_logits`` (DAPO token-mean, off-policy) forward+backward — each eagerly (``do_bench`` median:
 host time included) and as the replay of a captured CUDA graph (GPU time only). It also reports the compiled
 kernels' registers, spills and PTX instruction counts. Written: ``<name>.json`` and ``<name>.md`` (the
-median over rounds of each tree, B / A, and the spread between rounds).
+median over rounds of each tree, its ratio to the first tree's, and the spread between rounds).
 """
 
 from __future__ import annotations
@@ -109,8 +110,7 @@ def _child(root: str, tokens: int, vocabs: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a", required=True, help="source tree A (before)")
-    parser.add_argument("--b", required=True, help="source tree B (after)")
+    parser.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree (the first is the base)")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
     parser.add_argument("--rounds", type=int, default=2)
@@ -121,9 +121,10 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(_child(args.child, args.tokens, args.vocab)))
         return
-    runs: dict[str, list[dict]] = {"A": [], "B": []}
+    trees = dict(t.split("=", 1) for t in args.tree)
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):
-        for label, root in (("A", args.a), ("B", args.b)):
+        for label, root in trees.items():
             cmd = [sys.executable, __file__, "--child", str(Path(root).resolve()), "--tokens", str(args.tokens),
                    "--vocab", *map(str, args.vocab)]
             # the child puts its tree first on sys.path and checks that mp_grpo came from it
@@ -132,21 +133,28 @@ def main() -> None:
                 sys.exit(f"child {label} failed:\n{out.stderr[-4000:]}")
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(label, "done", flush=True)
-    names = list(runs["A"][0]["rows"])
-    lines = [f"# {args.name}: A = {args.a}, B = {args.b} ({runs['A'][0]['device']}, N = {args.tokens}, bf16)", "",
-             "Median ms over rounds (each round: do_bench median); spread = max − min over rounds, per tree.", "",
-             "| case | A ms | B ms | B / A | spread A | spread B |", "|---|---|---|---|---|---|"]
+    names = list(trees)
+    base = names[0]
+    cases = list(runs[base][0]["rows"])
+    lines = [f"# {args.name} ({runs[base][0]['device']}, N = {args.tokens}, bf16 logits)", "",
+             "Trees: " + ", ".join(f"{n} = `{p}`" for n, p in trees.items()), "",
+             f"Median ms over {args.rounds} rounds (each round: the do_bench median); ratio to {base}; spread = "
+             "max − min over the rounds of one tree.", "",
+             "| case | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} / {base}" for n in names[1:])
+             + " | " + " | ".join(f"spread {n}" for n in names) + " |",
+             "|---" * (1 + 2 * len(names) + len(names) - 1) + "|"]
     table = {}
-    for n in names:
-        a = [r["rows"][n] for r in runs["A"]]
-        b = [r["rows"][n] for r in runs["B"]]
-        ma, mb = statistics.median(a), statistics.median(b)
-        table[n] = dict(a=a, b=b, ratio=mb / ma)
-        lines.append(f"| {n} | {ma:.4f} | {mb:.4f} | {mb / ma:.3f} | {max(a) - min(a):.4f} | {max(b) - min(b):.4f} |")
+    for case in cases:
+        values = {n: [r["rows"][case] for r in runs[n]] for n in names}
+        med = {n: statistics.median(v) for n, v in values.items()}
+        table[case] = dict(values=values, ratio={n: med[n] / med[base] for n in names[1:]})
+        lines.append(f"| {case} | " + " | ".join(f"{med[n]:.4f}" for n in names) + " | "
+                     + " | ".join(f"{med[n] / med[base]:.3f}" for n in names[1:]) + " | "
+                     + " | ".join(f"{max(v) - min(v):.4f}" for v in values.values()) + " |")
     lines += ["", "Compiled kernels (registers, spills, PTX instructions), per specialization:", "",
-              "| kernel | A | B |", "|---|---|---|"]
-    for k in sorted(set(runs["A"][0]["kernels"]) | set(runs["B"][0]["kernels"])):
-        lines.append(f"| {k} | {runs['A'][0]['kernels'].get(k)} | {runs['B'][0]['kernels'].get(k)} |")
+              "| kernel | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
+    for k in sorted(set().union(*(runs[n][0]["kernels"] for n in names))):
+        lines.append(f"| {k} | " + " | ".join(str(runs[n][0]["kernels"].get(k)) for n in names) + " |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(dict(table=table, runs=runs), indent=1))
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")

@@ -56,7 +56,7 @@ from mp_grpo.loss.input_checks import (
     positive_token_mask,
 )
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
-from mp_grpo.loss.torch_path import StepValues
+from mp_grpo.loss.torch_path import StepValues, record_nonfinite
 from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
 from mp_grpo.ops.checks import (
     CheckInputs,
@@ -259,7 +259,9 @@ class GRPOLoss:
             entropy_coef=cfg.entropy.bonus_coef if entropy_coef is None else entropy_coef,
             positive_tokens=positive_tokens,
         )
-        return self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+        share, metrics = self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+        record_nonfinite(tokens.nonfinite, batch.skip)  # type: ignore[arg-type]
+        return share, metrics
 
     def on_logits(
         self,
