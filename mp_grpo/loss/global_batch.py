@@ -231,8 +231,8 @@ class GlobalBatch:
                 ``aggregation.count_empty_sequences``).
             all_sequences: every sequence of the step, with or without a valid token (S with
                 ``count_empty_sequences``; verl's ``global_batch_size``).
-            micro_batches: (rank, micro-batch) pairs of the step; only the ``loss`` and ``valid_tokens`` metric
-                entries use it (they reduce to NaN without it).
+            micro_batches: (rank, micro-batch) pairs of the step; only the step totals among the metric entries
+                use it — ``loss``, ``valid_tokens``, ``nonfinite_inputs`` (they reduce to NaN without it).
             config: the LossConfig the step-level statistics below were computed for; required with them.
             weight_mean: the global mean of the truncated IS weights, needed by
                 ``rollout_correction.normalize_weights`` (what :meth:`from_rollouts` computes in its step 3).

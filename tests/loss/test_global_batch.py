@@ -136,7 +136,7 @@ def test_from_rollouts_errors() -> None:
 
 def test_loss_rejects_masks_the_batch_was_not_built_from() -> None:
     """Identity, not shape: masks of another step with the same shapes, and a mask changed in place, are refused."""
-    batch = make_batch(4, LENGTHS, 6)
+    batch = make_batch(4, LENGTHS, 6, garbage=False)  # its values are read under the other step's masks too
     other = make_batch(5, [3, 1, 2, 5], 6)  # another step: same shapes, other masks
     gb = GlobalBatch.from_masks(_parts(other, "loss_mask"))
     loss_fn = GRPOLoss(LossConfig())
