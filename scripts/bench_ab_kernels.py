@@ -110,7 +110,7 @@ def _child(root: str, tokens: int, vocabs: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree (the first is the base)")
+    parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a source tree (the first is the base)")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
     parser.add_argument("--rounds", type=int, default=2)
@@ -121,6 +121,8 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(_child(args.child, args.tokens, args.vocab)))
         return
+    if not args.tree:
+        parser.error("give at least one --tree NAME=PATH")
     trees = dict(t.split("=", 1) for t in args.tree)
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):

@@ -18,10 +18,9 @@ coefficients d loss / d logp, d loss / d H made in forward and the loss's own up
 backward is this one launch, with no host read of the upstream gradient.
 
 A row whose M or log S is not finite (a NaN or +inf logit in it, or -inf throughout: ``logprob_merge.py``)
-gets a zero gradient, written without computing 0 · NaN (one uniform branch per program): its probabilities are
-NaN, and whatever its upstream
-gradient (an ignored row's is 0, and the loss gives 0 to a position it drops), no NaN reaches the logits'
-gradient. The merge counts such rows in forward.
+gets a zero gradient, selected (``tl.where``), never computed as 0 · NaN: its probabilities are NaN, and whatever
+its upstream gradient (an ignored row's is 0, and the loss gives 0 to a position it drops), no NaN reaches the
+logits' gradient. The merge counts such rows in forward.
 
 Every quantity that couples the shards (M, S, H) was merged in forward, so backward needs no
 collective. Each program handles BLOCK_V columns of one row: it reads them once and writes their
@@ -75,26 +74,24 @@ def logprob_backward_kernel(
         g_logprob = g_logprob * grad_scale
     g_logprob = tl.where(target != ignore_index, g_logprob, 0.0)
 
-    # --- 2. probabilities of this block, recomputed from the logits (a row with non-finite statistics: 0) ---
-    # One uniform branch per program, not a select per element: the row's logits are not even read.
-    row_ok = (tl.abs(row_max) < float("inf")) & (tl.abs(log_sum) < float("inf"))
-    if row_ok:
-        z = tl.load(x_ptr + row * stride_x_row + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
-        if HAS_THRESHOLD:
-            z = tl.where(z >= tl.load(threshold_ptr + row), z, float("-inf"))
-        log_p = (z * inv_temperature - row_max) - log_sum
-        p = tl.exp(log_p)
-        grad = tl.where(cols == target - vocab_start, g_logprob, 0.0) - g_logprob * p
-        if HAS_ENTROPY_GRAD:
-            entropy = tl.load(entropy_ptr + row)
-            g_entropy = tl.load(grad_entropy_ptr + row)
-            if HAS_GRAD_SCALE:
-                g_entropy = g_entropy * grad_scale
-            # p = 0 (a -inf logit) contributes nothing; p * log_p would be 0 * -inf = NaN.
-            grad -= g_entropy * tl.where(p > 0.0, p * (log_p + entropy), 0.0)
-        grad = grad * inv_temperature
-    else:
-        grad = tl.zeros([BLOCK_V], dtype=tl.float32)
+    # --- 2. probabilities of this block, recomputed from the logits ---
+    z = tl.load(x_ptr + row * stride_x_row + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
+    if HAS_THRESHOLD:
+        z = tl.where(z >= tl.load(threshold_ptr + row), z, float("-inf"))
+    log_p = (z * inv_temperature - row_max) - log_sum
+    p = tl.exp(log_p)
+    grad = tl.where(cols == target - vocab_start, g_logprob, 0.0) - g_logprob * p
+    if HAS_ENTROPY_GRAD:
+        entropy = tl.load(entropy_ptr + row)
+        g_entropy = tl.load(grad_entropy_ptr + row)
+        if HAS_GRAD_SCALE:
+            g_entropy = g_entropy * grad_scale
+        # p = 0 (a -inf logit) contributes nothing; p * log_p would be 0 * -inf = NaN.
+        grad -= g_entropy * tl.where(p > 0.0, p * (log_p + entropy), 0.0)
 
-    # --- 3. write the gradient once, in the buffer's dtype ---
+    # --- 3. write the gradient once, in the buffer's dtype (0 for a row with non-finite statistics) ---
+    # A select per element: one uniform branch per program instead measured 11–17 % slower with the entropy
+    # gradient (more registers; docs/benchmarks/nonfinite_ab.md).
+    row_ok = (tl.abs(row_max) < float("inf")) & (tl.abs(log_sum) < float("inf"))
+    grad = tl.where(row_ok, grad * inv_temperature, 0.0)
     tl.store(grad_x_ptr + row * stride_grad_x_row + cols, grad.to(grad_x_ptr.dtype.element_ty), mask=col_mask)
