@@ -1,5 +1,7 @@
 """Top-entropy token selection ("Beyond the 80/20 rule", arXiv 2506.01939).
 
+Also :func:`sampled_token_entropy`, Megatron-LM RL's one-token entropy term.
+
 The threshold is the ``1 − top_quantile`` quantile (linear interpolation, as ``torch.quantile`` and TRL)
 of the entropies of *all* valid tokens of the step on all ranks of the data-parallel group — an exact
 quantile needs the values themselves, so :class:`~mp_grpo.GlobalBatch` gathers them once per step (4
@@ -47,3 +49,11 @@ def high_entropy(entropy: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor
     """Bool: the token's entropy is at least ``threshold`` (compared in float64, like the threshold;
     :func:`mp_grpo.kernels.token_math.high_entropy`, the kernels' formula)."""
     return _high_entropy(entropy.detach(), threshold)
+
+
+def sampled_token_entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """``−p·log p`` of the sampled token alone (p = exp(log π_θ(y_t))), differentiable: Megatron-LM RL's
+    ``entropy_term`` (``megatron/rl/rl_utils.py::calculate_grpo_loss``) — one term of the entropy sum, not the
+    entropy of the distribution. Passed as ``entropy=`` it makes ``entropy.bonus_coef`` Megatron-LM's
+    ``--grpo-entropy-term-weight``."""
+    return -torch.exp(logprobs) * logprobs

@@ -24,7 +24,7 @@ from mp_grpo.config import (
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = ["trl_grpo", "trl_dapo", "trl_dr_grpo", "trl_cispo", "trl_sapo", "gspo", "verl_ppo", "nemo_rl_grpo",
-           "deepseek_v32", "mismatch_safe", "trl_vespo", "trl_luspo", "verl_clip_cov", "verl_kl_cov"]
+           "megatron_lm_grpo", "deepseek_v32", "mismatch_safe", "trl_vespo", "trl_luspo", "verl_clip_cov", "verl_kl_cov"]
 
 
 def _leaf_keys(cls, prefix: str = "") -> list[str]:
@@ -77,6 +77,9 @@ def test_preset_values() -> None:
     assert verl.policy.dual_clip_c == 3.0
     nemo = load_config(preset_path("nemo_rl_grpo"))
     assert (nemo.kl.coef, nemo.kl.input_clamp, nemo.kl.output_clamp, nemo.kl.score_function) == (0.01, 20, 10, True)
+    mlm = load_config(preset_path("megatron_lm_grpo"))  # train_rl.py's defaults (Megatron-LM d98e8a6)
+    assert (mlm.policy.eps_low, mlm.policy.eps_high, mlm.kl.coef, mlm.policy.log_ratio_clamp, mlm.kl.input_clamp,
+            mlm.kl.output_clamp) == (0.01, 0.01, 0.001, None, None, None)
     ds = load_config(preset_path("deepseek_v32"))
     assert ds.opsm.delta == 0.5 and ds.kl.bias_correction
     safe = load_config(preset_path("mismatch_safe"))
