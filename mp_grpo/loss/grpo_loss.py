@@ -163,6 +163,7 @@ class GRPOLoss:
         positive: torch.Tensor | None = None,
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
 
@@ -190,8 +191,13 @@ class GRPOLoss:
             generator: with ``policy.objective=clip_cov`` (only then): the generator of its random selection,
                 on the tokens' device; the same generator state gives the same selection (pass one seeded per
                 step and micro-batch for reproducible runs). None: the device's default generator, as verl.
+            check_inputs: how a NaN / ±inf input at a trained position is reported (the position is dropped from
+                the loss and counted in the metric ``nonfinite_inputs`` whatever this is): ``DEFERRED`` (the
+                default; ``True``) records it for ``mp_grpo.check_errors()`` (raised at once on the CPU), ``SYNC``
+                raises at the call, ``OFF`` (``False``) records nothing.
         """
         cfg = self.config
+        mode = check_inputs_mode(check_inputs)
         # --- 1. check the inputs ---
         layout = PaddedSequences() if layout is None else layout
         if not isinstance(layout, SequenceLayout):
@@ -236,6 +242,7 @@ class GRPOLoss:
             return self._fused(  # type: ignore[misc]
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy,
                 self._step_tensors_of(batch, logprobs.device), _sequence_info(layout, token_shape, logprobs.device),
+                mode,
             )
         valid = layout.valid_tokens(loss_mask)
         if advantages.shape != token_shape:
@@ -260,7 +267,7 @@ class GRPOLoss:
             positive_tokens=positive_tokens,
         )
         share, metrics = self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
-        record_nonfinite(tokens.nonfinite, batch.skip)  # type: ignore[arg-type]
+        record_nonfinite(tokens.nonfinite, batch.skip, mode)  # type: ignore[arg-type]
         return share, metrics
 
     def on_logits(
@@ -294,7 +301,8 @@ class GRPOLoss:
 
         ``logits``, ``target``, ``tp_group``, ``temperature``, ``ignore_index``, ``inplace_backward``,
         ``check_inputs`` and ``sampling_filter`` are those of :func:`mp_grpo.vocab_parallel_logprobs` (token
-        shape = ``target.shape``); the other arguments those of :meth:`__call__`.
+        shape = ``target.shape``; ``check_inputs`` also as in :meth:`__call__`); the other arguments those of
+        :meth:`__call__`.
 
         The fused path (:mod:`mp_grpo.ops.logits_grpo_loss`: one autograd Function, the loss's backward inside
         the log-prob backward kernel) runs when the call would take the fused loss (:class:`LossBackend`), a
@@ -318,7 +326,7 @@ class GRPOLoss:
             return self(
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
                 ref_logprobs=ref_logprobs, entropy=entropy, batch=batch, layout=layout, entropy_coef=entropy_coef,
-                positive=positive, positive_tokens=positive_tokens, generator=generator,
+                positive=positive, positive_tokens=positive_tokens, generator=generator, check_inputs=check_inputs,
             )
         # --- the fused path: check what the two ops would check, then one autograd Function ---
         check_runs_here(logits, "logits")
@@ -338,6 +346,7 @@ class GRPOLoss:
         call = self._fused.prepare(  # type: ignore[union-attr]
             device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, with_entropy,
             advantages.shape == shape, self._step_tensors_of(batch, device), _sequence_info(layout, shape, device),
+            spec.check_inputs,
         )
         return logits_grpo_loss(self._fused, logits, target, spec, call)  # type: ignore[arg-type]
 

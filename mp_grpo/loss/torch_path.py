@@ -280,14 +280,17 @@ def combine_stage(
     return share, out
 
 
-def record_nonfinite(counts: torch.Tensor, skip: torch.Tensor | None) -> None:
+def record_nonfinite(counts: torch.Tensor, skip: torch.Tensor | None, mode: CheckInputs) -> None:
     """The token stage's per-input counts of dropped non-finite inputs into the deferred error ledger (on the CPU
-    read at once), as the fused path's finalize kernel adds them: none when the step is skipped."""
+    and with SYNC read at once; nothing with OFF), as the fused path's finalize kernel adds them: none when the
+    step is skipped."""
+    if mode is CheckInputs.OFF:
+        return
     kinds = nonfinite_input_kinds()
     if skip is not None:
         counts = torch.where(skip, torch.zeros_like(counts), counts)
-    counters, deferred = kernel_counters(kinds, counts.device, CheckInputs.DEFERRED)
+    counters, deferred = kernel_counters(kinds, counts.device, mode)
     if deferred:
         counters.add_(counts)
     else:
-        raise_on_kernel_errors(counts, kinds, CheckInputs.DEFERRED)
+        raise_on_kernel_errors(counts, kinds, mode)

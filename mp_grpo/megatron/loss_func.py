@@ -105,9 +105,10 @@ class MegatronGRPO:
                 kept set of the micro-batch's :attr:`~MicroBatch.sampling_filter`, raises ``ValueError`` (at
                 once on the CPU, at the next ``mp_grpo.check_errors()`` — e.g. :meth:`reduce_metrics` — on a
                 GPU). With False such a target's log-prob is NaN (outside the vocabulary) or -inf (outside
-                the filter: probability 0 under the rollout's distribution, no gradient from it; the loss
-                value may then be ±inf, its gradient stays finite), and the metric
-                ``sampling_filter/outside_tokens`` counts the trained tokens outside the filter.
+                the filter: probability 0 under the rollout's distribution); GRPOLoss drops such a position
+                from the loss (no value, no gradient) without recording it, the metric ``nonfinite_inputs``
+                counts it, and ``sampling_filter/outside_tokens`` counts the trained tokens outside the filter.
+                It is also GRPOLoss's ``check_inputs`` (its non-finite inputs).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
@@ -442,7 +443,7 @@ class MegatronGRPO:
             share, metrics = self.loss(
                 logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                 rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-                batch=batch, layout=mb.sequences,
+                batch=batch, layout=mb.sequences, check_inputs=self.check_inputs,
             )
             # Trained tokens outside the rollout's sampling filter (log-prob -inf; 0 without a filter or when
             # checked, which raises instead): always present, so every micro-batch's dict has the same names.

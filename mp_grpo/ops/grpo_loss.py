@@ -128,6 +128,8 @@ class _Call(NamedTuple):
     ref: torch.Tensor | None
     step: StepTensors
     sequences: SequenceInfo
+    check_inputs: CheckInputs = CheckInputs.DEFERRED
+    """How the counts of non-finite inputs at trained positions are recorded (the positions are dropped always)."""
 
 
 class FusedGRPOLoss:
@@ -152,6 +154,7 @@ class FusedGRPOLoss:
         advantages_per_token: bool,
         step: StepTensors,
         sequences: SequenceInfo,
+        check_inputs: CheckInputs = CheckInputs.DEFERRED,
     ) -> _Call:
         """Everything of one call besides the differentiable inputs: the plan (cached per input combination),
         the parameter vector on ``device`` (cached), the inputs."""
@@ -163,7 +166,8 @@ class FusedGRPOLoss:
         params = self._params_on.get(device)
         if params is None:
             params = self._params_on[device] = torch.tensor(self._parameters, dtype=torch.float64, device=device)
-        return _Call(plan, params, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, step, sequences)
+        return _Call(plan, params, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, step, sequences,
+                     check_inputs)
 
     @staticmethod
     def metrics(plan: FusedLossPlan, pairs: torch.Tensor, extremes: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -182,12 +186,13 @@ class FusedGRPOLoss:
         entropy: torch.Tensor | None,
         step: StepTensors,
         sequences: SequenceInfo,
+        check_inputs: CheckInputs = CheckInputs.DEFERRED,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(this micro-batch's share, its metric dict) — the contract of :meth:`mp_grpo.GRPOLoss.__call__`;
         the inputs are already checked (shapes, dtypes, devices)."""
         check_runs_here(logprobs, "logprobs")
         call = self.prepare(logprobs.device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs,
-                            entropy is not None, advantages.shape == logprobs.shape, step, sequences)
+                            entropy is not None, advantages.shape == logprobs.shape, step, sequences, check_inputs)
         loss, pairs, extremes = FusedGRPOLossFunction.apply(logprobs, entropy, call)
         return loss, self.metrics(call.plan, pairs, extremes)
 
@@ -367,15 +372,15 @@ def loss_forward(
     fold = plan.seq_grad and group_size(seqs.cp_group) <= 1
     fold_programs = ceil_div(n, blocks.backward_block) if fold else 0
     kinds = nonfinite_input_kinds()
-    nonfinite_errors, deferred = kernel_counters(kinds, device, CheckInputs.DEFERRED)
+    nonfinite_errors, deferred = kernel_counters(kinds, device, call.check_inputs)
     launch_meta(grpo_loss_finalize_kernel, (1 + fold_programs,),
         _finalize_meta(plan, fold, packed),
         partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
         nonfinite_errors, grad_lp, seq_grad, grad_lp if seq_factor is None else seq_factor, cu,
         programs, n, row_length, s, search_steps,
     )
-    if not deferred:  # on the CPU: read at once
-        raise_on_kernel_errors(nonfinite_errors, kinds, CheckInputs.DEFERRED)
+    if not deferred and call.check_inputs is not CheckInputs.OFF:  # on the CPU or with SYNC: read at once
+        raise_on_kernel_errors(nonfinite_errors, kinds, call.check_inputs)
     saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad and not fold else None, seq_factor, cu,
                       (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute,
                       rows[:row_values].view(3, n) if from_stats is not None else None)

@@ -207,3 +207,21 @@ def test_skip_step_on_every_rank_alike(backend: str) -> None:
 
 if __name__ == "__main__":
     worker_main({"case_skip_step": case_skip_step})
+
+
+@pytest.mark.parametrize("backend", [LossBackend.TORCH, LossBackend.TRITON])
+def test_check_inputs_off_and_sync(backend: LossBackend) -> None:
+    """``check_inputs=OFF``: the position is still dropped and counted in the metric, nothing is recorded;
+    ``SYNC``: raised at the call."""
+    cfg = _config()
+    data = _place(_data(4), "rollout_logprobs", float("nan"), BAD)
+    loss_fn = GRPOLoss(cfg, backend=backend)
+    batch = GlobalBatch.from_masks([data["loss_mask"]])
+    args = (data["logprobs"], data["old_logprobs"], data["advantages"], data["loss_mask"])
+    kw = dict(rollout_logprobs=data["rollout_logprobs"], ref_logprobs=data["ref_logprobs"], batch=batch)
+    with deferred_checks():
+        loss, metrics = loss_fn(*args, **kw, check_inputs=mp_grpo.CheckInputs.OFF)
+        mp_grpo.check_errors()
+        assert torch.isfinite(loss) and reduce_metrics([metrics])["nonfinite_inputs"] == 1
+        with pytest.raises(ValueError, match="rollout_logprobs: 1 trained"):
+            loss_fn(*args, **kw, check_inputs=mp_grpo.CheckInputs.SYNC)
