@@ -49,7 +49,7 @@ from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES, covariance_selection
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.input_checks import check_batch, check_float, check_is_weights, check_loss_call, checked_layout
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
-from mp_grpo.loss.torch_path import StepValues
+from mp_grpo.loss.torch_path import StepValues, record_nonfinite, record_nonfinite_is_weights
 from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
 from mp_grpo.ops.checks import (
     CheckInputs,
@@ -157,6 +157,7 @@ class GRPOLoss:
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         is_weights: torch.Tensor | None = None,
+        check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
 
@@ -191,6 +192,10 @@ class GRPOLoss:
                 nor with vespo (whose φ holds the IS weight inside). The rollout rejection, OPSM and the other
                 selections still apply; the KL and entropy terms are not weighted. Torch path only (``AUTO``
                 takes it; ``TRITON`` refuses).
+            check_inputs: how a NaN / ±inf input at a trained position is reported (the position is dropped from
+                the loss and counted in the metric ``nonfinite_inputs`` whatever this is): ``DEFERRED`` (the
+                default; ``True``) records it for ``mp_grpo.check_errors()`` (raised at once on the CPU), ``SYNC``
+                raises at the call, ``OFF`` (``False``) records nothing.
         """
         # --- 1. check the inputs ---
         layout = checked_layout(layout)
@@ -208,6 +213,7 @@ class GRPOLoss:
             logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
             entropy=entropy, batch=batch, layout=layout, kl_logprobs=kl_logprobs, entropy_coef=entropy_coef,
             positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator, is_weights=is_weights,
+            check_inputs=check_inputs_mode(check_inputs),
         )
 
     def share_unchecked(
@@ -228,11 +234,13 @@ class GRPOLoss:
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         is_weights: torch.Tensor | None = None,
+        check_inputs: CheckInputs = CheckInputs.DEFERRED,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Steps 2–6 of :meth:`__call__`, for inputs its step 1 checked already — by the public entry point the
         micro-batch entered (:meth:`__call__`, :meth:`on_logits`, ``MegatronGRPO.loss_func``: ``check_loss_call``
         and, with a ``batch``, ``check_batch`` of :mod:`mp_grpo.loss.input_checks`). Internal: call
-        ``GRPOLoss(...)`` itself. ``positive_mask``: what ``check_loss_call`` returned."""
+        ``GRPOLoss(...)`` itself. ``positive_mask``: what ``check_loss_call`` returned;
+        ``check_inputs``: a :class:`CheckInputs` (``check_inputs_mode`` of the caller's value)."""
         cfg = self.config
         token_shape = logprobs.shape
         fused = self._use_fused(logprobs, layout)
@@ -265,6 +273,7 @@ class GRPOLoss:
             return self._fused(  # type: ignore[misc]
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy,
                 self._step_tensors_of(batch, logprobs.device), _sequence_info(layout, token_shape, logprobs.device),
+                check_inputs,
             )
         valid = layout.valid_tokens(loss_mask)
         if advantages.shape != token_shape:
@@ -288,7 +297,11 @@ class GRPOLoss:
             entropy_coef=cfg.entropy.bonus_coef if entropy_coef is None else entropy_coef,
             positive_tokens=positive_tokens,
         )
-        return self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+        share, metrics = self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+        record_nonfinite(tokens.nonfinite, batch.skip, check_inputs)  # type: ignore[arg-type]
+        if tokens.nonfinite_is_weights is not None:
+            record_nonfinite_is_weights(tokens.nonfinite_is_weights, batch.skip, check_inputs)
+        return share, metrics
 
     def on_logits(
         self,
@@ -321,7 +334,8 @@ class GRPOLoss:
 
         ``logits``, ``target``, ``tp_group``, ``temperature``, ``ignore_index``, ``inplace_backward``,
         ``check_inputs`` and ``sampling_filter`` are those of :func:`mp_grpo.vocab_parallel_logprobs` (token
-        shape = ``target.shape``); the other arguments those of :meth:`__call__`.
+        shape = ``target.shape``; ``check_inputs`` also as in :meth:`__call__`); the other arguments those of
+        :meth:`__call__`.
 
         The fused path (:mod:`mp_grpo.ops.logits_grpo_loss`: one autograd Function, the loss's backward inside
         the log-prob backward kernel) runs when the call would take the fused loss (:class:`LossBackend`), a
@@ -388,6 +402,7 @@ class GRPOLoss:
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
                 ref_logprobs=ref_logprobs, entropy=entropy, batch=batch, layout=layout, entropy_coef=entropy_coef,
                 positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator,
+                check_inputs=spec.check_inputs,
             )
         # --- the fused path: one autograd Function (the fused kernels implement no option that reads
         #     entropy_coef, positive or generator: check_loss_call refused them for this config) ---
@@ -395,6 +410,7 @@ class GRPOLoss:
         call = self._fused.prepare(  # type: ignore[union-attr]
             device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, with_entropy,
             advantages.shape == shape, self._step_tensors_of(batch, device), _sequence_info(layout, shape, device),
+            spec.check_inputs,
         )
         return logits_grpo_loss(self._fused, logits, target, spec, call)  # type: ignore[arg-type]
 

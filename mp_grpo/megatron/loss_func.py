@@ -116,9 +116,10 @@ class MegatronGRPO:
                 kept set of the micro-batch's :attr:`~MicroBatch.sampling_filter`, raises ``ValueError`` (at
                 once on the CPU, at the next ``mp_grpo.check_errors()`` — e.g. :meth:`reduce_metrics` — on a
                 GPU). With False such a target's log-prob is NaN (outside the vocabulary) or -inf (outside
-                the filter: probability 0 under the rollout's distribution, no gradient from it; the loss
-                value may then be ±inf, its gradient stays finite), and the metric
-                ``sampling_filter/outside_tokens`` counts the trained tokens outside the filter.
+                the filter: probability 0 under the rollout's distribution); GRPOLoss drops such a position
+                from the loss (no value, no gradient) without recording it, the metric ``nonfinite_inputs``
+                counts it, and ``sampling_filter/outside_tokens`` counts the trained tokens outside the filter.
+                It is also GRPOLoss's ``check_inputs`` (its non-finite inputs).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
@@ -154,6 +155,10 @@ class MegatronGRPO:
     ) -> GlobalBatch:
         """The step's GlobalBatch over the DP×CP group, from this rank's micro-batches (all ranks must call it).
 
+        Its one all-reduce also checks that every rank of the group has the same LossConfig, step,
+        ``calculate_per_token_loss`` and temperature (:class:`~mp_grpo.loss.fingerprint.RankDisagreementError`
+        otherwise, on every rank: at once on the CPU, at the next ``mp_grpo.check_errors()`` on a GPU).
+
         ``entropies`` (per micro-batch, from the old-log-prob pass) are needed by ``entropy.top_quantile < 1``;
         old and rollout log-probs are taken from the micro-batches when the config needs them.
         """
@@ -178,18 +183,29 @@ class MegatronGRPO:
                         "mismatch.skip_threshold decide on it before the step: set it (MicroBatch.with_logprobs, "
                         "e.g. from a no-grad pass of the model at the start of the step)"
                     )
-        if not step_level and self.config.entropy.top_quantile == 1.0:
-            return GlobalBatch.from_masks(masks, group=self.groups.dp_cp, layouts=layouts, step=step)
-        return GlobalBatch.from_rollouts(
+        # nonfinite.skip_step: the last stage checks every rollout input the micro-batches hold
+        checks_inputs = self.config.nonfinite.skip_step and is_last_rank(self.groups.pp)
+
+        def given(name: str) -> list[torch.Tensor] | None:
+            values = [getattr(mb, name) for mb in micro_batches]
+            return values if all(v is not None for v in values) else None
+
+        return GlobalBatch.from_rollouts(  # without step-level quantities: the counts only, as from_masks
             self.config,
             masks,
-            old_logprobs=[mb.old_logprobs for mb in micro_batches] if needs_logprobs else None,
-            rollout_logprobs=[mb.rollout_logprobs for mb in micro_batches] if needs_logprobs else None,
+            old_logprobs=given("old_logprobs") if needs_logprobs or checks_inputs else None,
+            rollout_logprobs=given("rollout_logprobs") if needs_logprobs or checks_inputs else None,
+            ref_logprobs=given("ref_logprobs") if checks_inputs else None,
+            advantages=given("advantages") if checks_inputs else None,
             entropies=entropies,
             group=self.groups.dp_cp,
             layouts=layouts,
             step=step,
             pp_group=self.groups.pp,
+            # checked in the batch's all-reduce with the LossConfig and the step: a rank that differs would scale
+            # its gradient (calculate_per_token_loss) or its log-probs (temperature) differently
+            same_on_all_ranks={"calculate_per_token_loss": self.calculate_per_token_loss,
+                               "temperature": self.temperature},
         )
 
     def reduce_metrics(self, losses: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
@@ -422,7 +438,7 @@ class MegatronGRPO:
             share, metrics = self.loss.share_unchecked(
                 logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                 rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-                batch=batch, layout=mb.sequences,
+                batch=batch, layout=mb.sequences, check_inputs=self.check_inputs,
             )
             # Trained tokens outside the rollout's sampling filter (log-prob -inf; 0 without a filter or when
             # checked, which raises instead): always present, so every micro-batch's dict has the same names.

@@ -235,10 +235,11 @@ def check_runs_here(x: torch.Tensor, name: str) -> None:
 
 def merge_error_kinds(
     *, v_global: int, ignore_index: int, gathered_stats: torch.Tensor
-) -> tuple[tuple[str, Callable[[int], str]], tuple[str, Callable[[int], str]]]:
-    """The merge kernel's two error counters, in its order: (kind, message) of unequal shards (the cause of
-    every NaN, so raised first) and of the targets outside the vocabulary (``gathered_stats``
-    ``[TP, N + 1, 4]``: row N holds each rank's V_local, read only when the error is raised)."""
+) -> tuple[tuple[str, Callable[[int], str]], ...]:
+    """The merge kernel's three error counters, in its order: (kind, message) of unequal shards (the cause of
+    every NaN, so raised first), of the targets outside the vocabulary (``gathered_stats`` ``[TP, N + 1, 4]``:
+    row N holds each rank's V_local, read only when the error is raised) and of the rows with non-finite logits
+    (``mp_grpo/kernels/logprob_merge.py``)."""
     def targets(n: int) -> str:
         return f"target has {n} token id(s) outside [0, {v_global}) that are not ignore_index ({ignore_index})"
 
@@ -247,7 +248,36 @@ def merge_error_kinds(
         return (f"logits: the vocabulary shards differ in size across the tensor-parallel group (V_local per rank: "
                 f"{sizes}); every rank must hold an equal, contiguous shard (Megatron's layout)")
 
-    return ("unequal vocabulary shards", shards), ("target id outside the vocabulary", targets)
+    def nonfinite(n: int) -> str:
+        return (f"logits: {n} row(s) whose target is not ignore_index hold a NaN or +inf logit (or are -inf "
+                "throughout): their log-prob and entropy are NaN and they get no gradient (-inf logits elsewhere "
+                "are probability 0 and allowed)")
+
+    return (("unequal vocabulary shards", shards), ("target id outside the vocabulary", targets),
+            ("non-finite logits", nonfinite))
+
+
+NONFINITE_INPUTS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "advantages", "entropy")
+"""GRPOLoss's token inputs whose NaN / ±inf values at trained positions are counted (in this order: the fused
+kernels' ``SUM_NONFINITE_*`` columns)."""
+
+
+def nonfinite_input_kinds() -> tuple[tuple[str, Callable[[int], str]], ...]:
+    """(kind, message) of each of :data:`NONFINITE_INPUTS`: trained positions of the loss where that input is NaN
+    or ±inf (GRPOLoss dropped them; both of its paths record them)."""
+    def message(name: str) -> Callable[[int], str]:
+        if name == "logprobs":
+            why = ("the policy's log-prob (from its logits: a NaN or +inf logit, or a target of probability 0 — "
+                   "a -inf logit)")
+            fix = "look for a NaN / inf in the model's output"
+        else:
+            why = "a NaN or ±inf value"
+            fix = ("fix the input, or set nonfinite.skip_step to skip such steps on every rank (GlobalBatch."
+                   "from_rollouts must be given the input)")
+        return lambda n: (f"{name}: {n} trained position(s) hold {why}; GRPOLoss dropped them from the loss (no "
+                          f"value, no gradient). {fix[0].upper()}{fix[1:]}")
+
+    return tuple((f"non-finite {name}", message(name)) for name in NONFINITE_INPUTS)
 
 
 def raise_on_kernel_errors(

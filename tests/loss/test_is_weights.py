@@ -116,3 +116,38 @@ def test_is_weights_errors() -> None:
         GRPOLoss(load_config(None, []))(*args, is_weights=torch.ones(5, 6, dtype=torch.int64))
     with pytest.raises(ValueError, match="backend TRITON does not implement a precomputed IS weight"):
         GRPOLoss(load_config(None, []), backend=LossBackend.TRITON)(*args, is_weights=w)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weight_is_dropped_counted_and_raised(bad: float) -> None:
+    """A NaN / ±inf caller weight at a trained position: that position dropped as if masked (the others' values
+    and gradients those of the run with it masked), counted in ``nonfinite_inputs``, raised naming is_weights."""
+    batch = make_batch(32, LENGTHS, T)
+    cfg = load_config(None, OBJECTIVES["ppo_clip_dual"])
+    weights = torch.rand(batch["loss_mask"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
+    row, col = 0, 2  # a trained position (LENGTHS[0] = 5)
+    assert batch["loss_mask"][row, col]
+    poisoned = weights.clone()
+    poisoned[row, col] = bad
+    step = GlobalBatch.from_masks([batch["loss_mask"]])
+    lp = batch["logprobs"].clone().requires_grad_()
+    share, metrics = GRPOLoss(cfg)(lp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"], batch=step,
+                                   is_weights=poisoned, check_inputs=False)
+    share.backward()
+    assert torch.isfinite(share) and torch.isfinite(lp.grad).all()
+    assert lp.grad[row, col] == 0
+    assert metrics["nonfinite_inputs"][0] == 1
+    # the same step with that position masked (and the batch's counts unchanged) gives the same share and gradient
+    masked = batch["loss_mask"].clone()
+    masked[row, col] = False
+    lp2 = batch["logprobs"].clone().requires_grad_()
+    share2, _ = GRPOLoss(cfg)(lp2, batch["old_logprobs"], batch["advantages"], masked, is_weights=weights,
+                              batch=GlobalBatch.from_counts(valid_tokens=step.valid_tokens, device="cpu",
+                                                            valid_sequences=step.valid_sequences,
+                                                            all_sequences=step.all_sequences, micro_batches=1))
+    share2.backward()
+    assert_close(share, share2.detach(), torch.float64)
+    assert_close(lp.grad, lp2.grad, torch.float64)
+    with pytest.raises(ValueError, match="is_weights is NaN or ±inf at 1 trained position"):
+        GRPOLoss(cfg)(batch["logprobs"], batch["old_logprobs"], batch["advantages"], batch["loss_mask"], batch=step,
+                      is_weights=poisoned)
