@@ -1,0 +1,225 @@
+"""Property-based tests of GRPOLoss (hypothesis): random valid configs, layouts, dtypes and extreme but finite
+inputs, each checked against the float64 reference (tests/reference.py) for value, gradient (through a random
+upstream gradient) and metrics, on both backends (the torch path and the fused Triton kernels, here under the
+Triton interpreter: sizes stay tiny), and for layout invariance (the same tokens split over ranks and
+micro-batches, padded or packed, give the same summed shares, gradients and metrics as one call).
+
+Properties
+    * ``test_config_layer_refuses_or_runs``: any combination of config keys and values (valid or not) is either
+      refused at load time with a ConfigError naming a key, or it runs — on the torch path matching the
+      reference, and on the Triton path matching the torch path or refused when the GRPOLoss is built.
+    * ``test_single_call_matches_reference_{torch,triton}``: one call on a whole padded step (``batch=None``).
+      The Triton variant also runs the torch path on the same draw: the same metric names and values.
+    * ``test_split_matches_single_call_{torch,triton}``: the step over (rank, micro-batch) pairs with one
+      GlobalBatch (the data-parallel ranks simulated in one process, as their all-reduce sums them): summed
+      shares, gradients and reduced metrics equal one call's (1e-9 relative in float64) and the reference's.
+    * ``test_covariance_objectives_match_verl``: clip_cov / kl_cov (torch only; their selection is per call, so
+      not layout-invariant) against ``verl_actor_loss_reference`` replaying the selection keys.
+    The CP = 2 property runs under torchrun in tests/loss/test_properties_cp.py.
+
+Profiles (``MP_GRPO_HYPOTHESIS_PROFILE``, registered in tests/conftest.py)
+    * ``ci`` (default, what ``python -m pytest`` and CI run): ``derandomize=True`` — the same examples on every
+      run, about 3 minutes on 2 cores for both property files.
+    * ``dev``: the CI counts with fresh random examples (and hypothesis' example database in ``.hypothesis/``).
+    * ``soak``: 50× the CI counts, fresh random examples — for local runs, e.g.
+      ``MP_GRPO_HYPOTHESIS_PROFILE=soak nice -n 19 python -m pytest tests/loss/test_properties.py -p no:cacheprovider``.
+
+Reproducing a failure
+    hypothesis prints the falsifying example (the config dict, the step's structure, its ``seed``) and a
+    ``@reproduce_failure('<version>', b'<blob>')`` line: paste that decorator above the failing test function
+    and run that test alone. Under ``dev`` / ``soak`` the pytest output also names the run's seed: rerun with
+    ``--hypothesis-seed=<seed>`` (and the same profile) to replay the whole run. Under ``ci`` the examples are
+    fixed: rerunning the test reproduces the failure. A shrunk failure becomes a regular test that pins the
+    example (tests/loss/test_property_regressions.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, note, settings
+from hypothesis import strategies as st
+
+from mp_grpo.config import ConfigError
+from mp_grpo.loss import GRPOLoss, LossBackend, fused_unsupported
+from tests.loss import properties as P
+from tests.loss.strategies import build_config, loss_configs, raw_config_overrides, splits, steps
+
+
+def examples(weight: float) -> int:
+    """This test's example count: ``weight`` × the profile's ``max_examples`` (the CI profile's 20 is the unit)."""
+    return max(1, round(settings.default.max_examples * weight))
+
+
+WEIGHT = {LossBackend.TORCH: 6.0, LossBackend.TRITON: 1.0}
+"""Examples per backend relative to the profile: the Triton interpreter is ~50× slower per call."""
+
+
+@st.composite
+def _step_for(draw, backend: LossBackend, **kwargs):
+    name = "triton" if backend == LossBackend.TRITON else "torch"
+    cfg_dict = draw(loss_configs(name))
+    note(f"config: {cfg_dict}")
+    torch_only = backend == LossBackend.TORCH
+    size = {} if torch_only else {"max_rows": 4, "max_len": 6}
+    step = draw(steps(cfg_dict, kl_logprobs=torch_only, **size, **kwargs))
+    note(f"step: {step.notes}, dtypes: { {k: v.dtype for k, v in step.data.items()} }, "
+         f"per-token advantages: {step.per_token_advantages}, upstream: {step.upstream}")
+    return step
+
+
+# ----------------------------------------------------------------------------------------------- config layer
+@settings(max_examples=examples(5))
+@given(sections=raw_config_overrides(), data=st.data())
+def test_config_layer_refuses_or_runs(sections: dict, data) -> None:
+    try:
+        cfg = build_config(sections)
+    except ConfigError as error:
+        named = [key for section, keys in sections.items() for key in keys if f"{section}.{key}" in str(error)]
+        assert named or any(section in str(error) for section in sections), f"the error names no key: {error}"
+        return
+    # The config is accepted: it must run on the torch path and match the reference.
+    if cfg.policy.objective.value in ("clip_cov", "kl_cov"):
+        step = data.draw(steps(sections, max_rows=3, max_len=5, low_precision=False))
+        P.run_single(step, LossBackend.TORCH)  # runs; the verl reference is the covariance property's
+        return
+    step = data.draw(steps(sections, max_rows=3, max_len=5, low_precision=False))
+    ref = P.reference(step)
+    assume(P.representable(step, ref))
+    got = P.run_single(step, LossBackend.TORCH)
+    P.check_against_reference(step, got, ref, "torch")
+    # The Triton backend either implements it or refuses it when the GRPOLoss is built, naming the option.
+    missing = fused_unsupported(cfg)
+    if missing is not None:
+        with pytest.raises(ValueError, match="config: backend TRITON does not implement"):
+            GRPOLoss(cfg, backend=LossBackend.TRITON)
+    else:
+        GRPOLoss(cfg, backend=LossBackend.TRITON)
+
+
+# ----------------------------------------------------------------------------------------------- one call
+def _single_call_matches_reference(backend: LossBackend):
+    @settings(max_examples=examples(WEIGHT[backend]))
+    @given(data=st.data())
+    def test(data) -> None:
+        step = data.draw(_step_for(backend))
+        ref = P.reference(step)
+        assume(P.representable(step, ref))
+        got = P.run_single(step, backend)
+        P.check_against_reference(step, got, ref, backend.value)
+        if backend == LossBackend.TRITON:  # the two backends: the same names, the same values
+            torch_result = P.run_single(step, LossBackend.TORCH)
+            compute = step.compute_dtype()
+            P.assert_loss_close(got.loss, torch_result.loss, ref[1], compute, "triton vs torch")
+            P.assert_metrics_close(got.metrics, torch_result.metrics, compute, "triton vs torch")
+
+    return test
+
+
+test_single_call_matches_reference_torch = _single_call_matches_reference(LossBackend.TORCH)
+test_single_call_matches_reference_triton = _single_call_matches_reference(LossBackend.TRITON)
+
+
+# ----------------------------------------------------------------------------------------------- layouts
+def _split_matches_single_call(backend: LossBackend):
+    @settings(max_examples=examples(WEIGHT[backend]))
+    @given(data=st.data())
+    def test(data) -> None:
+        step = data.draw(_step_for(backend))
+        split = data.draw(splits(step))
+        note(f"split: {split}")
+        ref = P.reference(step)
+        assume(P.representable(step, ref))
+        single = P.run_single(step, backend)
+        got = P.run_split(step, split, backend)
+        compute = step.compute_dtype()
+        rtol = P.RTOL_SPLIT[compute]
+        P.assert_loss_close(got.loss, single.loss, ref[1], compute, "split vs one call", rtol=rtol)
+        mask = P.valid_mask(step)
+        for n in P.LEAVES:
+            if single.grads[n] is not None:
+                dtype = step.data[n].dtype
+                P.assert_grad_close(got.grads[n], single.grads[n], mask, dtype, f"split vs one call d/d{n}",
+                                    rtol=max(rtol, P._rtol(dtype)))
+        P.assert_metrics_close(got.metrics, single.metrics, compute, "split vs one call", rtol=rtol)
+        P.check_against_reference(step, got, ref, f"{backend.value} split")
+
+    return test
+
+
+test_split_matches_single_call_torch = _split_matches_single_call(LossBackend.TORCH)
+test_split_matches_single_call_triton = _split_matches_single_call(LossBackend.TRITON)
+
+
+# ----------------------------------------------------------------------------------------------- covariance
+@settings(max_examples=examples(2))
+@given(data=st.data())
+def test_covariance_objectives_match_verl(data) -> None:
+    from tests.reference import verl_actor_loss_reference
+
+    objective = data.draw(st.sampled_from(["clip_cov", "kl_cov"]))
+    agg, verl_agg = data.draw(st.sampled_from([("token_mean", "token-mean"),
+                                               ("seq_mean_token_mean", "seq-mean-token-mean"),
+                                               ("seq_mean_token_sum", "seq-mean-token-sum")]))
+    ratio = data.draw(st.sampled_from([0.0002, 0.1, 0.5, 1.0]))
+    lb = data.draw(st.sampled_from([-1.0, 0.0, 0.05, 1.0]))
+    ub = lb + data.draw(st.sampled_from([0.5, 5.0]))
+    eps_low, eps_high = data.draw(st.sampled_from([0.2, 0.1])), data.draw(st.sampled_from([0.2, 0.28]))
+    kl_coef = data.draw(st.sampled_from([0.0, 0.05]))
+    estimator, verl_kl = data.draw(st.sampled_from([("k1", "k1"), ("k2", "k2"), ("k3", "low_var_kl")]))
+    bonus = data.draw(st.sampled_from([0.0, 0.01]))
+    ppo_kl_coef = data.draw(st.sampled_from([0.1, 1.0]))
+    sections = {
+        "policy": {"objective": objective, "eps_low": eps_low, "eps_high": eps_high, "log_ratio_clamp": None,
+                   "clip_cov_ratio": ratio, "clip_cov_lb": lb, "clip_cov_ub": ub, "kl_cov_ratio": ratio,
+                   "ppo_kl_coef": ppo_kl_coef},
+        "aggregation": {"mode": agg, "count_empty_sequences": True},
+        "kl": {"coef": kl_coef, "estimator": estimator,
+               **({} if estimator == "k3" else {"input_clamp": None, "output_clamp": None})},
+        "entropy": {"bonus_coef": bonus},
+    }
+    note(f"config: {sections}")
+    step = data.draw(steps(sections, max_rows=4, max_len=6, low_precision=False))
+    d = step.data
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    mask = d["loss_mask"]
+    full = dict(d)
+    full.setdefault("old_logprobs", d["logprobs"])
+    full.setdefault("ref_logprobs", d["logprobs"])
+    full.setdefault("entropy", torch.ones_like(d["logprobs"]))
+    lp = full["logprobs"].clone().requires_grad_()
+    ent = full["entropy"].clone().requires_grad_()
+    gen = torch.Generator().manual_seed(seed) if objective == "clip_cov" else None
+    cfg = build_config(sections)
+    loss, _ = GRPOLoss(cfg)(lp, full["old_logprobs"], full["advantages"], mask, ref_logprobs=full["ref_logprobs"],
+                            entropy=ent, generator=gen)
+    (loss * step.upstream).backward()
+    r_lp = full["logprobs"].clone().requires_grad_()
+    r_ent = full["entropy"].clone().requires_grad_()
+    adv = full["advantages"] if step.per_token_advantages else full["advantages"].unsqueeze(1).expand_as(r_lp)
+    keys = torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    # verl reads every position (it multiplies by the mask): its inputs hold 0 where ours hold junk.
+    clean = {k: torch.where(mask, full[k], torch.zeros((), dtype=full[k].dtype)) for k in
+             ("old_logprobs", "ref_logprobs")}
+    r_lp_in = torch.where(mask, r_lp, torch.zeros((), dtype=r_lp.dtype))
+    r_ent_in = torch.where(mask, r_ent, torch.zeros((), dtype=r_ent.dtype))
+    adv = torch.where(mask, adv, torch.zeros((), dtype=adv.dtype))
+    want = verl_actor_loss_reference(r_lp_in, clean["old_logprobs"], adv, mask, loss_mode=objective,
+                                     loss_agg_mode=verl_agg, clip_ratio_low=eps_low, clip_ratio_high=eps_high,
+                                     ref_log_prob=clean["ref_logprobs"], kl_loss_coef=kl_coef, kl_loss_type=verl_kl,
+                                     entropy=r_ent_in, entropy_coeff=bonus, clip_cov_ratio=ratio, clip_cov_lb=lb,
+                                     clip_cov_ub=ub, kl_cov_ratio=ratio, ppo_kl_coef=ppo_kl_coef,
+                                     selection_keys=keys)
+    if not bool(mask.any()):
+        assert float(loss) == 0.0
+        return
+    (want * step.upstream).backward()
+    # verl's seq-mean-token-mean divides each row by (n + 1e-8): relative 1e-8 off the exact mean.
+    rtol = 1e-10 if agg == "token_mean" else 1e-7
+    assert math.isfinite(float(want))
+    P.assert_loss_close(loss.detach(), want.detach(), abs(float(want)), torch.float64, "vs verl", rtol=rtol)
+    P.assert_grad_close(lp.grad, r_lp.grad, mask, torch.float64, "d/dlogprobs vs verl", rtol=rtol)
+    P.assert_grad_close(ent.grad if ent.grad is not None else torch.zeros_like(ent), r_ent.grad, mask, torch.float64,
+                        "d/dentropy vs verl", rtol=rtol)
