@@ -249,16 +249,17 @@ def _junk(dtype: torch.dtype) -> torch.Tensor:
 
 @st.composite
 def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_precision: bool = True,
-          mixed_dtypes: bool = True, kl_logprobs: bool = False) -> Step:
+          mixed_dtypes: bool = True, kl_logprobs: bool = False, tie_free: bool = False) -> Step:
     """One step for the config ``cfg_dict`` (see the module docstring). ``kl_logprobs``: maybe a separate KL
-    input (torch path only)."""
+    input (torch path only). ``tie_free``: per-token advantages without exact zeros, typical log-probs, no edges
+    (no ties among the tokens' covariances)."""
     cfg = build_config(cfg_dict)
     rc = cfg.rollout_correction
     B = draw(st.integers(1, max_rows))
     T = max_len
     lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
     hole_p = draw(st.sampled_from([0.0, 0.0, 0.2, 0.6]))
-    regimes = draw(st.lists(st.sampled_from(_LP_REGIMES), min_size=B, max_size=B))
+    regimes = draw(st.lists(st.sampled_from(("typical",) if tie_free else _LP_REGIMES), min_size=B, max_size=B))
     if low_precision:
         base = draw(st.sampled_from([torch.float64, torch.float64, torch.float32, torch.bfloat16, torch.float16]))
     else:
@@ -274,8 +275,8 @@ def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_prec
     old_scale, roll_scale = draw(st.sampled_from(scales)), draw(st.sampled_from(scales))
     ref_scale = draw(st.sampled_from([0.1, 1.0, 30.0] if cfg.kl.input_clamp is not None and not half else [0.1, 1.0]))
     adv_scale = draw(st.sampled_from([1.0, 1.0, 1e-3, 1e3] + ([] if half else [1e6])))
-    adv_zero_p = draw(st.sampled_from([0.0, 0.0, 0.3, 1.0]))
-    per_token = draw(st.booleans())
+    adv_zero_p = 0.0 if tie_free else draw(st.sampled_from([0.0, 0.0, 0.3, 1.0]))
+    per_token = tie_free or draw(st.booleans())
     tied_entropy = draw(st.booleans())
     give_old = rc.bypass is False and draw(st.integers(0, 4)) > 0
     give_rollout = cfg.needs_rollout_logprobs or draw(st.booleans())
@@ -283,7 +284,7 @@ def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_prec
     give_entropy = cfg.needs_entropy or draw(st.booleans())
     give_kl_lp = kl_logprobs and give_ref and draw(st.integers(0, 3)) == 0
     seed = draw(st.integers(0, 2**32 - 1))
-    edges = base == torch.float64 and all(d == torch.float64 for d in dtypes.values()) and draw(st.booleans())
+    edges = not tie_free and base == torch.float64 and all(d == torch.float64 for d in dtypes.values()) and draw(st.booleans())
     upstream = draw(st.sampled_from([1.0, 0.7, -2.5, 1e-3]))
 
     gen = torch.Generator().manual_seed(seed)
