@@ -51,3 +51,19 @@ def test_kl_output_clamp_gives_zero_gradient_where_the_estimate_overflows(
     ratio = torch.exp(torch.tensor(-0.01))
     torch.testing.assert_close(lp.grad[0, 0], -ratio / 2)
     assert metrics["kl"][0] >= 10.0 - 1e-6  # token 0's KL is the bound
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_normalized_weights_average_one_with_bfloat16_inputs(backend: LossBackend) -> None:
+    """bf16 log-probs: the GlobalBatch took d = old − rollout in bf16 (−0.453125 − 0.384765625 rounds to
+    −0.8359375) while the loss takes it in float32, so one token's normalized IS weight came out 0.998, not 1.
+    The step's weight mean is now of the weights the loss applies (d in float32)."""
+    cfg = load_config(None, ["rollout_correction.weight_level=token", "rollout_correction.weight_max=1.05",
+                             "rollout_correction.normalize_weights=true"])
+    lp = torch.tensor([[-0.453125, -0.1]], dtype=torch.bfloat16, requires_grad=True)
+    rollout = torch.tensor([[0.384765625, -0.3]], dtype=torch.bfloat16)
+    loss, metrics = GRPOLoss(cfg, backend=backend)(lp, None, torch.tensor([1.0], dtype=torch.bfloat16),
+                                                   torch.ones(1, 2, dtype=torch.bool), rollout_logprobs=rollout)
+    applied_sum, count = metrics["is_weight/applied/mean"].tolist()
+    assert count == 2.0 and applied_sum == pytest.approx(2.0, rel=1e-6)
+    assert loss.item() == pytest.approx(-1.0, rel=1e-6)  # on-policy ppo_clip, A = 1: −mean of the applied weights
