@@ -4,7 +4,8 @@ pairs — and through the float64 reference, and compare: the checks of the prop
 Tolerances scale with the size of what is summed (a sum of terms of ±1e20 that cancel to 1 is accurate to
 1e20 · eps, not to 1 · eps): the loss with Σ|each per-token contribution| (``grpo_objective_reference(...,
 magnitude=True)``), a gradient with its largest entry, a metric mean with the mean of |x| — each times the
-relative tolerance of the dtype it is computed in (tests/tolerances.py).
+relative tolerance of the dtype it is computed in (tests/tolerances.py), plus that dtype's smallest normal number
+(below it float32 keeps no relative precision: a VESPO weight of 1e-48 is 0 there).
 """
 
 from __future__ import annotations
@@ -233,8 +234,9 @@ def assert_loss_close(got: torch.Tensor, want: torch.Tensor, scale: float, dtype
     rtol = _rtol(dtype) if rtol is None else rtol
     g, w = float(got), float(want)
     assert math.isfinite(g), f"{what}: loss {g} is not finite (want {w})"
-    assert abs(g - w) <= rtol * (abs(w) + scale) + 1e-300, \
-        f"{what}: loss {g!r} vs {w!r} (|Δ| = {abs(g - w):.3g}, allowed {rtol * (abs(w) + scale):.3g}; magnitude {scale:.3g})"
+    allowed = rtol * (abs(w) + scale) + torch.finfo(dtype).tiny
+    assert abs(g - w) <= allowed, \
+        f"{what}: loss {g!r} vs {w!r} (|Δ| = {abs(g - w):.3g}, allowed {allowed:.3g}; magnitude {scale:.3g})"
 
 
 def assert_grad_close(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype, what: str,
@@ -246,25 +248,19 @@ def assert_grad_close(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor,
     assert (g[~mask] == 0).all(), f"{what}: nonzero gradient at a masked position: {g[~mask][g[~mask] != 0]}"
     top = float(w.abs().max()) if w.numel() else 0.0
     err = (g - w).abs()
-    allowed = rtol * (w.abs() + top) + _subnormal_step(got.dtype)
+    allowed = rtol * (w.abs() + top) + torch.finfo(got.dtype).tiny
     if not bool((err <= allowed).all()):
         i = int(torch.argmax(err - allowed))
         raise AssertionError(f"{what}: gradient differs at flat index {i}: {g.reshape(-1)[i].item()!r} vs "
                              f"{w.reshape(-1)[i].item()!r} (max |want| {top:.3g}, rtol {rtol:g})\ngot\n{g}\nwant\n{w}")
 
 
-def _subnormal_step(dtype: torch.dtype) -> float:
-    """The spacing of the dtype's subnormal numbers: the rounding error of a tiny result stored in it."""
-    info = torch.finfo(dtype)
-    return info.tiny * info.eps
-
-
-def _same_float(a: float, b: float, scale: float, rtol: float) -> bool:
+def _same_float(a: float, b: float, scale: float, rtol: float, tiny: float) -> bool:
     if math.isnan(b):
         return math.isnan(a)
     if math.isinf(b):
         return a == b
-    return math.isfinite(a) and abs(a - b) <= rtol * (abs(b) + scale) + 1e-300
+    return math.isfinite(a) and abs(a - b) <= rtol * (abs(b) + scale) + tiny
 
 
 def assert_metrics_close(got: dict[str, float], want: dict, dtype: torch.dtype, what: str,
@@ -279,7 +275,7 @@ def assert_metrics_close(got: dict[str, float], want: dict, dtype: torch.dtype, 
     bad = []
     for k in sorted(names_want):
         value, scale = want[k] if isinstance(want[k], tuple) else (want[k], abs(want[k]) if math.isfinite(want[k]) else 0)
-        if not _same_float(got[k], value, scale, rtol):
+        if not _same_float(got[k], value, scale, rtol, torch.finfo(dtype).tiny):
             bad.append(f"{k}: {got[k]!r} vs {value!r} (scale {scale:.3g})")
     assert not bad, f"{what}: metrics differ (rtol {rtol:g}):\n  " + "\n  ".join(bad)
 
