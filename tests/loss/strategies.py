@@ -299,8 +299,10 @@ def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_prec
     pos = torch.arange(W).unsqueeze(0)
     mask = (pos < torch.tensor(lengths).unsqueeze(1)) & (uni() >= hole_p)
     lp = -rnd().abs() - 0.05
+    # −1e30 log-probs: not in float16; and not with mixed dtypes, where old − rollout (~1 apart) exists in float64
+    # but not after the loss rounds both to float32 — the GlobalBatch's skip would be decided on another d.
     small = torch.float16 in (dtypes["logprobs"], dtypes["old_logprobs"], dtypes["rollout_logprobs"],
-                              dtypes["ref_logprobs"], dtypes["kl_logprobs"])
+                              dtypes["ref_logprobs"], dtypes["kl_logprobs"]) or len(set(dtypes.values())) > 1
     for b, regime in enumerate(regimes):
         if regime == "near_zero":
             lp[b] = -uni()[b] * torch.tensor([0.0, 1e-30, 1e-6, 1e-3])[torch.randint(0, 4, (W,), generator=gen)]

@@ -214,13 +214,13 @@ def test_covariance_objectives_match_verl(data) -> None:
     note(f"valid inputs: { {k: v[mask].tolist() for k, v in full.items() if k not in ('loss_mask', 'advantages')} }, "
          f"advantages {full['advantages'].tolist()}, keys seed {seed}")
     if not bool(mask.any()):
-        assert float(loss) == 0.0
+        assert loss.detach().item() == 0.0
         return
     (want * step.upstream).backward()
     # verl's seq-mean-token-mean divides each row by (n + 1e-8): relative 1e-8 off the exact mean.
     rtol = 1e-10 if agg == "token_mean" else 1e-7
-    assert math.isfinite(float(want))
-    P.assert_loss_close(loss.detach(), want.detach(), abs(float(want)), torch.float64, "vs verl", rtol=rtol)
+    assert math.isfinite(want.detach().item())
+    P.assert_loss_close(loss.detach(), want.detach(), abs(want.detach().item()), torch.float64, "vs verl", rtol=rtol)
     P.assert_grad_close(lp.grad, r_lp.grad, mask, torch.float64, "d/dlogprobs vs verl", rtol=rtol)
     P.assert_grad_close(_grad(ent), _grad(r_ent), mask, torch.float64, "d/dentropy vs verl", rtol=rtol)
 
