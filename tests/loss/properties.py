@@ -264,9 +264,10 @@ def _same_float(a: float, b: float, scale: float, rtol: float, tiny: float) -> b
 
 
 def assert_metrics_close(got: dict[str, float], want: dict, dtype: torch.dtype, what: str,
-                         rtol: float | None = None, ignore=("cov/selected_frac",)) -> None:
-    """``got`` (reduce_metrics) against ``want``: a metric dict of another call (name → float) or the reference's
-    (name → (value, scale)); the same names, each value within tolerance."""
+                         rtol: float | None = None, ignore=("cov/selected_frac",), scales: dict | None = None) -> None:
+    """``got`` (reduce_metrics) against ``want``: a metric dict of another call (name → float; ``scales``: the
+    reference's metrics, whose scales then apply) or the reference's (name → (value, scale)); the same names, each
+    value within tolerance."""
     rtol = _rtol(dtype) if rtol is None else rtol
     names_got = {k for k in got if k not in ignore}
     names_want = {k for k in want if k not in ignore}
@@ -274,7 +275,11 @@ def assert_metrics_close(got: dict[str, float], want: dict, dtype: torch.dtype, 
                                     f"missing {sorted(names_want - names_got)}"
     bad = []
     for k in sorted(names_want):
-        value, scale = want[k] if isinstance(want[k], tuple) else (want[k], abs(want[k]) if math.isfinite(want[k]) else 0)
+        if isinstance(want[k], tuple):
+            value, scale = want[k]
+        else:
+            value = want[k]
+            scale = scales[k][1] if scales is not None and k in scales else abs(value) if math.isfinite(value) else 0.0
         if not _same_float(got[k], value, scale, rtol, torch.finfo(dtype).tiny):
             bad.append(f"{k}: {got[k]!r} vs {value!r} (scale {scale:.3g})")
     assert not bad, f"{what}: metrics differ (rtol {rtol:g}):\n  " + "\n  ".join(bad)

@@ -43,10 +43,11 @@ from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
 from mp_grpo.config import ConfigError
-from mp_grpo.loss import GRPOLoss, LossBackend, fused_unsupported
+from mp_grpo.loss import GRPOLoss, LossBackend, fused_unsupported, reduce_metrics
 from tests.hypothesis_profiles import examples
 from tests.loss import properties as P
 from tests.loss.strategies import build_config, loss_configs, raw_config_overrides, splits, steps
+from tests.reference import grpo_objective_reference
 
 
 WEIGHT = {LossBackend.TORCH: 6.0, LossBackend.TRITON: 1.0}
@@ -61,8 +62,7 @@ def _step_for(draw, backend: LossBackend, **kwargs):
     torch_only = backend == LossBackend.TORCH
     size = {} if torch_only else {"max_rows": 4, "max_len": 6}
     step = draw(steps(cfg_dict, kl_logprobs=torch_only, **size, **kwargs))
-    note(f"step: {step.notes}, dtypes: { {k: v.dtype for k, v in step.data.items()} }, "
-         f"per-token advantages: {step.per_token_advantages}, upstream: {step.upstream}")
+    note(f"step: {step!r}")
     return step
 
 
@@ -109,7 +109,11 @@ def _single_call_matches_reference(backend: LossBackend):
             torch_result = P.run_single(step, LossBackend.TORCH)
             compute = step.compute_dtype()
             P.assert_loss_close(got.loss, torch_result.loss, ref[1], compute, "triton vs torch")
-            P.assert_metrics_close(got.metrics, torch_result.metrics, compute, "triton vs torch")
+            for n in P.LEAVES:
+                if got.grads[n] is not None:
+                    P.assert_grad_close(got.grads[n], torch_result.grads[n], P.valid_mask(step),
+                                        max(step.data[n].dtype, compute, key=P._rtol), f"triton vs torch d/d{n}")
+            P.assert_metrics_close(got.metrics, torch_result.metrics, compute, "triton vs torch", scales=ref[2])
 
     return test
 
@@ -139,7 +143,7 @@ def _split_matches_single_call(backend: LossBackend):
                 dtype = step.data[n].dtype
                 P.assert_grad_close(got.grads[n], single.grads[n], mask, dtype, f"split vs one call d/d{n}",
                                     rtol=max(rtol, P._rtol(dtype)))
-        P.assert_metrics_close(got.metrics, single.metrics, compute, "split vs one call", rtol=rtol)
+        P.assert_metrics_close(got.metrics, single.metrics, compute, "split vs one call", rtol=rtol, scales=ref[2])
         P.check_against_reference(step, got, ref, f"{backend.value} split")
 
     return test
@@ -227,3 +231,96 @@ def test_covariance_objectives_match_verl(data) -> None:
 
 def _grad(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x) if x.grad is None else x.grad
+
+
+# ----------------------------------------------------------------------------------------------- from logits
+@settings(max_examples=examples(1.0))
+@given(data=st.data())
+def test_on_logits_matches_reference_and_the_two_ops(data) -> None:
+    """``GRPOLoss.on_logits`` on the fused path (a batch given): the float64 reference of the logits' log-probs and
+    entropy (gradient w.r.t. the logits), and the two ops in turn (``vocab_parallel_logprobs`` then the loss):
+    the same value, logits gradient and metrics — padded or packed, fp32 or bf16 logits, temperature ≠ 1."""
+    from mp_grpo import vocab_parallel_logprobs
+    from mp_grpo.loss import GlobalBatch, PackedSequences
+    from tests.reference import logprobs_reference
+
+    cfg_dict = data.draw(loss_configs("triton"))
+    note(f"config: {cfg_dict}")
+    step = data.draw(steps(cfg_dict, max_rows=3, max_len=5, low_precision=False))
+    note(f"step: {step!r}")
+    cfg = step.cfg
+    vocab = data.draw(st.integers(2, 12))
+    scale = data.draw(st.sampled_from([1.0, 5.0, 30.0]))
+    temperature = data.draw(st.sampled_from([1.0, 1.0, 0.7, 2.0]))
+    logits_dtype = data.draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
+    packed = data.draw(st.booleans())
+    note(f"vocab {vocab}, logits scale {scale} {logits_dtype}, temperature {temperature}, packed {packed}")
+    gen = torch.Generator().manual_seed(step.notes["seed"])
+    d = step.data
+    mask = d["loss_mask"]
+    B, W = mask.shape
+    logits = (torch.randn(B, W, vocab, generator=gen) * scale).to(logits_dtype)
+    target = torch.randint(0, vocab, (B, W), generator=gen)
+    target = torch.where(mask | (torch.rand(B, W, generator=gen) < 0.5), target, -100)  # ignored only where masked
+    # old / rollout / ref around the logits' own log-probs (the step gives which are present, masks, advantages)
+    lp_true, _ = logprobs_reference(logits, torch.where(target == -100, 0, target), temperature=temperature)
+    clamped = cfg.policy.log_ratio_clamp is not None
+    spread = data.draw(st.sampled_from([0.0, 0.1, 1.0] + ([5.0, 50.0] if clamped else [])))
+    around = {"old_logprobs": lp_true, "rollout_logprobs": lp_true, "ref_logprobs": lp_true}
+    inputs = {}
+    for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+        if k in d:
+            noisy = around[k] + torch.randn(B, W, generator=gen, dtype=torch.float64) * spread
+            inputs[k] = torch.where(mask, noisy, d[k].double()).float()  # the step's junk where masked
+            if k == "old_logprobs":
+                around["rollout_logprobs"] = inputs[k].double()
+    inputs["advantages"] = d["advantages"].float()
+    layout = None
+    if packed:  # the rows back to back, each a segment of the whole width
+        layout = PackedSequences(torch.arange(0, B * W + 1, W))
+        logits, target, mask = logits.reshape(B * W, vocab), target.reshape(-1), mask.reshape(-1)
+        inputs = {k: v if k == "advantages" and not step.per_token_advantages else v.reshape(-1)
+                  for k, v in inputs.items()}
+    _, entropy = vocab_parallel_logprobs(logits, target, with_entropy=True, temperature=temperature)
+    batch = GlobalBatch.from_rollouts(cfg, [mask], old_logprobs=[inputs.get("old_logprobs", entropy * 0 - 1)],
+                                      rollout_logprobs=[inputs["rollout_logprobs"]] if "rollout_logprobs" in inputs
+                                      else None, entropies=[entropy], layouts=None if layout is None else [layout])
+    kwargs = {k: inputs.get(k) for k in ("rollout_logprobs", "ref_logprobs")}
+    loss_fn = GRPOLoss(cfg, backend=LossBackend.TRITON)
+    g = step.upstream
+    # --- the fused path ---
+    x = logits.clone().requires_grad_()
+    loss, metrics = loss_fn.on_logits(x, target, inputs.get("old_logprobs"), inputs["advantages"], mask, batch=batch,
+                                      layout=layout, temperature=temperature, **kwargs)
+    (loss * g).backward()
+    # --- the two ops in turn ---
+    x2 = logits.clone().requires_grad_()
+    out = vocab_parallel_logprobs(x2, target, with_entropy=cfg.needs_entropy, temperature=temperature)
+    lp2, ent2 = out if cfg.needs_entropy else (out, None)
+    loss2, metrics2 = loss_fn(lp2, inputs.get("old_logprobs"), inputs["advantages"], mask, entropy=ent2, batch=batch,
+                              layout=layout, **kwargs)
+    (loss2 * g).backward()
+    # --- the float64 reference: log-probs and entropy of the logits, then the objective ---
+    r = logits.double().requires_grad_()
+    lp_r, ent_r = logprobs_reference(r, target, temperature=temperature)
+    shape = (B, W)
+    ref_inputs = {k: (v.reshape(shape) if v.dim() and v.numel() == B * W else v).double() for k, v in inputs.items()}
+    j = grpo_objective_reference(cfg, lp_r.reshape(shape), ref_inputs.get("old_logprobs"), ref_inputs["advantages"],
+                                 mask.reshape(shape), rollout_logprobs=ref_inputs.get("rollout_logprobs"),
+                                 ref_logprobs=ref_inputs.get("ref_logprobs"), entropy=ent_r.reshape(shape))
+    (j * g).backward()
+    with torch.no_grad():
+        args = dict(rollout_logprobs=ref_inputs.get("rollout_logprobs"), ref_logprobs=ref_inputs.get("ref_logprobs"),
+                    entropy=ent_r.detach().reshape(shape))
+        size = grpo_objective_reference(cfg, lp_r.detach().reshape(shape), ref_inputs.get("old_logprobs"),
+                                        ref_inputs["advantages"], mask.reshape(shape), magnitude=True, **args)
+    assume(float(size) < 1e30)
+    P.assert_loss_close(loss.detach(), j.detach(), float(size), torch.float32, "on_logits vs reference")
+    P.assert_grad_close(x.grad.reshape(B, W, vocab), r.grad.reshape(B, W, vocab), mask.reshape(shape).unsqueeze(-1)
+                        .expand(B, W, vocab) | (target.reshape(shape) != -100).unsqueeze(-1).expand(B, W, vocab),
+                        logits_dtype, "on_logits d/dlogits vs reference", rtol=max(P._rtol(logits_dtype), 1e-4))
+    P.assert_loss_close(loss.detach(), loss2.detach(), float(size), torch.float32, "on_logits vs the two ops")
+    P.assert_grad_close(x.grad, x2.grad, torch.ones_like(x.grad, dtype=torch.bool), logits_dtype,
+                        "on_logits vs the two ops d/dlogits")
+    P.assert_metrics_close(reduce_metrics([metrics]), reduce_metrics([metrics2]), torch.float32,
+                           "on_logits vs the two ops")

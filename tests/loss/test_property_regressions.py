@@ -67,3 +67,22 @@ def test_normalized_weights_average_one_with_bfloat16_inputs(backend: LossBacken
     applied_sum, count = metrics["is_weight/applied/mean"].tolist()
     assert count == 2.0 and applied_sum == pytest.approx(2.0, rel=1e-6)
     assert loss.item() == pytest.approx(-1.0, rel=1e-6)  # on-policy ppo_clip, A = 1: −mean of the applied weights
+
+
+@pytest.mark.parametrize("entropy_dtype", [torch.bfloat16, torch.float16])
+def test_entropy_gradient_of_a_16bit_entropy_with_float64_logprobs(entropy_dtype: torch.dtype) -> None:
+    """float64 log-probs (compute in float64) with a bf16 entropy: the Triton path's entropy gradient was 0 — its
+    backward stored the float64 gradient into bf16 directly, which Triton's interpreter turns into garbage (0, NaN,
+    1e-40); it now converts through float32. The torch path's gradient, −bonus / N, is the reference."""
+    cfg = load_config(None, ["entropy.bonus_coef=0.05"])
+    grads = []
+    for backend in BACKENDS:
+        lp = torch.tensor([[-0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+        entropy = torch.tensor([[0.5, 1.0]], dtype=entropy_dtype, requires_grad=True)
+        loss, _ = GRPOLoss(cfg, backend=backend)(lp, None, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                                                 entropy=entropy)
+        loss.backward()
+        grads.append(entropy.grad)
+    for grad in grads:
+        assert grad.dtype == entropy_dtype
+        torch.testing.assert_close(grad.double(), torch.full((1, 2), -0.025, dtype=torch.float64), rtol=1e-2, atol=0)
