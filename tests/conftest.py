@@ -10,3 +10,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The hypothesis profiles of the property tests (MP_GRPO_HYPOTHESIS_PROFILE: ci, the default | dev | soak).
+from tests.hypothesis_profiles import load_profile  # noqa: E402
+
+load_profile()

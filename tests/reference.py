@@ -91,17 +91,29 @@ def scale_reference(x: torch.Tensor, scale: torch.Tensor, base: torch.Tensor | N
 # ============================================================================================
 # Written row by row from the definitions in docs/loss.md, for padded [B, T] inputs. It reads the
 # LossConfig's attributes (enum members are compared by their string value) and calls nothing of
-# mp_grpo. Differentiable w.r.t. `logprobs` and `entropy`.
+# mp_grpo. Differentiable w.r.t. `logprobs` and `entropy`. At a tie the gradient follows the documented
+# convention (docs/loss.md, mp_grpo/kernels/token_math.py): clamp bounds are inclusive, PPO's min takes the
+# unclipped branch, the dual-clip cap only where the term lies strictly above it.
 def _clamp_abs(x: torch.Tensor, bound: float | None) -> torch.Tensor:
     return x if bound is None else x.clamp(-bound, bound)
 
 
 def _clamp_range(x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
-    if low is not None:
-        x = torch.maximum(x, torch.full_like(x, low))
-    if high is not None:
-        x = torch.minimum(x, torch.full_like(x, high))
-    return x
+    """``clamp(x, low, high)`` (None: that side open), the gradient passing where low ≤ x ≤ high (bounds inclusive)."""
+    return x if low is None and high is None else x.clamp(min=low, max=high)
+
+
+def _clipped_surrogate_reference(p, r: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's −min(min(r, delta)·A, clip(r)·A) — at a tie the unclipped branch — and that term before the dual clip."""
+    lo = None if p.eps_low is None else 1.0 - p.eps_low
+    hi = None if p.eps_high is None else 1.0 + p.eps_high
+    u1 = _clamp_range(r, None, p.delta) * adv
+    u2 = _clamp_range(r, lo, hi) * adv
+    term = -torch.where(u1 <= u2, u1, u2)
+    if p.dual_clip_c is None:
+        return term, term
+    cap = -adv * p.dual_clip_c
+    return torch.where((adv < 0) & (term > cap), cap, term), term
 
 
 def _level_log_ratio(level: str, d: torch.Tensor, clamp: float | None) -> torch.Tensor:
@@ -155,38 +167,41 @@ def _policy_term_reference(p, lp: torch.Tensor, lr: torch.Tensor, adv: torch.Ten
             r = torch.exp(lr.mean().detach() + lr - lr.detach())
         else:
             r = torch.exp(lr.mean()).expand_as(lr)
-        r1 = r if p.delta is None else torch.minimum(r, torch.full_like(r, p.delta))
-        term = -torch.min(r1 * adv, _clamp_range(r, lo, hi) * adv)
-        if p.dual_clip_c is not None:
-            term = torch.where(adv < 0, torch.min(term, -adv * p.dual_clip_c), term)
-        return term
+        return _clipped_surrogate_reference(p, r, adv)[0]
     if objective == "cispo":
         return -_clamp_range(torch.exp(lr), lo, hi).detach() * adv * lp
     if objective == "sapo":
         tau = torch.where(adv > 0, torch.full_like(adv, p.sapo_tau_pos), torch.full_like(adv, p.sapo_tau_neg))
         return -(4.0 / tau) * torch.sigmoid(tau * (torch.exp(lr) - 1.0)) * adv
     if objective == "gmpo":
-        upper = lr if p.eps_high is None else torch.minimum(lr, torch.full_like(lr, p.eps_high))
-        lower = lr if p.eps_low is None else torch.maximum(lr, torch.full_like(lr, -p.eps_low))
+        upper = _clamp_range(lr, None, p.eps_high)
+        lower = _clamp_range(lr, None if p.eps_low is None else -p.eps_low, None)
         clipped = torch.where(adv > 0, upper, torch.where(adv < 0, lower, lr))
         return -adv * torch.exp(clipped.mean())
     return -adv * lp  # reinforce
 
 
-def _kl_reference(k, lp: torch.Tensor, ref: torch.Tensor, lr: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
+def _kl_reference(k, lp: torch.Tensor, ref: torch.Tensor, lr: torch.Tensor, clamp: float | None = None,
+                  magnitude: bool = False) -> torch.Tensor:
+    """The KL penalty per token; ``magnitude``: the size of the terms its estimator subtracts (k3: |eˣ − 1| + |x|),
+    times the weight — the scale of its rounding error — or the output clamp where that binds."""
     x = _clamp_abs(ref - lp, k.input_clamp)
-    k3 = torch.exp(x) - x - 1.0
+    k3 = torch.expm1(x) - x  # eˣ − x − 1, without the cancellation of exp(x) − 1 near 0
     k2 = 0.5 * x * x
     kl = {"k1": -x, "k2": k2, "k3": k3}[k.estimator.value]
     if k.straight_through:
         kl = k2 + (k3 - k2).detach()
+    size = {"k1": x.abs(), "k2": k2, "k3": torch.expm1(x).abs() + x.abs()}[k.estimator.value]
     if k.bias_correction:
         level = k.bias_correction_level.value
         ratio_log = {"token": lr, "geometric": lr.mean().expand_as(lr),
                      "sequence": _clamp_abs(lr.sum(), clamp).expand_as(lr)}[level]
         kl = kl * torch.exp(ratio_log)
+        size = size * torch.exp(ratio_log)
     if k.score_function:
         kl = kl * torch.exp(lp - lp.detach())
+    if magnitude:
+        return size if k.output_clamp is None else torch.where(kl.abs() > k.output_clamp, k.output_clamp, size)
     return _clamp_abs(kl, k.output_clamp)
 
 
@@ -195,27 +210,16 @@ def _zero_on_graph(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, x, torch.zeros_like(x)).sum() * 0.0
 
 
-def grpo_objective_reference(
-    cfg,
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    rollout_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    kl_logprobs: torch.Tensor | None = None,
-    entropy_coef: float | None = None,
-    positive: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The objective J of a whole step given as one padded batch ``[B, T]``, in float64.
+class _ReferenceRow(dict):
+    """One sequence's valid tokens (float64) and every per-token quantity of the step objective."""
 
-    ``positive`` ``[B]``: positive examples for ``nll.positive_coef`` (VAPO: coef · mean over their valid tokens of
-    −log π_θ).
+    __getattr__ = dict.__getitem__
 
-    ``kl_logprobs``: the log-probs the KL is taken of (None: ``logprobs``); ``entropy_coef``: the bonus
-    coefficient (None: ``entropy.bonus_coef``)."""
+
+def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollout_logprobs, ref_logprobs, entropy,
+                    kl_logprobs, entropy_coef):
+    """The step-level quantities and, per non-empty row, the per-token quantities of the objective (float64,
+    differentiable w.r.t. ``logprobs``, ``entropy`` and ``kl_logprobs``). Shared by the objective and the metrics."""
     lp_all = logprobs.double()
     valid = loss_mask != 0
     B = lp_all.shape[0]
@@ -243,86 +247,274 @@ def grpo_objective_reference(
         ds = [_clamp_abs((lps[b].detach() if bypass else olds[b]) - rolls[b], clamp) for b in range(B)]
 
     # Step-level quantities over the whole batch.
-    n_tokens = sum(int(valid[b].sum()) for b in range(B))
-    nonempty = [b for b in range(B) if valid[b].any()]
-    n_seqs = B if cfg.aggregation.count_empty_sequences else len(nonempty)
+    step = _ReferenceRow(valid=valid, lp_all=lp_all, bonus=bonus, skip=None, weight_mean=None, threshold=None)
+    step["n_tokens"] = n_tokens = sum(int(valid[b].sum()) for b in range(B))
+    step["nonempty"] = nonempty = [b for b in range(B) if valid[b].any()]
+    step["n_seqs"] = B if cfg.aggregation.count_empty_sequences else len(nonempty)
     if cfg.mismatch.skip_threshold is not None:
-        k3_sum = sum(float((torch.exp(ds[b]) - ds[b] - 1.0).sum()) for b in nonempty)
-        if k3_sum / max(n_tokens, 1) > cfg.mismatch.skip_threshold:
-            return _zero_on_graph(lp_all, valid)
-    weights = [None] * B
+        k3_sum = sum(float((torch.expm1(ds[b]) - ds[b]).sum()) for b in nonempty)
+        step["skip"] = k3_sum / max(n_tokens, 1) > cfg.mismatch.skip_threshold
+    raw_weights = weights = truncated = [None] * B
     if rc.weight_level is not None and not vespo:
         lvl = rc.weight_level.value
-        weights = [_clamp_range(torch.exp(_level_log_ratio(lvl, ds[b], clamp)), rc.weight_min, rc.weight_max)
-                   if b in nonempty else None for b in range(B)]
+        raw_weights = [torch.exp(_level_log_ratio(lvl, ds[b], clamp)) if b in nonempty else None for b in range(B)]
+        weights = truncated = [None if w is None else _clamp_range(w, rc.weight_min, rc.weight_max) for w in raw_weights]
         if rc.normalize_weights:
             if lvl == "token":
                 mean = sum(float(weights[b].sum()) for b in nonempty) / max(n_tokens, 1)
             else:
                 mean = sum(float(weights[b][0]) for b in nonempty) / max(len(nonempty), 1)
+            step["weight_mean"] = mean
             if mean > 1e-8:
                 weights = [None if w is None else w / mean for w in weights]
     threshold = None
     if cfg.entropy.top_quantile < 1.0 and nonempty:
         all_ent = torch.cat([ents[b].detach() for b in nonempty])
-        threshold = torch.quantile(all_ent, 1.0 - cfg.entropy.top_quantile)
+        step["threshold"] = threshold = torch.quantile(all_ent, 1.0 - cfg.entropy.top_quantile)
 
-    total = _zero_on_graph(lp_all, valid)
-    nll_coef = cfg.nll.positive_coef
-    if nll_coef != 0.0:
-        pos_rows = [b for b in nonempty if bool(positive[b])]
-        n_pos = sum(lps[b].numel() for b in pos_rows)
-        if n_pos:
-            total = total + nll_coef * sum(-lps[b].sum() for b in pos_rows) / n_pos
+    out = []
     for b in nonempty:
         lp, old, adv = lps[b], olds[b], advs[b]
         n = lp.numel()
         lr = _clamp_abs(lp - old, clamp)
+        row = _ReferenceRow(b=b, n=n, lp=lp, adv=adv, lr=lr, d=ds[b], ent=ents[b], phi=None, kl=None,
+                            raw_weight=raw_weights[b], truncated=truncated[b], weight=weights[b],
+                            keep_rc=None, keep_opsm=None, keep_ent=None)
         if vespo:
             p = cfg.policy
-            phi = vespo_phi_reference(_vespo_log_w(rc, lr, ds[b]), adv, p.vespo_k_pos, p.vespo_lambda_pos,
-                                      p.vespo_k_neg, p.vespo_lambda_neg)
+            log_w = _vespo_log_w(rc, lr, ds[b])
+            row["phi"] = phi = vespo_phi_reference(log_w, adv, p.vespo_k_pos, p.vespo_lambda_pos, p.vespo_k_neg,
+                                                   p.vespo_lambda_neg)
+            row["ratio"] = torch.exp(log_w).detach()
             term = -phi.detach() * adv * lp
         else:
             term = _policy_term_reference(cfg.policy, lp, lr, adv)
+            row.update(_policy_flags_reference(cfg.policy, lr, adv))
         if weights[b] is not None:
             term = term * weights[b]
         keep = torch.ones(n, dtype=torch.bool)
         if rc.reject_level is not None and not vespo:
             ratio = torch.exp(_level_log_ratio(rc.reject_level.value, ds[b], clamp))
+            row["keep_rc"] = torch.ones(n, dtype=torch.bool)
             if rc.reject_min is not None:
-                keep &= ratio >= rc.reject_min
+                row["keep_rc"] &= ratio >= rc.reject_min
             if rc.reject_max is not None:
-                keep &= ratio <= rc.reject_max
+                row["keep_rc"] &= ratio <= rc.reject_max
+            keep &= row.keep_rc
         if cfg.opsm.delta is not None:
             behaviour = rolls[b] if rollout_logprobs is not None else old
             drift = (behaviour - lp.detach()).mean()
-            keep &= ~((adv < 0) & (drift > cfg.opsm.delta))
+            row["keep_opsm"] = ~((adv < 0) & (drift > cfg.opsm.delta))
+            keep &= row.keep_opsm
         selected = torch.ones(n, dtype=torch.bool)
         if threshold is not None:
-            selected = ents[b].detach() >= threshold
+            row["keep_ent"] = selected = ents[b].detach() >= threshold
             keep &= selected
-        c = torch.where(keep, term, torch.zeros_like(term))
-        reg = torch.zeros_like(c)
-        if cfg.kl.coef != 0.0:
-            reg = reg + cfg.kl.coef * _kl_reference(cfg.kl, kl_lps[b], refs[b], lr, clamp)
+        row["keep_ent_or_all"] = selected
+        row["c"] = torch.where(keep, term, torch.zeros_like(term))
+        reg = torch.zeros_like(row.c)
+        row["reg_parts"] = []
+        row["reg_sizes"] = []
+        if refs[b] is not None:
+            row["kl"] = _kl_reference(cfg.kl, kl_lps[b], refs[b], lr, clamp)
+            row["kl_size"] = _kl_reference(cfg.kl, kl_lps[b].detach(), refs[b], lr.detach(), clamp, magnitude=True)
+            if cfg.kl.coef != 0.0:
+                row.reg_parts.append(cfg.kl.coef * row.kl)
+                row.reg_sizes.append(cfg.kl.coef * row.kl_size)
+                reg = reg + row.reg_parts[-1]
         if bonus != 0.0:
             ent = ents[b]
             if cfg.entropy.bonus_on_selected:
                 ent = torch.where(selected, ent, torch.zeros_like(ent))
-            reg = reg - bonus * ent
-        agg = cfg.aggregation
-        reg_mode = agg.mode if agg.regularizer_mode is None else agg.regularizer_mode
-        for x, mode in ((c, agg.mode.value), (reg, reg_mode.value)):
+            row.reg_parts.append(-bonus * ent)
+            row.reg_sizes.append(row.reg_parts[-1].detach().abs())
+            reg = reg + row.reg_parts[-1]
+        row["reg"] = reg
+        out.append(row)
+    return step, out
+
+
+def _policy_flags_reference(p, lr: torch.Tensor, adv: torch.Tensor) -> dict:
+    """The objective's ratio (the sequence ratio for gspo / gmpo) and which clips are active, per valid token."""
+    objective = p.objective.value
+    lo = -math.inf if p.eps_low is None else 1.0 - p.eps_low
+    hi = math.inf if p.eps_high is None else 1.0 + p.eps_high
+    lr = lr.detach()
+    flags = {"ratio": torch.exp(lr), "clip_low": None, "clip_high": None, "clip_dual": None}
+    if objective == "gmpo":
+        flags["clip_low"] = (adv < 0) & (lr < (-math.inf if p.eps_low is None else -p.eps_low))
+        flags["clip_high"] = (adv > 0) & (lr > (math.inf if p.eps_high is None else p.eps_high))
+        upper = _clamp_range(lr, None, p.eps_high)
+        lower = _clamp_range(lr, None if p.eps_low is None else -p.eps_low, None)
+        flags["ratio"] = torch.exp(torch.where(adv > 0, upper, torch.where(adv < 0, lower, lr)).mean()).expand_as(lr)
+    elif objective == "cispo":
+        flags["clip_low"], flags["clip_high"] = flags["ratio"] < lo, flags["ratio"] > hi
+    elif objective in ("ppo_clip", "gspo", "clip_cov"):
+        r = flags["ratio"] if objective != "gspo" else torch.exp(lr.mean()).expand_as(lr)
+        flags["ratio"] = r
+        flags["clip_low"], flags["clip_high"] = (r < lo) & (adv < 0), (r > hi) & (adv > 0)
+        if p.dual_clip_c is not None:
+            term = _clipped_surrogate_reference(p, r, adv)[1]
+            flags["clip_dual"] = (adv < 0) & (term > -adv * p.dual_clip_c)
+    return flags
+
+
+def grpo_objective_reference(
+    cfg,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    kl_logprobs: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
+    positive: torch.Tensor | None = None,
+    magnitude: bool = False,
+) -> torch.Tensor:
+    """The objective J of a whole step given as one padded batch ``[B, T]``, in float64.
+
+    ``positive`` ``[B]``: positive examples for ``nll.positive_coef`` (VAPO: coef · mean over their valid tokens of
+    −log π_θ).
+
+    ``kl_logprobs``: the log-probs the KL is taken of (None: ``logprobs``); ``entropy_coef``: the bonus
+    coefficient (None: ``entropy.bonus_coef``).
+
+    ``magnitude``: return Σ |each per-token contribution| instead of their sum — the scale of the rounding
+    error of any computation of J (a tolerance for inputs whose terms cancel)."""
+    step, rows = _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
+                                 ref_logprobs=ref_logprobs, entropy=entropy, kl_logprobs=kl_logprobs,
+                                 entropy_coef=entropy_coef)
+    total = _zero_on_graph(step.lp_all, step.valid)
+    if step.skip:
+        return total
+    n_tokens, n_seqs = step.n_tokens, step.n_seqs
+    size = torch.abs if magnitude else (lambda x: x)
+    nll_coef = cfg.nll.positive_coef
+    if nll_coef != 0.0:
+        pos_rows = [row for row in rows if bool(positive[row.b])]
+        n_pos = sum(row.n for row in pos_rows)
+        if n_pos:
+            nll = sum(size(-row.lp).sum() for row in pos_rows) / n_pos
+            total = total + (abs(nll_coef) if magnitude else nll_coef) * nll
+    agg = cfg.aggregation
+    reg_mode = agg.mode if agg.regularizer_mode is None else agg.regularizer_mode
+    for row in rows:
+        parts = [(row.c, agg.mode.value)] + [(x, reg_mode.value) for x in (row.reg_sizes if magnitude else [row.reg])]
+        for x, mode in parts:
+            x = size(x)
             if mode == "token_mean":
                 total = total + x.sum() / n_tokens
             elif mode == "seq_mean_token_mean":
-                total = total + x.sum() / n / n_seqs
+                total = total + x.sum() / row.n / n_seqs
             elif mode == "seq_mean_token_sum":
                 total = total + x.sum() / n_seqs
             else:
                 total = total + x.sum() / (n_seqs * agg.norm_constant)
     return total
+
+
+def grpo_metrics_reference(
+    cfg,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    kl_logprobs: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
+    positive: torch.Tensor | None = None,
+) -> dict[str, tuple[float, float]]:
+    """The step's metrics (docs/loss.md, "Metrics") of the inputs of :func:`grpo_objective_reference`, from their
+    definitions in float64: name → (value, scale), ``scale`` the mean of |x| of a mean (the size of its rounding
+    error; the value itself for the extremes and counts). Means over nothing are NaN, extremes over nothing ±inf.
+
+    Not covered: clip_cov / kl_cov (``cov/selected_frac``)."""
+    args = dict(rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+                kl_logprobs=kl_logprobs, entropy_coef=entropy_coef)
+    step, rows = _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, **args)
+    with torch.no_grad():
+        j = grpo_objective_reference(cfg, logprobs, old_logprobs, advantages, loss_mask, positive=positive, **args)
+        j_size = grpo_objective_reference(cfg, logprobs, old_logprobs, advantages, loss_mask, positive=positive,
+                                          magnitude=True, **args)
+    out: dict[str, tuple[float, float]] = {"loss": (float(j), float(j_size)),
+                                           "valid_tokens": (float(step.n_tokens), float(step.n_tokens))}
+
+    def cat(name, where=None):
+        values = [row[name].detach().double().expand(row.n) if where is None else
+                  row[name].detach().double().expand(row.n)[row[where]] for row in rows]
+        return torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+
+    def mean(name, values, sizes=None):
+        values = values.double()
+        if values.numel() == 0:
+            out[name] = (math.nan, 0.0)
+        else:
+            out[name] = (float(values.mean()), float((values.abs() if sizes is None else sizes.double()).mean()))
+
+    def stats(name, values):
+        mean(f"{name}/mean", values)
+        out[f"{name}/min"] = (float(values.min()) if values.numel() else math.inf,) * 2
+        out[f"{name}/max"] = (float(values.max()) if values.numel() else -math.inf,) * 2
+
+    def frac(name, keep_name):
+        mean(name, (~cat(keep_name).bool()).double() if rows else torch.zeros(0))
+
+    policy = [row.c.detach() for row in rows]
+    mean("policy_loss", torch.cat(policy) if policy else torch.zeros(0))
+    objective = cfg.policy.objective.value
+    stats("ratio", cat("ratio"))
+    if objective == "vespo":
+        stats("vespo_phi", cat("phi"))
+    else:
+        for name in ("low", "high", "dual"):
+            if rows and rows[0][f"clip_{name}"] is not None or not rows and _has_clip(cfg, name):
+                mean(f"clip_frac/{name}", cat(f"clip_{name}").double() if rows else torch.zeros(0))
+    rc = cfg.rollout_correction
+    if rc.weight_level is not None and objective != "vespo":
+        stats("is_weight/raw", cat("raw_weight"))
+        stats("is_weight/truncated", cat("truncated"))
+        if rc.normalize_weights:
+            stats("is_weight/applied", cat("weight"))
+    if rc.reject_level is not None and objective != "vespo":
+        frac("rejected_frac/rollout", "keep_rc")
+    if cfg.opsm.delta is not None:
+        frac("rejected_frac/opsm", "keep_opsm")
+    if cfg.entropy.top_quantile < 1.0:
+        frac("rejected_frac/entropy", "keep_ent_or_all")
+    if rollout_logprobs is not None:
+        d = cat("d")
+        mean("mismatch/k1", -d)
+        mean("mismatch/k3", torch.expm1(d) - d, torch.expm1(d).abs() + d.abs())
+        mean("mismatch/chi2_token", torch.expm1(2.0 * d))
+        seq_d = torch.stack([_clamp_abs(row.d.sum(), cfg.policy.log_ratio_clamp) for row in rows]) if rows \
+            else torch.zeros(0, dtype=torch.float64)
+        mean("mismatch/chi2_seq", torch.expm1(2.0 * seq_d))
+    if cfg.mismatch.skip_threshold is not None:
+        out["mismatch/skipped"] = (float(bool(step.skip)), 1.0)
+    if ref_logprobs is not None:
+        mean("kl", cat("kl"), cat("kl_size"))
+    if cfg.nll.positive_coef != 0.0:
+        mean("nll/positive", torch.cat([-row.lp.detach() for row in rows if bool(positive[row.b])] or
+                                       [torch.zeros(0, dtype=torch.float64)]))
+    if entropy is not None:
+        mean("entropy", cat("ent"))
+        if cfg.entropy.adaptive and cfg.entropy.top_quantile < 1.0:
+            mean("entropy/selected", cat("ent", "keep_ent_or_all"))
+    return out
+
+
+def _has_clip(cfg, name: str) -> bool:
+    """Whether the objective reports ``clip_frac/<name>`` (for a step without a valid token)."""
+    objective = cfg.policy.objective.value
+    if name == "dual":
+        return objective in ("ppo_clip", "gspo") and cfg.policy.dual_clip_c is not None
+    return objective in ("ppo_clip", "gspo", "clip_cov", "cispo", "gmpo")
 
 
 # ============================================================================================

@@ -30,6 +30,7 @@ def grpo_loss_backward_kernel(
     N, T, S, search_steps,
     PACKED: tl.constexpr,
     ENTROPY_GRAD: tl.constexpr,
+    ENTROPY_16BIT: tl.constexpr,  # the entropy is bf16 / fp16: its gradient is converted through float32
     SEQ_GRAD: tl.constexpr,
     SEQ_GRAD_SCALED: tl.constexpr,
     COMPUTE: tl.constexpr,
@@ -52,4 +53,6 @@ def grpo_loss_backward_kernel(
     tl.store(grad_lp_ptr + offs, grad_lp.to(grad_lp_ptr.dtype.element_ty), mask=in_range)
     if ENTROPY_GRAD:
         grad_ent = g * tl.load(grad_ent_fwd_ptr + offs, mask=in_range, other=0.0).to(COMPUTE)
+        if ENTROPY_16BIT:  # float64 → float32 → bf16 / fp16: Triton's interpreter turns float64 → bf16 into garbage
+            grad_ent = grad_ent.to(tl.float32)
         tl.store(grad_ent_ptr + offs, grad_ent.to(grad_ent_ptr.dtype.element_ty), mask=in_range)

@@ -186,7 +186,11 @@ def grpo_loss_combine_kernel(
         sum_divergence = tl.load(row + COL_OPSM, mask=valid, other=0.0).to(COMPUTE)
         keep_opsm = opsm_keep(adv, sum_divergence, count_floor, param(params_ptr, K.P_OPSM_DELTA, COMPUTE))
     if TOP_ENTROPY:
-        keep_entropy = high_entropy(ent, tl.load(threshold_ptr).to(tl.float64))
+        # The entropies as given (the step's quantile is one of their values), not rounded to COMPUTE.
+        given = ent
+        if not FROM_STATS:
+            given = tl.load(ent_ptr + offs, mask=valid, other=0.0)
+        keep_entropy = high_entropy(given, tl.load(threshold_ptr).to(tl.float64))
     keep = valid & keep_rollout & keep_opsm & keep_entropy
     policy = tl.where(keep, term, 0.0)
     policy_scale = tl.where(keep, applied, 0.0)  # ∂policy/∂term

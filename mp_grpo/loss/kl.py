@@ -10,7 +10,8 @@ Schedule of :func:`kl_penalty`
        gradient, NeMo-RL's default).
     Steps 2–3 are :func:`mp_grpo.kernels.token_math.weighted_kl`, the one definition the fused kernels use
     too, run on torch tensors (:mod:`mp_grpo.loss.dialect`); the clamps of steps 1 and 4 its ``clamp_sym``.
-    4. ``clamp(·, ±output_clamp)``.
+    4. ``clamp(·, ±output_clamp)``; where it binds, the gradient is exactly 0 — also where the unclamped value
+       overflowed (the differentiable formula runs only on the tokens inside the clamp).
 The penalty is added on every valid token; the IS weights and the rejection / OPSM / entropy masks of
 the policy term never touch it.
 """
@@ -47,6 +48,20 @@ def kl_penalty(
         mode, score = CODES.KL_RATIO_SCORE_FUNCTION, logprobs - logprobs.detach()
     else:
         mode, score = CODES.KL_RATIO_NONE, None
-    kl, _, _, _, _ = _weighted_kl(x, log_ratio, score, _ESTIMATOR_CODES[cfg.estimator], cfg.straight_through, mode)
-    # --- 4. the output clamp ---
-    return symmetric_clamp(kl, cfg.output_clamp)
+    codes = (_ESTIMATOR_CODES[cfg.estimator], cfg.straight_through, mode)
+    if cfg.output_clamp is None:
+        return _weighted_kl(x, log_ratio, score, *codes)[0]
+    # --- 4. the output clamp: where it binds, the value is the bound and the gradient exactly 0 ---
+    # Where the unclamped value overflows (k3 = eˣ − x − 1 beyond x ≈ 88 in float32 without an input clamp, or
+    # times the bias-correction ratio), autograd's product rule would give 0 · inf = NaN to the inputs. So the
+    # value is taken first without a graph, and the differentiable formula runs on those tokens' inputs only.
+    with torch.no_grad():
+        value = _weighted_kl(x, log_ratio, score, *codes)[0]
+        inside = value.abs() <= cfg.output_clamp
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+
+    def where_inside(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.where(inside, t, zero)
+
+    kl = _weighted_kl(where_inside(x), where_inside(log_ratio), where_inside(score), *codes)[0]
+    return torch.where(inside, kl, symmetric_clamp(value, cfg.output_clamp))

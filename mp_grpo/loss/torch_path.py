@@ -53,6 +53,9 @@ class Tokens(NamedTuple):
     rollout_d: torch.Tensor | None
     ref: torch.Tensor | None
     entropy: torch.Tensor | None
+    entropy_given: torch.Tensor | None
+    """The entropy as given (its own dtype, detached): the top-entropy selection compares these values with the
+    step's quantile of them, not their rounding to the compute dtype."""
     kl_logprobs: torch.Tensor
     """The log-probs the KL is taken of (``logprobs`` unless ``kl_logprobs`` was given)."""
     positive: torch.Tensor | None
@@ -150,6 +153,7 @@ def token_stage(
         logprobs=lp, log_ratio=log_ratio, advantages=adv, valid=valid, rollout_d=d,
         ref=None if ref_logprobs is None else clean(ref_logprobs).detach(),
         entropy=None if entropy is None else clean(entropy),
+        entropy_given=None if entropy is None else torch.where(valid, entropy.detach(), zero.to(entropy.dtype)),
         kl_logprobs=lp if kl_logprobs is None else clean(kl_logprobs),
         positive=None if positive is None else valid & positive,
         is_weights=None if is_weights is None else clean(is_weights).detach(),
@@ -208,7 +212,7 @@ def combine_stage(
     if cfg.opsm.delta is not None:
         keep_opsm = opsm_keep(adv, seq_tokens[..., opsm_col], seq_count, cfg.opsm.delta)  # type: ignore[index]
     if cfg.entropy.top_quantile < 1.0:
-        keep_ent = high_entropy(t.entropy, step.entropy_threshold)  # type: ignore[arg-type]
+        keep_ent = high_entropy(t.entropy_given, step.entropy_threshold)  # type: ignore[arg-type]
     keep = valid
     for mask in (keep_rc, keep_opsm, keep_ent, keep_cov):
         if mask is not None:

@@ -413,7 +413,8 @@ def loss_backward(
             fwd_lp if seq_grad is None else seq_grad, fwd_lp if saved.seq_factor is None else saved.seq_factor,
             saved.cu, grad_lp, grad_lp if grad_ent is None else grad_ent,
             n, row_length, s, search_steps,
-            PACKED=packed, ENTROPY_GRAD=entropy_grad, SEQ_GRAD=seq_grad is not None, SEQ_GRAD_SCALED=seq_grad_scaled,
+            PACKED=packed, ENTROPY_GRAD=entropy_grad, ENTROPY_16BIT=entropy_grad and ent_dtype.itemsize == 2,
+            SEQ_GRAD=seq_grad is not None, SEQ_GRAD_SCALED=seq_grad_scaled,
             COMPUTE=saved.compute, BLOCK=blocks.backward_block, num_warps=blocks.backward_warps,
         )
     return grad_lp, grad_ent

@@ -1,0 +1,302 @@
+"""Run a drawn step (tests/loss/strategies.py) through GRPOLoss — as one call, or split over (rank, micro-batch)
+pairs — and through the float64 reference, and compare: the checks of the property tests.
+
+Tolerances scale with the size of what is summed (a sum of terms of ±1e20 that cancel to 1 is accurate to
+1e20 · eps, not to 1 · eps): the loss with Σ|each per-token contribution| (``grpo_objective_reference(...,
+magnitude=True)``), a gradient with its largest entry, a metric mean with the mean of |x| — each times the
+relative tolerance of the dtype it is computed in (tests/tolerances.py), plus that dtype's smallest normal number
+(below it float32 keeps no relative precision: a VESPO weight of 1e-48 is 0 there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mp_grpo.loss import GlobalBatch, GRPOLoss, LossBackend, PackedSequences, PaddedSequences, reduce_metrics
+from tests.loss.strategies import MicroBatch, Step
+from tests.reference import grpo_metrics_reference, grpo_objective_reference
+from tests.tolerances import tolerance
+
+LEAVES = ("logprobs", "entropy", "kl_logprobs")
+"""The differentiable inputs."""
+TOKEN_INPUTS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "kl_logprobs", "loss_mask")
+
+RTOL_SPLIT = {torch.float64: 1e-9, torch.float32: 1e-5}
+"""One call vs the same tokens split: float64 differs only in summation order (the existing layout tests use
+1e-6 / 1e-12 for a whole step; relative to the magnitude 1e-9 holds); float32 in the order of its sums."""
+
+
+@dataclass
+class Result:
+    """What a call (or the sum of a split's calls) gives: loss, gradients on the step's ``[B, W]`` positions
+    (``None`` where an input was absent), reduced metrics."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    metrics: dict[str, float]
+
+
+def _kwargs(step: Step, take) -> dict:
+    d = step.data
+    return {name: take(d[name]) if name in d else None
+            for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "kl_logprobs")}
+
+
+def run_single(step: Step, backend: LossBackend) -> Result:
+    """One GRPOLoss call on the whole padded step (``batch=None``), backward through ``step.upstream``."""
+    d = step.data
+    leaves = {n: d[n].clone().requires_grad_() for n in LEAVES if n in d}
+    kwargs = _kwargs(step, lambda x: x)
+    kwargs.update({n: leaves[n] for n in leaves if n != "logprobs"})
+    old = kwargs.pop("old_logprobs")
+    extra = {}
+    if step.positive is not None:
+        extra["positive"] = step.positive
+    if step.entropy_coef is not None:
+        extra["entropy_coef"] = step.entropy_coef
+    loss, metrics = GRPOLoss(step.cfg, backend=backend)(leaves["logprobs"], old, d["advantages"], d["loss_mask"],
+                                                        **kwargs, **extra)
+    (loss * step.upstream).backward()
+    grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) if n in leaves
+             else None for n in LEAVES}
+    return Result(loss.detach(), grads, reduce_metrics([metrics]))
+
+
+def _gather(x: torch.Tensor, mb: MicroBatch, junk: torch.Tensor | None) -> torch.Tensor:
+    """The micro-batch's view of a ``[B, W]`` token tensor: padded rows, or segments packed back to back plus
+    ``mb.trailing`` positions outside every segment (``junk``)."""
+    if not mb.packed:
+        return x[mb.rows][:, :mb.width]
+    parts = [x[b, :seg] for b, seg in zip(mb.rows, mb.segments)]
+    parts.append(junk)
+    flat = torch.cat(parts)
+    return flat if mb.flat else flat.unsqueeze(0)
+
+
+def positions(mb: MicroBatch, width: int) -> torch.Tensor:
+    """Flat ``b · W + t`` of the micro-batch's tokens in the step (−1 for trailing positions)."""
+    if not mb.packed:
+        return (torch.tensor(mb.rows, dtype=torch.int64).unsqueeze(1) * width + torch.arange(mb.width)).reshape(-1)
+    parts = [b * width + torch.arange(seg) for b, seg in zip(mb.rows, mb.segments)]
+    parts.append(torch.full((mb.trailing,), -1, dtype=torch.int64))
+    return torch.cat(parts)
+
+
+def micro_batch_inputs(step: Step, split: list[MicroBatch], gen: torch.Generator) -> list[dict]:
+    """Per micro-batch: its token tensors, advantages, positive flags, layout and step positions."""
+    d = step.data
+    out = []
+    for mb in split:
+        junk = {}
+        for name in TOKEN_INPUTS:
+            if name not in d:
+                continue
+            if name == "loss_mask":
+                junk[name] = torch.rand(mb.trailing, generator=gen) < 0.5  # outside every segment: never valid
+            else:
+                big = torch.finfo(d[name].dtype).max
+                junk[name] = torch.tensor([big, -big, 1e4])[torch.randint(0, 3, (mb.trailing,), generator=gen)] \
+                    .to(d[name].dtype)
+        tensors = {name: _gather(d[name], mb, junk.get(name)) for name in TOKEN_INPUTS if name in d}
+        if step.per_token_advantages:
+            adv_junk = torch.zeros(mb.trailing, dtype=d["advantages"].dtype) + 1e4
+            tensors["advantages"] = _gather(d["advantages"], mb, adv_junk)
+        else:
+            tensors["advantages"] = d["advantages"][mb.rows]
+        if mb.packed:
+            cu = torch.tensor([0, *torch.tensor(mb.segments, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+            layout = PackedSequences(cu)
+        else:
+            layout = PaddedSequences()
+        positive = None if step.positive is None else step.positive[mb.rows]
+        out.append({"tensors": tensors, "layout": layout, "positive": positive,
+                    "positions": positions(mb, step.width)})
+    return out
+
+
+def run_split(step: Step, split: list[MicroBatch], backend: LossBackend, seed: int = 0) -> Result:
+    """The step as the micro-batches of ``split`` (all (rank, micro-batch) pairs of the data-parallel group in
+    one process: one GlobalBatch over all of them, as the all-reduce of a real group would sum them)."""
+    gen = torch.Generator().manual_seed(seed)
+    mbs = micro_batch_inputs(step, split, gen)
+    cfg = step.cfg
+    masks = [m["tensors"]["loss_mask"] for m in mbs]
+    layouts = [m["layout"] for m in mbs]
+    old = [m["tensors"].get("old_logprobs", m["tensors"]["logprobs"]) for m in mbs]
+    roll = [m["tensors"]["rollout_logprobs"] for m in mbs] if "rollout_logprobs" in step.data else None
+    ents = [m["tensors"]["entropy"] for m in mbs] if "entropy" in step.data else None
+    gb = GlobalBatch.from_rollouts(cfg, masks, old_logprobs=old, rollout_logprobs=roll, entropies=ents,
+                                   layouts=layouts)
+    positive_tokens = None
+    if step.positive is not None:
+        pos_masks = []
+        for m in mbs:
+            per_token = m["layout"].broadcast(m["positive"].to(torch.float64), m["tensors"]["loss_mask"].shape) != 0
+            pos_masks.append(m["tensors"]["loss_mask"] & per_token)
+        positive_tokens = GlobalBatch.from_masks(pos_masks, layouts=layouts).valid_tokens
+    loss_fn = GRPOLoss(cfg, backend=backend)
+    total = None
+    numel = step.rows * step.width
+    grads = {n: torch.zeros(numel + 1, dtype=step.data[n].dtype) if n in step.data else None for n in LEAVES}
+    metrics = []
+    for m in mbs:
+        t = m["tensors"]
+        leaves = {n: t[n].clone().requires_grad_() for n in LEAVES if n in t}
+        kwargs = {n: t.get(n) for n in ("old_logprobs", "rollout_logprobs", "ref_logprobs")}
+        kwargs.update({n: leaves[n] for n in leaves if n != "logprobs"})
+        old_lp = kwargs.pop("old_logprobs")
+        extra = {}
+        if step.positive is not None:
+            extra.update(positive=m["positive"], positive_tokens=positive_tokens)
+        if step.entropy_coef is not None:
+            extra["entropy_coef"] = step.entropy_coef
+        loss, mets = loss_fn(leaves["logprobs"], old_lp, t["advantages"], t["loss_mask"], batch=gb,
+                             layout=m["layout"], **kwargs, **extra)
+        (loss * step.upstream).backward()
+        metrics.append(mets)
+        total = loss.detach() if total is None else total + loss.detach()
+        index = m["positions"].clone()
+        index[index < 0] = numel  # trailing positions land in the extra slot (must stay 0)
+        for n, leaf in leaves.items():
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grads[n].index_add_(0, index, g.reshape(-1))
+    for n in LEAVES:
+        if grads[n] is not None:
+            assert grads[n][numel] == 0, f"d/d{n} is nonzero outside every packed segment"
+            grads[n] = grads[n][:numel].view(step.rows, step.width)
+    return Result(total, grads, reduce_metrics(metrics))
+
+
+def as_computed(step: Step) -> dict[str, torch.Tensor]:
+    """The inputs as the loss computes with them, in float64: each rounded to its dtype and then to the compute
+    dtype where that is narrower (GRPOLoss computes in float32 unless the log-probs are float64) — except the
+    entropy, whose given values decide the top-entropy selection."""
+    compute = step.compute_dtype()
+    out = {}
+    for name, x in step.data.items():
+        if x.is_floating_point() and name != "entropy" and torch.finfo(x.dtype).eps < torch.finfo(compute).eps:
+            x = x.to(compute)
+        out[name] = x.double() if x.is_floating_point() else x
+    return out
+
+
+def reference(step: Step) -> tuple[Result, float, dict]:
+    """The float64 reference of the step on the inputs as computed (:func:`as_computed`): (result, loss magnitude,
+    metrics (value, scale))."""
+    d = as_computed(step)
+    leaves = {n: d[n].clone().requires_grad_() for n in LEAVES if n in d}
+    args = dict(rollout_logprobs=d.get("rollout_logprobs"), ref_logprobs=d.get("ref_logprobs"),
+                entropy=leaves.get("entropy"), kl_logprobs=leaves.get("kl_logprobs"),
+                entropy_coef=step.entropy_coef, positive=step.positive)
+    args = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in args.items()}
+    args["entropy"], args["kl_logprobs"] = leaves.get("entropy"), leaves.get("kl_logprobs")
+    old = d.get("old_logprobs")
+    old = None if old is None else old.double()
+    adv = d["advantages"].double()
+    j = grpo_objective_reference(step.cfg, leaves["logprobs"], old, adv, d["loss_mask"], **args)
+    (j * step.upstream).backward()
+    grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) if n in leaves
+             else None for n in LEAVES}
+    with torch.no_grad():
+        detached = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+        size = grpo_objective_reference(step.cfg, leaves["logprobs"].detach(), old, adv, d["loss_mask"],
+                                        magnitude=True, **detached)
+        metrics = grpo_metrics_reference(step.cfg, leaves["logprobs"].detach(), old, adv, d["loss_mask"], **detached)
+    return Result(j.detach(), grads, {}), float(size), metrics
+
+
+def representable(step: Step, ref: tuple[Result, float, dict]) -> bool:
+    """Whether the reference's loss terms and gradients fit the dtypes the loss computes and returns them in with
+    room to spare (else the step is out of the range of its dtypes: overflow to inf there is no bug)."""
+    compute = step.compute_dtype()
+    if not ref[1] < torch.finfo(compute).max * 1e-6:
+        return False
+    for n, g in ref[0].grads.items():
+        if g is not None:
+            dtype = step.data[n].dtype
+            limit = torch.finfo(dtype).max * 1e-3
+            if not float(g.abs().max()) < limit:
+                return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _rtol(dtype: torch.dtype) -> float:
+    return tolerance(dtype)["rtol"]
+
+
+def assert_loss_close(got: torch.Tensor, want: torch.Tensor, scale: float, dtype: torch.dtype, what: str,
+                      rtol: float | None = None) -> None:
+    """|got − want| ≤ rtol · (|want| + scale)."""
+    rtol = _rtol(dtype) if rtol is None else rtol
+    g, w = float(got), float(want)
+    assert math.isfinite(g), f"{what}: loss {g} is not finite (want {w})"
+    allowed = rtol * (abs(w) + scale) + torch.finfo(dtype).tiny
+    assert abs(g - w) <= allowed, \
+        f"{what}: loss {g!r} vs {w!r} (|Δ| = {abs(g - w):.3g}, allowed {allowed:.3g}; magnitude {scale:.3g})"
+
+
+def assert_grad_close(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype, what: str,
+                      rtol: float | None = None) -> None:
+    """Element-wise |got − want| ≤ rtol · (|want| + max |want|); exactly 0 at masked positions; all finite."""
+    rtol = _rtol(dtype) if rtol is None else rtol
+    g, w = got.detach().double(), want.detach().double()
+    assert torch.isfinite(g).all(), f"{what}: non-finite gradient {g}"
+    assert (g[~mask] == 0).all(), f"{what}: nonzero gradient at a masked position: {g[~mask][g[~mask] != 0]}"
+    top = float(w.abs().max()) if w.numel() else 0.0
+    err = (g - w).abs()
+    allowed = rtol * (w.abs() + top) + torch.finfo(got.dtype).tiny
+    if not bool((err <= allowed).all()):
+        i = int(torch.argmax(err - allowed))
+        raise AssertionError(f"{what}: gradient differs at flat index {i}: {g.reshape(-1)[i].item()!r} vs "
+                             f"{w.reshape(-1)[i].item()!r} (max |want| {top:.3g}, rtol {rtol:g})\ngot\n{g}\nwant\n{w}")
+
+
+def _same_float(a: float, b: float, scale: float, rtol: float, tiny: float) -> bool:
+    if math.isnan(b):
+        return math.isnan(a)
+    if math.isinf(b):
+        return a == b
+    return math.isfinite(a) and abs(a - b) <= rtol * (abs(b) + scale) + tiny
+
+
+def assert_metrics_close(got: dict[str, float], want: dict, dtype: torch.dtype, what: str,
+                         rtol: float | None = None, ignore=("cov/selected_frac",), scales: dict | None = None) -> None:
+    """``got`` (reduce_metrics) against ``want``: a metric dict of another call (name → float; ``scales``: the
+    reference's metrics, whose scales then apply) or the reference's (name → (value, scale)); the same names, each
+    value within tolerance."""
+    rtol = _rtol(dtype) if rtol is None else rtol
+    names_got = {k for k in got if k not in ignore}
+    names_want = {k for k in want if k not in ignore}
+    assert names_got == names_want, f"{what}: metric names differ: extra {sorted(names_got - names_want)}, " \
+                                    f"missing {sorted(names_want - names_got)}"
+    bad = []
+    for k in sorted(names_want):
+        if isinstance(want[k], tuple):
+            value, scale = want[k]
+        else:
+            value = want[k]
+            scale = scales[k][1] if scales is not None and k in scales else abs(value) if math.isfinite(value) else 0.0
+        if not _same_float(got[k], value, scale, rtol, torch.finfo(dtype).tiny):
+            bad.append(f"{k}: {got[k]!r} vs {value!r} (scale {scale:.3g})")
+    assert not bad, f"{what}: metrics differ (rtol {rtol:g}):\n  " + "\n  ".join(bad)
+
+
+def valid_mask(step: Step) -> torch.Tensor:
+    return step.data["loss_mask"] != 0
+
+
+def check_against_reference(step: Step, got: Result, ref: tuple[Result, float, dict], what: str) -> None:
+    """Value, gradients (each differentiable input) and metrics of ``got`` against the reference."""
+    want, size, metrics = ref
+    compute = step.compute_dtype()
+    assert_loss_close(got.loss, want.loss, size, compute, f"{what} vs reference")
+    mask = valid_mask(step)
+    for n in LEAVES:
+        if want.grads[n] is not None:
+            grad_dtype = step.data[n].dtype if tolerance(step.data[n].dtype)["rtol"] > _rtol(compute) else compute
+            assert_grad_close(got.grads[n], want.grads[n], mask, grad_dtype, f"{what} d/d{n} vs reference")
+    assert_metrics_close(got.metrics, metrics, compute, f"{what} vs reference")

@@ -1,0 +1,426 @@
+"""Hypothesis strategies for the loss's property tests (tests/loss/test_properties*.py).
+
+* :func:`loss_configs`: valid :class:`~mp_grpo.config.LossConfig` sections as a nested dict (what a YAML holds),
+  drawn section by section within what :mod:`mp_grpo.config.loss` allows — every objective, aggregation, rollout
+  correction, KL, entropy, OPSM, mismatch and NLL option, restricted to what the fused kernels implement for
+  ``backend="triton"``; :func:`raw_config_overrides` draws keys and values with no regard for validity.
+* :func:`steps`: one optimizer step as a padded batch — uneven sequences with holes in their loss masks, empty
+  sequences, per-sequence or per-token advantages (exact zeros among them), log-probs from near 0 to −1e30,
+  log-ratios from 0 to beyond the clamps, ratios placed a hair inside / outside a clip bound, tied entropies,
+  per-input dtypes — and finite junk (±dtype max, ±1e4) at every masked position.
+* :func:`splits`: the same tokens over (rank, micro-batch) pairs: row permutations, padded micro-batches of their
+  own widths, packed micro-batches (``[T]`` / ``[1, T]``, padded segments, empty segments, trailing positions
+  outside every segment), micro-batches whose tokens are all masked, packed micro-batches without a sequence.
+
+Values are drawn in float64 from a seeded ``torch.Generator`` (the seed is part of the example: a failure
+reproduces from what hypothesis prints) and rounded to each input's dtype; the reference reads the rounded values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from hypothesis import strategies as st
+
+from mp_grpo.config import LossConfig, load_config
+
+OBJECTIVES_FUSED = ["ppo_clip", "cispo", "sapo", "gspo", "gmpo", "reinforce"]
+OBJECTIVES_TORCH = OBJECTIVES_FUSED + ["vespo"]
+AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+LEVELS = ["token", "sequence", "geometric"]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+INPUTS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "kl_logprobs", "advantages")
+
+
+def _maybe(strategy, none_weight: int = 1):
+    """``None`` or a value of ``strategy`` (``none_weight`` : 1 odds towards None … here 1:1 by default)."""
+    return st.one_of(*([st.none()] * none_weight), strategy)
+
+
+def _positive(lo: float, hi: float, specials=()):
+    """A float in [lo + 1e-3, hi] (bounds of a config are never tiny: float32 would round them to 0), biased
+    towards a few meaningful values."""
+    return st.one_of(st.sampled_from(list(specials)) if specials else st.nothing(), _floats(lo + 1e-3, hi))
+
+
+def _floats(lo: float, hi: float):
+    """A float in [lo, hi] with four decimals (what a config holds; never a tiny non-zero)."""
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False).map(lambda x: min(max(round(x, 4), lo), hi))
+
+
+# ----------------------------------------------------------------------------------------------- configs
+@st.composite
+def loss_configs(draw, backend: str = "torch") -> dict:
+    """A valid loss config as a nested dict; ``backend="triton"``: only what the fused kernels implement."""
+    fused = backend == "triton"
+    objective = draw(st.sampled_from(OBJECTIVES_FUSED if fused else OBJECTIVES_TORCH))
+    policy: dict = {"objective": objective}
+    clip_family = objective in ("ppo_clip", "gspo")
+    policy["eps_low"] = draw(_maybe(_positive(0.0, 1.0, [0.0, 0.2, 1.0]) if objective != "gmpo"
+                                    else _positive(0.0, 3.0, [0.0, 0.2, 0.4])))
+    policy["eps_high"] = draw(_maybe(_positive(0.0, 5.0, [0.0, 0.2, 0.28, 4.0])))
+    if clip_family:
+        policy["delta"] = draw(_maybe(_positive(1.0, 10.0, [1.05, 3.0]), 2))
+        policy["dual_clip_c"] = draw(_maybe(_positive(1.0, 10.0, [1.05, 3.0]), 2))
+    if objective == "sapo":
+        policy["sapo_tau_pos"] = draw(_positive(0.05, 10.0, [1.0]))
+        policy["sapo_tau_neg"] = draw(_positive(0.05, 10.0, [1.05]))
+    if objective == "vespo":
+        for sign in ("pos", "neg"):
+            policy[f"vespo_k_{sign}"] = draw(st.one_of(st.sampled_from([0.0, 2.0, 3.0]), _floats(0.0, 6.0)))
+            policy[f"vespo_lambda_{sign}"] = draw(st.one_of(st.sampled_from([0.0, 2.0, 3.0]), _floats(0.0, 6.0)))
+    if objective == "gspo" and not fused:
+        policy["gspo_gradient"] = draw(st.sampled_from(["sequence", "token"]))
+    policy["log_ratio_clamp"] = draw(st.sampled_from([20.0, 20.0, None, 1.0, 5.0]))
+
+    modes = AGGREGATIONS
+    aggregation: dict = {"mode": draw(st.sampled_from(modes)),
+                         "count_empty_sequences": draw(st.booleans())}
+    if not fused and draw(st.booleans()):
+        aggregation["regularizer_mode"] = draw(st.sampled_from(modes))
+    if "seq_mean_token_sum_norm" in (aggregation["mode"], aggregation.get("regularizer_mode")):
+        aggregation["norm_constant"] = draw(_positive(0.01, 64.0, [1.0, 7.0]))
+
+    rc: dict = {}
+    bypass = draw(st.booleans()) if draw(st.integers(0, 4)) == 0 else False
+    levels = ["token"] if objective == "vespo" else LEVELS
+    if (not bypass or objective == "reinforce") and draw(st.booleans()):
+        rc["weight_level"] = draw(st.sampled_from(levels))
+        lo = draw(_maybe(st.one_of(st.sampled_from([0.0, 0.5, 0.95]), _floats(0.0, 2.0))))
+        hi = draw(_maybe(_positive(0.0, 10.0, [1.05, 2.0])))
+        if lo is not None and hi is not None and lo > hi:
+            lo, hi = hi, lo
+        rc["weight_min"], rc["weight_max"] = lo, hi
+        rc["normalize_weights"] = not bypass and objective != "vespo" and draw(st.booleans())
+    if draw(st.booleans()):
+        rc["reject_level"] = draw(st.sampled_from(levels))
+        lo = draw(_maybe(st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.999]), _floats(0.0, 2.0))))
+        hi = draw(_positive(0.0, 10.0, [1.001, 1.1, 2.0]) if lo is None else _maybe(_positive(0.0, 10.0, [1.1, 2.0])))
+        if lo is not None and hi is not None and lo > hi:
+            lo, hi = hi, lo
+        rc["reject_min"], rc["reject_max"] = lo, hi
+    rc["bypass"] = bypass
+
+    kl: dict = {"coef": draw(st.sampled_from([0.0, 0.0, 0.05, 1.0])),
+                "estimator": draw(st.sampled_from(["k1", "k2", "k3"])),
+                "input_clamp": draw(st.sampled_from([20.0, 20.0, None, 2.0])),
+                "output_clamp": draw(st.sampled_from([10.0, 10.0, None, 0.5]))}
+    weight = draw(st.sampled_from(["none", "none", "bias_correction", "score_function"]))
+    if weight == "bias_correction":
+        kl["bias_correction"] = True
+        kl["bias_correction_level"] = "token" if fused else draw(st.sampled_from(LEVELS))
+    elif weight == "score_function":
+        kl["score_function"] = True
+    kl["straight_through"] = kl["estimator"] == "k3" and draw(st.booleans())
+
+    entropy: dict = {"bonus_coef": draw(st.sampled_from([0.0, 0.0, 0.01, -0.05, 1.0])),
+                     "top_quantile": draw(st.sampled_from([1.0, 1.0, 0.0, 0.2, 0.5, 0.99]))}
+    if not fused and entropy["top_quantile"] < 1.0:
+        entropy["bonus_on_selected"] = draw(st.booleans())
+    if not fused and draw(st.integers(0, 5)) == 0:
+        entropy["adaptive"] = True
+        entropy["coef_min"], entropy["coef_max"] = 0.0, 1.0
+        entropy["bonus_coef"] = draw(st.sampled_from([0.0, 0.01, 1.0]))
+
+    opsm = {"delta": draw(_maybe(st.one_of(st.sampled_from([0.0, 0.05, 0.5]), _floats(0.0, 5.0)), 2))}
+    mismatch = {"skip_threshold": None if bypass else draw(_maybe(_positive(0.0, 2.0, [1e-4, 0.01, 0.1]), 2))}
+    nll = {"positive_coef": 0.0 if fused else draw(st.sampled_from([0.0, 0.0, 0.0, 0.3]))}
+    return {"policy": policy, "aggregation": aggregation, "rollout_correction": rc, "kl": kl, "entropy": entropy,
+            "opsm": opsm, "mismatch": mismatch, "nll": nll}
+
+
+RAW_KEYS: dict[str, list] = {
+    "policy.objective": ["ppo_clip", "cispo", "sapo", "gspo", "gmpo", "reinforce", "vespo", "clip_cov", "kl_cov"],
+    "policy.eps_low": [None, -0.1, 0.0, 0.2, 1.0, 1.5],
+    "policy.eps_high": [None, -0.1, 0.0, 0.28, 4.0],
+    "policy.delta": [None, 0.5, 1.0, 1.05, 3.0],
+    "policy.dual_clip_c": [None, 1.0, 3.0],
+    "policy.sapo_tau_pos": [0.0, 1.0, -1.0],
+    "policy.vespo_k_neg": [-1.0, 0.0, 3.0],
+    "policy.vespo_lambda_pos": [-0.5, 0.0, 3.0],
+    "policy.gspo_gradient": ["sequence", "token"],
+    "policy.log_ratio_clamp": [None, 0.0, 20.0, -1.0],
+    "policy.clip_cov_ratio": [0.0, 0.2, 1.5],
+    "policy.clip_cov_lb": [1.0, 6.0],
+    "policy.kl_cov_ratio": [0.0, 0.2],
+    "policy.ppo_kl_coef": [-0.1, 0.1],
+    "aggregation.mode": AGGREGATIONS,
+    "aggregation.norm_constant": [None, 0.0, 7.0],
+    "aggregation.regularizer_mode": [None] + AGGREGATIONS,
+    "aggregation.count_empty_sequences": [False, True],
+    "rollout_correction.weight_level": [None] + LEVELS,
+    "rollout_correction.weight_min": [None, -0.1, 0.0, 0.5, 3.0],
+    "rollout_correction.weight_max": [None, 0.0, 2.0],
+    "rollout_correction.reject_level": [None] + LEVELS,
+    "rollout_correction.reject_min": [None, -1.0, 0.5, 3.0],
+    "rollout_correction.reject_max": [None, 0.0, 1.1],
+    "rollout_correction.normalize_weights": [False, True],
+    "rollout_correction.bypass": [False, True],
+    "opsm.delta": [None, -0.1, 0.0, 0.5],
+    "kl.coef": [0.0, -0.1, 0.05],
+    "kl.estimator": ["k1", "k2", "k3"],
+    "kl.input_clamp": [None, 0.0, 20.0],
+    "kl.output_clamp": [None, -1.0, 10.0],
+    "kl.bias_correction": [False, True],
+    "kl.bias_correction_level": LEVELS,
+    "kl.score_function": [False, True],
+    "kl.straight_through": [False, True],
+    "entropy.bonus_coef": [0.0, 0.01, 2.0],
+    "entropy.top_quantile": [-0.1, 0.0, 0.5, 1.0, 1.5],
+    "entropy.bonus_on_selected": [False, True],
+    "entropy.adaptive": [False, True],
+    "entropy.coef_min": [0.0, 0.5],
+    "entropy.coef_max": [0.2, 1.0],
+    "mismatch.skip_threshold": [None, 0.0, 0.1],
+    "nll.positive_coef": [-0.1, 0.0, 0.3],
+}
+"""Keys and values for :func:`raw_config_overrides`: valid and invalid values of every section."""
+
+
+@st.composite
+def raw_config_overrides(draw) -> dict:
+    """A nested dict of a few keys of :data:`RAW_KEYS`, valid or not, alone or in combination."""
+    keys = draw(st.lists(st.sampled_from(sorted(RAW_KEYS)), min_size=1, max_size=6, unique=True))
+    out: dict = {}
+    for key in keys:
+        section, name = key.split(".")
+        out.setdefault(section, {})[name] = draw(st.sampled_from(RAW_KEYS[key]))
+    return out
+
+
+def build_config(sections: dict) -> LossConfig:
+    """``load_config`` of a nested dict (the path a YAML takes)."""
+    return load_config(sections)
+
+
+# ----------------------------------------------------------------------------------------------- steps
+@dataclass
+class Step:
+    """One optimizer step as a padded batch ``[B, W]`` (W = T + 2: two trailing columns are always masked)."""
+
+    cfg: LossConfig
+    data: dict[str, torch.Tensor]
+    """Inputs in their dtypes (absent ones missing); masked positions hold finite junk."""
+    per_token_advantages: bool
+    positive: torch.Tensor | None
+    """``[B]`` bool: positive examples (``nll.positive_coef`` only)."""
+    entropy_coef: float | None
+    """The adaptive entropy coefficient of the step (``entropy.adaptive`` only)."""
+    upstream: float
+    """The upstream gradient the loss is multiplied by before backward."""
+    notes: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:  # what hypothesis prints of a falsifying example: the draw, not the tensors
+        dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in self.data.items() if k != "loss_mask"}
+        return (f"Step(rows={self.rows}, {self.notes}, dtypes={dtypes}, per_token_advantages="
+                f"{self.per_token_advantages}, upstream={self.upstream}, entropy_coef={self.entropy_coef})")
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis' printer
+        printer.text(repr(self))
+
+    @property
+    def rows(self) -> int:
+        return int(self.data["loss_mask"].shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.data["loss_mask"].shape[1])
+
+    def needed_width(self, b: int) -> int:
+        """Positions of row ``b`` up to its last valid token (0 without one)."""
+        idx = torch.nonzero(self.data["loss_mask"][b]).flatten()
+        return int(idx.max()) + 1 if idx.numel() else 0
+
+    def compute_dtype(self) -> torch.dtype:
+        """What the loss computes in (float64 for float64 log-probs, else float32)."""
+        return torch.promote_types(self.data["logprobs"].dtype, torch.float32)
+
+
+_LP_REGIMES = ("typical", "typical", "near_zero", "very_negative", "huge_negative")
+_DELTA_SCALES = (0.0, 1e-3, 0.1, 0.1, 1.0, 5.0, 50.0)
+
+
+def _junk(dtype: torch.dtype) -> torch.Tensor:
+    big = torch.finfo(dtype).max
+    return torch.tensor([big, -big, 1e4, -1e4], dtype=torch.float64)
+
+
+@st.composite
+def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_precision: bool = True,
+          mixed_dtypes: bool = True, kl_logprobs: bool = False, tie_free: bool = False) -> Step:
+    """One step for the config ``cfg_dict`` (see the module docstring). ``kl_logprobs``: maybe a separate KL
+    input (torch path only). ``tie_free``: per-token advantages without exact zeros, typical log-probs, no edges
+    (no ties among the tokens' covariances)."""
+    cfg = build_config(cfg_dict)
+    rc = cfg.rollout_correction
+    B = draw(st.integers(1, max_rows))
+    T = max_len
+    lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+    hole_p = draw(st.sampled_from([0.0, 0.0, 0.2, 0.6]))
+    regimes = draw(st.lists(st.sampled_from(("typical",) if tie_free else _LP_REGIMES), min_size=B, max_size=B))
+    if low_precision:
+        base = draw(st.sampled_from([torch.float64, torch.float64, torch.float32, torch.bfloat16, torch.float16]))
+    else:
+        base = torch.float64
+    dtypes = {name: base for name in INPUTS}
+    if mixed_dtypes and low_precision and draw(st.integers(0, 3)) == 0:
+        for name in INPUTS:
+            dtypes[name] = draw(st.sampled_from(DTYPES))
+    # A float16 gradient holds at most 65504: float16 leaves get ratios and advantages whose gradients fit.
+    half = torch.float16 in (dtypes["logprobs"], dtypes["entropy"], dtypes["kl_logprobs"])
+    clamped = cfg.policy.log_ratio_clamp is not None
+    scales = [s for s in _DELTA_SCALES if (clamped and not half) or s <= 1.0]
+    old_scale, roll_scale = draw(st.sampled_from(scales)), draw(st.sampled_from(scales))
+    ref_scale = draw(st.sampled_from([0.1, 1.0, 30.0] if cfg.kl.input_clamp is not None and not half else [0.1, 1.0]))
+    adv_scale = draw(st.sampled_from([1.0, 1.0, 1e-3, 1e3] + ([] if half else [1e6])))
+    adv_zero_p = 0.0 if tie_free else draw(st.sampled_from([0.0, 0.0, 0.3, 1.0]))
+    per_token = tie_free or draw(st.booleans())
+    tied_entropy = draw(st.booleans())
+    give_old = rc.bypass is False and draw(st.integers(0, 4)) > 0
+    give_rollout = cfg.needs_rollout_logprobs or draw(st.booleans())
+    give_ref = cfg.kl.coef != 0.0 or draw(st.booleans())
+    give_entropy = cfg.needs_entropy or draw(st.booleans())
+    give_kl_lp = kl_logprobs and give_ref and draw(st.integers(0, 3)) == 0
+    seed = draw(st.integers(0, 2**32 - 1))
+    edges = not tie_free and base == torch.float64 and all(d == torch.float64 for d in dtypes.values()) and draw(st.booleans())
+    upstream = draw(st.sampled_from([1.0, 0.7, -2.5, 1e-3]))
+
+    gen = torch.Generator().manual_seed(seed)
+    W = T + 2
+
+    def rnd(scale=1.0):
+        return torch.randn(B, W, generator=gen, dtype=torch.float64) * scale
+
+    def uni():
+        return torch.rand(B, W, generator=gen, dtype=torch.float64)
+
+    pos = torch.arange(W).unsqueeze(0)
+    mask = (pos < torch.tensor(lengths).unsqueeze(1)) & (uni() >= hole_p)
+    lp = -rnd().abs() - 0.05
+    # −1e30 log-probs: not in float16; and not with mixed dtypes, where old − rollout (~1 apart) exists in float64
+    # but not after the loss rounds both to float32 — the GlobalBatch's skip would be decided on another d.
+    small = torch.float16 in (dtypes["logprobs"], dtypes["old_logprobs"], dtypes["rollout_logprobs"],
+                              dtypes["ref_logprobs"], dtypes["kl_logprobs"]) or len(set(dtypes.values())) > 1
+    for b, regime in enumerate(regimes):
+        if regime == "near_zero":
+            lp[b] = -uni()[b] * torch.tensor([0.0, 1e-30, 1e-6, 1e-3])[torch.randint(0, 4, (W,), generator=gen)]
+        elif regime == "very_negative":
+            lp[b] = -20.0 - uni()[b] * 1e3
+        elif regime == "huge_negative" and not small:
+            lp[b] = -1e30 * (1.0 + uni()[b])
+    old = lp + rnd(old_scale)
+    trainer = lp if rc.bypass else old
+    rollout = trainer + rnd(roll_scale)
+    ref = lp + rnd(ref_scale)
+    kl_lp = lp + rnd(0.3)
+    entropy = (torch.tensor([0.25, 0.5, 1.5])[torch.randint(0, 3, (B, W), generator=gen)] if tied_entropy
+               else uni() * 3.0)
+    adv_dtype = dtypes["advantages"]
+    if adv_dtype == torch.float16:
+        adv_scale = min(adv_scale, 1e3)
+    adv = rnd(adv_scale) if per_token else torch.randn(B, generator=gen, dtype=torch.float64) * adv_scale
+    adv = torch.where(torch.rand(adv.shape, generator=gen, dtype=torch.float64) < adv_zero_p, torch.zeros(()), adv)
+    notes = {"seed": seed, "lengths": lengths, "regimes": regimes, "edges": edges}
+    if edges:  # ratios a hair inside / outside a bound of the config, on about a third of the tokens
+        old, rollout = _place_on_edges(cfg, gen, lp, old, rollout, mask)
+    data = {"logprobs": lp, "loss_mask": mask, "advantages": adv}
+    if give_old:
+        data["old_logprobs"] = old
+    if give_rollout:
+        data["rollout_logprobs"] = rollout
+    if give_ref:
+        data["ref_logprobs"] = ref
+    if give_entropy:
+        data["entropy"] = entropy
+    if give_kl_lp:
+        data["kl_logprobs"] = kl_lp
+    for name in list(data):
+        if name == "loss_mask":
+            continue
+        dtype = dtypes[name]
+        value = data[name]
+        if name == "advantages" and not per_token:
+            data[name] = value.to(dtype)
+            continue
+        junk = _junk(dtype)[torch.randint(0, 4, value.shape, generator=gen)]
+        data[name] = torch.where(mask, value, junk).to(dtype)
+    positive = None
+    if cfg.nll.positive_coef != 0.0:
+        positive = torch.rand(B, generator=gen) < 0.5
+    entropy_coef = None
+    if cfg.entropy.adaptive:
+        entropy_coef = draw(st.sampled_from([0.0, 0.02, 0.5]))
+    return Step(cfg, data, per_token, positive, entropy_coef, upstream, notes)
+
+
+def _place_on_edges(cfg: LossConfig, gen: torch.Generator, lp, old, rollout, mask):
+    """Move about a third of the tokens' policy ratio (old) or rollout ratio (rollout) to a bound of the config
+    times (1 ± 1e-9): a hair inside or outside, far beyond float64 rounding, never an exact tie."""
+    p, rc = cfg.policy, cfg.rollout_correction
+    policy_bounds = [b for b in (None if p.eps_low is None else 1.0 - p.eps_low,
+                                 None if p.eps_high is None else 1.0 + p.eps_high, p.delta,
+                                 None if p.log_ratio_clamp is None else math.exp(p.log_ratio_clamp),
+                                 None if p.log_ratio_clamp is None else math.exp(-p.log_ratio_clamp))
+                     if b is not None and b > 0]
+    if p.objective.value == "gmpo":
+        policy_bounds += [math.exp(x) for x in (p.eps_high, None if p.eps_low is None else -p.eps_low) if x is not None]
+    rollout_bounds = [b for b in (rc.weight_min, rc.weight_max, rc.reject_min, rc.reject_max,
+                                  None if p.log_ratio_clamp is None else math.exp(p.log_ratio_clamp))
+                      if b is not None and b > 0]
+    shape = lp.shape
+    old, rollout = old.clone(), rollout.clone()
+    for bounds, which in ((policy_bounds, "old"), (rollout_bounds, "rollout")):
+        if not bounds:
+            continue
+        pick = torch.rand(shape, generator=gen) < 1 / 3
+        target = torch.tensor(bounds, dtype=torch.float64)[torch.randint(0, len(bounds), shape, generator=gen)]
+        side = torch.where(torch.rand(shape, generator=gen) < 0.5, -1e-9, 1e-9)
+        log_target = torch.log(target * (1.0 + side))
+        if which == "old":  # r = exp(lp − old)
+            old = torch.where(pick & mask, lp - log_target, old)
+            if cfg.rollout_correction.bypass:
+                rollout = torch.where(pick & mask, lp - log_target, rollout)
+        else:  # ρ = exp(trainer − rollout)
+            trainer = lp if cfg.rollout_correction.bypass else old
+            rollout = torch.where(pick & mask, trainer - log_target, rollout)
+    return old, rollout
+
+
+# ----------------------------------------------------------------------------------------------- splits
+@dataclass
+class MicroBatch:
+    """One (rank, micro-batch) of a split: which rows, and how their tokens are laid out."""
+
+    rows: list[int]
+    packed: bool
+    width: int = 0
+    """Padded: the micro-batch's own width."""
+    segments: list[int] = field(default_factory=list)
+    """Packed: each row's segment length (≥ its needed width; 0 for a row without valid tokens allowed)."""
+    trailing: int = 0
+    """Packed: positions after the last segment (outside every sequence)."""
+    flat: bool = True
+    """Packed: tokens ``[T]`` (else ``[1, T]``)."""
+
+
+@st.composite
+def splits(draw, step: Step, *, max_micro_batches: int = 4) -> list[MicroBatch]:
+    """The step's rows over (rank, micro-batch) pairs (see the module docstring)."""
+    order = draw(st.permutations(range(step.rows)))
+    n = draw(st.integers(1, min(max_micro_batches, step.rows)))
+    cuts = sorted(draw(st.lists(st.integers(0, step.rows), min_size=n - 1, max_size=n - 1)))
+    bounds = [0, *cuts, step.rows]
+    out = []
+    for i in range(n):
+        rows = list(order[bounds[i]:bounds[i + 1]])
+        packed = draw(st.booleans()) if rows else True  # a micro-batch without a sequence: packed, cu_seqlens [0]
+        if packed:
+            segments = [draw(st.integers(step.needed_width(b), step.width)) for b in rows]
+            out.append(MicroBatch(rows, True, segments=segments, trailing=draw(st.integers(0 if rows else 1, 3)),
+                                  flat=draw(st.booleans())))
+        else:
+            need = max(step.needed_width(b) for b in rows)
+            out.append(MicroBatch(rows, False, width=draw(st.integers(max(need, 1), step.width))))
+    return out

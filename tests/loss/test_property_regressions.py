@@ -1,0 +1,88 @@
+"""Failures the property tests (tests/loss/test_properties.py) found, each pinned as a regular test on its shrunk
+example and named for what it checks; both backends where both implement the config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mp_grpo.config import load_config
+from mp_grpo.loss import GRPOLoss, LossBackend
+
+BACKENDS = [LossBackend.TORCH, LossBackend.TRITON]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_top_entropy_selection_compares_the_entropies_as_given(backend: LossBackend) -> None:
+    """float32 log-probs with float64 entropies: the loss computes in float32, but the step's quantile is one of
+    the given float64 values — the token exactly at the threshold is kept (it was dropped where float32 rounded
+    its entropy down: 0.7 → 0.69999999)."""
+    cfg = load_config(None, ["entropy.top_quantile=0.5"])
+    entropy = torch.tensor([[0.5, 0.7, 0.9]], dtype=torch.float64)  # median 0.7, below it in float32
+    lp = torch.tensor([[-1.0, -0.5, -0.2]], dtype=torch.float32, requires_grad=True)
+    loss, metrics = GRPOLoss(cfg, backend=backend)(lp, None, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool),
+                                                   entropy=entropy)
+    loss.backward()
+    # on-policy ppo_clip: each kept token contributes −A·r/N = −1/3, with gradient −1/3
+    torch.testing.assert_close(loss, torch.tensor(-2.0 / 3.0))
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1.0 / 3.0, -1.0 / 3.0]]))
+    assert metrics["rejected_frac/entropy"].tolist() == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+@pytest.mark.parametrize("estimator", ["k3", "k2"])
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_kl_output_clamp_gives_zero_gradient_where_the_estimate_overflows(
+    backend: LossBackend, estimator: str, bias_correction: bool
+) -> None:
+    """kl.input_clamp=null, output_clamp on: a token whose estimate overflows float32 (k3 of x = ref − log π = 95,
+    k2 of x = 3e19) has the KL value output_clamp and a zero KL gradient — not 0 · inf = NaN (the torch path's
+    autograd through the product gave NaN with a finite loss; the kernels' hand derivative gave 0)."""
+    cfg = load_config(None, ["kl.coef=0.1", "kl.input_clamp=null", "kl.output_clamp=10", f"kl.estimator={estimator}",
+                             f"kl.bias_correction={str(bias_correction).lower()}"])
+    lp = torch.tensor([[-100.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-5.0 if estimator == "k3" else 3e19, -1.5]])
+    old = lp.detach() + 0.01
+    loss, metrics = GRPOLoss(cfg, backend=backend)(lp, old, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                                                   ref_logprobs=ref)
+    loss.backward()
+    assert torch.isfinite(lp.grad).all(), lp.grad
+    # token 0: the policy term only (its KL is clamped: no KL gradient): −A·r/N with r = e^−0.01
+    ratio = torch.exp(torch.tensor(-0.01))
+    torch.testing.assert_close(lp.grad[0, 0], -ratio / 2)
+    assert metrics["kl"][0] >= 10.0 - 1e-6  # token 0's KL is the bound
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_normalized_weights_average_one_with_bfloat16_inputs(backend: LossBackend) -> None:
+    """bf16 log-probs: the GlobalBatch took d = old − rollout in bf16 (−0.453125 − 0.384765625 rounds to
+    −0.8359375) while the loss takes it in float32, so one token's normalized IS weight came out 0.998, not 1.
+    The step's weight mean is now of the weights the loss applies (d in float32)."""
+    cfg = load_config(None, ["rollout_correction.weight_level=token", "rollout_correction.weight_max=1.05",
+                             "rollout_correction.normalize_weights=true"])
+    lp = torch.tensor([[-0.453125, -0.1]], dtype=torch.bfloat16, requires_grad=True)
+    rollout = torch.tensor([[0.384765625, -0.3]], dtype=torch.bfloat16)
+    loss, metrics = GRPOLoss(cfg, backend=backend)(lp, None, torch.tensor([1.0], dtype=torch.bfloat16),
+                                                   torch.ones(1, 2, dtype=torch.bool), rollout_logprobs=rollout)
+    applied_sum, count = metrics["is_weight/applied/mean"].tolist()
+    assert count == 2.0 and applied_sum == pytest.approx(2.0, rel=1e-6)
+    assert loss.item() == pytest.approx(-1.0, rel=1e-6)  # on-policy ppo_clip, A = 1: −mean of the applied weights
+
+
+@pytest.mark.parametrize("entropy_dtype", [torch.bfloat16, torch.float16])
+def test_entropy_gradient_of_a_16bit_entropy_with_float64_logprobs(entropy_dtype: torch.dtype) -> None:
+    """float64 log-probs (compute in float64) with a bf16 entropy: the Triton path's entropy gradient was 0 — its
+    backward stored the float64 gradient into bf16 directly, which Triton's interpreter turns into garbage (0, NaN,
+    1e-40); it now converts through float32. The torch path's gradient, −bonus / N, is the reference."""
+    cfg = load_config(None, ["entropy.bonus_coef=0.05"])
+    grads = []
+    for backend in BACKENDS:
+        lp = torch.tensor([[-0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+        entropy = torch.tensor([[0.5, 1.0]], dtype=entropy_dtype, requires_grad=True)
+        loss, _ = GRPOLoss(cfg, backend=backend)(lp, None, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                                                 entropy=entropy)
+        loss.backward()
+        grads.append(entropy.grad)
+    for grad in grads:
+        assert grad.dtype == entropy_dtype
+        torch.testing.assert_close(grad.double(), torch.full((1, 2), -0.025, dtype=torch.float64), rtol=1e-2, atol=0)
