@@ -39,7 +39,17 @@ class LogprobLaunchConfig:
     filter_mass_block_v: int
     """Columns per loop step of its mass passes (a ``[16, filter_mass_block_v]`` fp32 register accumulator)."""
     filter_mass_warps: int
+    candidate_keep: int
+    """Sub-blocks (8 columns each) the candidate buffer keeps when it is compacted: top-k with k <= this always
+    finishes on the candidates (``kernels/logprob_candidates.py``)."""
+    candidate_cap: int
+    """Capacity of the candidate buffer in sub-blocks (a power of two > ``candidate_keep``)."""
+    select_warps: int
+    """Warps of the candidate select kernel (one program a row over ``TP x candidate_cap x 8`` candidates)."""
 
+
+CANDIDATE_GROUP = 8
+"""Columns of a candidate sub-block: one 16-byte load of a thread for bf16 / fp16 logits."""
 
 LONG_ROW_V_LOCAL = 2**16
 """Shards wider than this take the long-row launch configuration (8192 columns, 8 warps)."""
@@ -54,8 +64,11 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
     (docs/kernel.md, "Batch invariance").
     """
     if INTERPRETER:
-        block = min(triton.next_power_of_2(v_local), 64)
-        return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1, block, 1)
+        block = max(min(triton.next_power_of_2(v_local), 64), CANDIDATE_GROUP)
+        # A tiny candidate buffer (2 of 4 sub-blocks kept): the CPU tests' rows of 40-300 columns run both the
+        # candidate path and the fallback (tests/ops/test_sampling_filter_paths.py checks that they do).
+        return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1, block, 1, candidate_keep=2, candidate_cap=4,
+                                   select_warps=1)
     # H200 sweep, N = 16384, bf16 (docs/benchmarks/logprob_sweep.json): 4096 columns with 4 warps
     # was fastest or within 1 % of it for both kernels at V_local = 151936 and 18992. Long shards take
     # 8192 x 8 (H100, fwd+bwd as CUDA-graph replays, docs/benchmarks/logprob_filter.md "Batch invariance"):
@@ -80,4 +93,10 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         filter_count_warps=4,
         filter_mass_block_v=min(triton.next_power_of_2(v_local), 512),
         filter_mass_warps=4,
+        # 128 of 256 sub-blocks: top-k <= 128 always finishes on the candidates; a row's buffer is 4 KB (bf16),
+        # 2-4 compactions a row at V_local = 151936 / 18992 (iid rows, simulated). The select kernel holds the
+        # 2048 candidates of each TP rank in registers (16 a thread at TP = 1).
+        candidate_keep=128,
+        candidate_cap=256,
+        select_warps=4,
     )

@@ -27,10 +27,12 @@ Summation order of the masses: each (digit, column-in-block) accumulator adds it
 and one reduction over the BLOCK_V columns ends the row; BLOCK_V and the warps depend on V_local only
 (``launch_config.py``), so the histogram of a row does not depend on the other rows (batch invariance).
 Formulation: the tile is loaded as ``[1, BLOCK_V]`` and compared with a ``[BINS, 1]`` column of digits, a
-broadcast in the load's own register layout. The previous ``[BLOCK_V]`` load compared as
-``digit[:, None] == bins[None, :]`` made the compiler move both vectors through shared memory into the
-accumulator's layout every block (2 ``convert_layout`` in the loop of its sm_90 TTGIR): 25x one read.
-Measured side by side: ``scripts/bench_filter_passes.py``, ``docs/benchmarks/logprob_filter.md``.
+broadcast in the load's own register layout (a ``[BLOCK_V]`` load compared as ``digit[:, None] == bins[None, :]``
+made the compiler move both vectors through shared memory into the accumulator's layout every block: 6x slower).
+
+These passes are the fallback of the search (``ops/sampling_filter.py``): the rows that the candidates of
+``logprob_candidates.py`` cannot finish. With HAS_SKIP, the rows whose ``skip`` flag is set read nothing and
+write nothing (their histogram rows are left as they are and never read).
 """
 
 import triton
@@ -91,6 +93,7 @@ def logprob_radix_hist_kernel(
     row_max_ptr,  # [N] fp32 raw-logit row maximum over the whole vocabulary (MODE_MASS / MODE_EXACT)
     hist_ptr,  # [N, 2**DIGIT_BITS] out: int32 (MODE_COUNT) or fp32
     row_max_out_ptr,  # [N] fp32 out: this shard's row maximum (only with HAS_ROW_MAX_OUT)
+    skip_ptr,  # [N] int8: rows to leave alone (only with HAS_SKIP)
     # shapes
     V_local,
     # strides
@@ -105,11 +108,17 @@ def logprob_radix_hist_kernel(
     MODE: tl.constexpr,
     HAS_PREFIX: tl.constexpr,  # False on a search's first pass (no digit chosen yet)
     HAS_ROW_MAX_OUT: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     BINS: tl.constexpr = 1 << DIGIT_BITS
     row = tl.program_id(0).to(tl.int64)
     x_row_ptr = x_ptr + row * stride_x_row
+    if HAS_SKIP:
+        run = tl.load(skip_ptr + row) == 0
+    else:
+        run = tl.full([], 1, tl.int1)
+    v_end = tl.where(run, V_local, 0)
     offs = tl.arange(0, BLOCK_V)
     bins = tl.arange(0, BINS)
     scale = inv_temperature * LOG2E
@@ -128,7 +137,7 @@ def logprob_radix_hist_kernel(
         offs_2d = tl.arange(0, BLOCK_V)[None, :]
         bins_2d = tl.arange(0, BINS)[:, None]
         masses = tl.zeros([BINS, BLOCK_V], dtype=tl.float32)
-        for start in range(0, V_local, BLOCK_V):
+        for start in range(0, v_end, BLOCK_V):
             cols = start + offs_2d
             in_row = cols < V_local
             x = tl.load(x_row_ptr + cols, mask=in_row, other=float("-inf"))
@@ -141,7 +150,7 @@ def logprob_radix_hist_kernel(
         left_out = tl.zeros([BLOCK_V], dtype=tl.int32)
         if HAS_ROW_MAX_OUT:
             m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-        for start in range(0, V_local, BLOCK_V):
+        for start in range(0, v_end, BLOCK_V):
             cols = start + offs
             in_row = cols < V_local
             x = tl.load(x_row_ptr + cols, mask=in_row, other=float("-inf"))
@@ -157,11 +166,11 @@ def logprob_radix_hist_kernel(
     # --- 3. store the histogram row (and the shard's row maximum) ---
     hist_row_ptr = hist_ptr + row * stride_hist_row + bins
     if MODE == MODE_MASS:
-        tl.store(hist_row_ptr, tl.sum(masses, axis=1))
+        tl.store(hist_row_ptr, tl.sum(masses, axis=1), mask=tl.where(run, bins < BINS, False))
     else:
         counts -= tl.where(bins == 0, tl.sum(left_out, axis=0), 0)
         if MODE == MODE_COUNT:
-            tl.store(hist_row_ptr, counts)
+            tl.store(hist_row_ptr, counts, mask=tl.where(run, bins < BINS, False))
         else:
             # Every digit of the last pass is one logit value v: its mass is count * exp((v - M) / T).
             if KEY_BITS == 16:
@@ -170,9 +179,10 @@ def logprob_radix_hist_kernel(
                 last_keys = ((prefix << DIGIT_BITS) | bins).to(tl.uint32, bitcast=True)
             v = _key_value(last_keys, x_ptr, KEY_BITS)
             # Keys no value has (NaN patterns) have count 0; select, since 0 * NaN is NaN.
-            tl.store(hist_row_ptr, tl.where(counts > 0, counts.to(tl.float32) * tl.exp2((v - row_max) * scale), 0.0))
+            tl.store(hist_row_ptr, tl.where(counts > 0, counts.to(tl.float32) * tl.exp2((v - row_max) * scale), 0.0),
+                     mask=tl.where(run, bins < BINS, False))
     if HAS_ROW_MAX_OUT:
-        tl.store(row_max_out_ptr + row, tl.max(m, axis=0))
+        tl.store(row_max_out_ptr + row, tl.max(m, axis=0), mask=run)
 
 
 @triton.jit
@@ -185,6 +195,7 @@ def logprob_radix_select_kernel(
     above_ptr,  # [N] fp32 in/out (top-p): kept mass with a key above the current prefix's range
     top_p_ptr,  # [N] fp32 (top-p): p; rows with p >= 1 are off
     tau_ptr,  # [N] fp32 in/out: raw-logit threshold; raised on the last pass
+    skip_ptr,  # [N] int8: rows to leave alone (only with HAS_SKIP)
     # shapes
     N,
     # strides
@@ -195,9 +206,14 @@ def logprob_radix_select_kernel(
     IS_TOP_P: tl.constexpr,
     IS_FIRST: tl.constexpr,
     IS_LAST: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
 ):
     BINS: tl.constexpr = 1 << DIGIT_BITS
     row = tl.program_id(0).to(tl.int64)
+    if HAS_SKIP:
+        run = tl.load(skip_ptr + row) == 0
+    else:
+        run = tl.full([], 1, tl.int1)
     # Reversed digit order: r = 0 is the largest digit, so inclusive / exclusive scans from the top.
     r = tl.arange(0, BINS)
     digit = BINS - 1 - r
@@ -224,8 +240,8 @@ def logprob_radix_select_kernel(
         ok = f < budget
         chosen_r = tl.max(tl.where(ok, r, 0), axis=0)
         new_above = tl.sum(tl.where(r == chosen_r, f, 0.0), axis=0)
-        tl.store(budget_ptr + row, budget)
-        tl.store(above_ptr + row, new_above)
+        tl.store(budget_ptr + row, budget, mask=run)
+        tl.store(above_ptr + row, new_above, mask=run)
     else:
         k = tl.load(budget_ptr + row)
         # ge[r] = kept keys >= digit[r]; the k-th largest key is in the largest digit with ge >= k.
@@ -233,9 +249,9 @@ def logprob_radix_select_kernel(
         active = (k > 0) & (k <= tl.sum(h, axis=0))  # fewer kept tokens than k: keep them all
         chosen_r = tl.min(tl.where(ge >= k, r, BINS - 1), axis=0)
         above_count = tl.sum(tl.where(r == chosen_r, ge - h, 0), axis=0)
-        tl.store(budget_ptr + row, tl.where(active, k - above_count, 0))
+        tl.store(budget_ptr + row, tl.where(active, k - above_count, 0), mask=run)
     new_prefix = (prefix << DIGIT_BITS) | (BINS - 1 - chosen_r)
-    tl.store(prefix_ptr + row, new_prefix)
+    tl.store(prefix_ptr + row, new_prefix, mask=run)
 
     # --- 2. last pass: the prefix is the whole key of the threshold ---
     if IS_LAST:
@@ -246,4 +262,4 @@ def logprob_radix_select_kernel(
         v = _key_value(key, x_ptr, KEY_BITS)
         v = tl.where(v != v, float("-inf"), v)  # a key no value has (rounding at p ~ 1): keep all
         tau = tl.load(tau_ptr + row)
-        tl.store(tau_ptr + row, tl.where(active, tl.maximum(tau, v), tau))
+        tl.store(tau_ptr + row, tl.where(active, tl.maximum(tau, v), tau), mask=run)

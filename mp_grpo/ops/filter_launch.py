@@ -1,0 +1,199 @@
+"""Host launchers of the sampling filter's kernels: the candidate pass and its select kernel
+(``kernels/logprob_candidates.py``), and the radix passes of the fallback (``kernels/logprob_filter.py``).
+No collective here: :mod:`mp_grpo.ops.sampling_filter` makes them."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+
+from mp_grpo.kernels.launch_config import CANDIDATE_GROUP, LogprobLaunchConfig, logprob_launch_config
+from mp_grpo.kernels.logprob_candidates import logprob_candidate_select_kernel, logprob_candidates_kernel
+from mp_grpo.kernels.logprob_filter import logprob_radix_hist_kernel, logprob_radix_select_kernel
+from mp_grpo.ops.launcher import LaunchMeta, launch, launch_meta
+
+RADIX_COUNT_BITS = 8
+"""Key bits per counting pass of the fallback (256 digits: ``tl.histogram``)."""
+RADIX_MASS_BITS = 4
+"""Key bits per mass pass of the fallback (16 digits: a weighted one-hot sum, ~3 instructions per element per digit)."""
+_MODE_COUNT, _MODE_MASS, _MODE_EXACT = 0, 1, 2
+HEAD_WIDTH = 4
+"""int32 words of a candidate row's head: (raw row max, sum-exp, sub-blocks kept or -1, theta key)."""
+
+
+def key_bits(dtype: torch.dtype) -> int:
+    """Bits of the logits' order key: the stored 16 of bf16 / fp16, 32 for fp32."""
+    return 16 if dtype in (torch.bfloat16, torch.float16) else 32
+
+
+class Candidates(NamedTuple):
+    """One buffer per row, ``[..., N, HEAD_WIDTH + candidates]`` int32 (one tensor: one all-gather), and its two views."""
+
+    buffer: torch.Tensor
+    """``[..., N, W]`` int32."""
+    head: torch.Tensor
+    """``[..., N, 4]`` int32 view."""
+    values: torch.Tensor
+    """``[..., N, CAP * GROUP]`` view in the logits' dtype."""
+
+
+def candidates_of(buffer: torch.Tensor, dtype: torch.dtype) -> Candidates:
+    """The views of a candidate buffer (``[N, W]`` or all-gathered ``[TP, N, W]``) holding logits of ``dtype``."""
+    words = dtype.itemsize  # bytes per element: the head is HEAD_WIDTH * 4 bytes = 16 / itemsize elements
+    return Candidates(buffer, buffer[..., :HEAD_WIDTH], buffer.view(dtype)[..., HEAD_WIDTH * 4 // words:])
+
+
+@functools.lru_cache(maxsize=64)
+def _candidates_meta(cfg: LogprobLaunchConfig, key: int, has_sum: bool) -> LaunchMeta:
+    return LaunchMeta(KEY_BITS=key, GROUP=CANDIDATE_GROUP, KEEP=cfg.candidate_keep, CAP=cfg.candidate_cap,
+                      HAS_SUM=has_sum, BLOCK_V=max(cfg.stats_block_v, CANDIDATE_GROUP), num_warps=cfg.stats_warps)
+
+
+def gather_candidates(logits: torch.Tensor, *, with_sum: bool, inv_temperature: float) -> Candidates:
+    """One read of ``logits`` ``[n, V_local]``: each row's largest sub-blocks, its raw maximum and (``with_sum``)
+    its sum-exp, in a new buffer (``kernels/logprob_candidates.py``)."""
+    n, v_local = logits.shape
+    cfg = logprob_launch_config(v_local)
+    words = HEAD_WIDTH + cfg.candidate_cap * CANDIDATE_GROUP * logits.dtype.itemsize // 4
+    found = candidates_of(torch.empty(n, words, dtype=torch.int32, device=logits.device), logits.dtype)
+    if n == 0:
+        return found
+    launch_meta(logprob_candidates_kernel, (n,), _candidates_meta(cfg, key_bits(logits.dtype), with_sum),
+        logits, found.head, found.values,
+        v_local, logits.stride(0), found.head.stride(0), found.values.stride(0),
+        inv_temperature,
+    )
+    return found
+
+
+class Selected(NamedTuple):
+    tau: torch.Tensor
+    """[n] fp32 threshold (rows not finished: min-p's alone)."""
+    row_max: torch.Tensor
+    """[n] fp32 raw row maximum over the whole vocabulary."""
+    finished: torch.Tensor
+    """[n] int8: 1 where the candidates gave the threshold."""
+
+
+def select_from_candidates(
+    gathered: Candidates,  # [TP, n, W] all-gathered (TP = 1: this rank's, unsqueezed)
+    logits: torch.Tensor,  # [n, V_local] this rank's shard
+    *,
+    rank: int,
+    v_global: int,
+    top_k: torch.Tensor | None,  # [n] int32, 0: off
+    top_p: torch.Tensor | None,  # [n] fp32
+    min_p: torch.Tensor | None,  # [n] fp32
+    inv_temperature: float,
+    stats: torch.Tensor | None = None,  # [N + 1, 4] fp32: this shard's statistics of the finished rows go here
+    target: torch.Tensor | None = None,  # [n] int64 (with stats)
+    row_start: int = 0,
+    with_entropy: bool = False,
+) -> Selected:
+    """The threshold of every row that the candidates decide, and with ``stats`` that row's statistics
+    (one launch, one program a row)."""
+    tp, n, _ = gathered.buffer.shape
+    v_local = logits.shape[1]
+    device = logits.device
+    out = Selected(torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.float32, device=device),
+                   torch.empty(n, dtype=torch.int8, device=device))
+    if n == 0:
+        return out
+    cfg = logprob_launch_config(v_local)
+    placeholder = out.tau  # unused pointers
+    write_stats = stats is not None
+    launch(logprob_candidate_select_kernel, (n,),
+        gathered.head, gathered.values, logits,
+        target if write_stats else placeholder,
+        top_k if top_k is not None else placeholder,
+        top_p if top_p is not None else placeholder,
+        min_p if min_p is not None else placeholder,
+        out.tau, out.row_max, out.finished,
+        stats if write_stats else placeholder,
+        row_start, v_local, rank * v_local, v_global, tp, rank,
+        gathered.head.stride(0), gathered.head.stride(1), gathered.values.stride(0), gathered.values.stride(1),
+        logits.stride(0), stats.stride(0) if write_stats else 0,
+        inv_temperature,
+        KEY_BITS=key_bits(logits.dtype), GROUP=CANDIDATE_GROUP, CAP=cfg.candidate_cap,
+        TP_PAD=triton.next_power_of_2(tp), HAS_MIN_P=min_p is not None, HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None, HAS_ENTROPY=with_entropy, WRITE_STATS=write_stats,
+        num_warps=cfg.select_warps,
+    )
+    return out
+
+
+def radix_histogram(
+    logits: torch.Tensor,  # [n, V_local], last dim contiguous
+    tau: torch.Tensor,  # [n] fp32: only columns with logit >= tau count
+    prefix: torch.Tensor,  # [n] int32 digits chosen so far
+    *,
+    shift: int,
+    digit_bits: int,
+    mass: bool,
+    row_max: torch.Tensor | None = None,  # [n] fp32 row maximum over the whole vocabulary (masses)
+    inv_temperature: float = 1.0,
+    first: bool,
+    row_max_out: torch.Tensor | None = None,  # [n] fp32 out: this shard's row maximum
+    skip: torch.Tensor | None = None,  # [n] int8: rows to leave alone (nonzero)
+) -> torch.Tensor:
+    """``[n, 2**digit_bits]`` histogram of one digit of the logits' key (one read of the shard): int32 counts,
+    or with ``mass`` fp32 masses exp((x - M) / T) — summed per digit (``digit_bits = 4``) or, on the last
+    pass (``shift == 0``, ``digit_bits = 8``), counts times the exact weight of each digit's value.
+    Rows flagged in ``skip`` are not read and their histogram rows not written.
+    See ``kernels/logprob_filter.py``."""
+    n, v_local = logits.shape
+    bins = 1 << digit_bits
+    exact = mass and digit_bits == RADIX_COUNT_BITS
+    hist = torch.empty(n, bins, dtype=torch.float32 if mass else torch.int32, device=logits.device)
+    if n == 0:
+        return hist
+    cfg = logprob_launch_config(v_local)
+    one_hot = mass and not exact
+    launch(logprob_radix_hist_kernel, (n,),
+        logits, tau, prefix, row_max if row_max is not None else tau, hist,
+        row_max_out if row_max_out is not None else tau,
+        skip if skip is not None else tau,
+        v_local, logits.stride(0), hist.stride(0), inv_temperature, shift,
+        KEY_BITS=key_bits(logits.dtype),
+        DIGIT_BITS=digit_bits,
+        MODE=_MODE_EXACT if exact else (_MODE_MASS if mass else _MODE_COUNT),
+        HAS_PREFIX=not first,
+        HAS_ROW_MAX_OUT=row_max_out is not None,
+        HAS_SKIP=skip is not None,
+        BLOCK_V=cfg.filter_mass_block_v if one_hot else cfg.filter_count_block_v,
+        num_warps=cfg.filter_mass_warps if one_hot else cfg.filter_count_warps,
+    )
+    return hist
+
+
+def radix_select(
+    hist: torch.Tensor,  # [n, 2**digit_bits] TP-summed
+    logits: torch.Tensor,  # [n, V_local] (its dtype only)
+    prefix: torch.Tensor,  # [n] int32 in/out
+    budget: torch.Tensor,  # [n] in/out: int32 k left (top-k) or fp32 p * S (top-p)
+    tau: torch.Tensor,  # [n] fp32 in/out
+    *,
+    digit_bits: int,
+    first: bool,
+    last: bool,
+    above: torch.Tensor | None = None,  # [n] fp32 in/out (top-p)
+    top_p: torch.Tensor | None = None,  # [n] fp32 (top-p)
+    skip: torch.Tensor | None = None,  # [n] int8: rows to leave alone (nonzero)
+) -> None:
+    """Pick each row's digit from the histogram, update the search state in place; on the last pass raise
+    ``tau`` to the threshold's logit (one tiny launch, one program per row)."""
+    n = hist.shape[0]
+    if n == 0:
+        return
+    is_top_p = top_p is not None
+    launch(logprob_radix_select_kernel, (n,),
+        hist, logits, prefix, budget, above if is_top_p else tau, top_p if is_top_p else tau, tau,
+        skip if skip is not None else tau,
+        n, hist.stride(0),
+        KEY_BITS=key_bits(logits.dtype),
+        DIGIT_BITS=digit_bits, IS_TOP_P=is_top_p, IS_FIRST=first, IS_LAST=last, HAS_SKIP=skip is not None,
+        num_warps=1,
+    )
