@@ -59,7 +59,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs, plan_chunks  # noqa: E402
+from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs  # noqa: E402
+from mp_grpo.ops.output_chunks import plan_chunks  # noqa: E402
 from mp_grpo.ops.fused_linear_loss import fused_linear_loss  # noqa: E402
 from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs  # noqa: E402
 from tests.reference import linear_logprobs_reference  # noqa: E402

@@ -1,6 +1,6 @@
 """Fused GRPO loss, pass 2 of 2 (forward): every token's term, its gradient and the metrics' partials (Triton).
 
-The per-token formulas are those of ``token_math.py``, which the torch path (``mp_grpo/loss/grpo_loss.py``
+The per-token formulas are those of ``token_math.py``, which the torch path (``mp_grpo/loss/torch_path.py``
 steps 5–6, ``docs/loss.md``) runs too; this kernel loads their inputs and chains their derivatives. Each
 token's contribution to the share is c_t / D_t, and its gradient is written here already — every
 sequence-level quantity it depends on is detached except the gspo / gmpo sequence mean m:
@@ -29,7 +29,7 @@ Schedule (one program per BLOCK positions):
 import triton
 import triton.language as tl
 
-from mp_grpo.kernels import grpo_loss_common as K
+from mp_grpo.kernels import grpo_loss_constants as K
 from mp_grpo.kernels.grpo_loss_common import (
     block_ends,
     gmpo_clip,
@@ -93,7 +93,7 @@ def grpo_loss_combine_kernel(
     # meta-parameters: pass-1 columns, dtype, block
     NUM_COLS: tl.constexpr, COL_SEQ_IN: tl.constexpr, COL_D: tl.constexpr, COL_OPSM: tl.constexpr,
     COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
-    CONSTANTS_KEY: tl.constexpr,  # grpo_loss_common.CONSTANTS_KEY: its constants' values in Triton's cache key
+    CONSTANTS_KEY: tl.constexpr,  # grpo_loss_constants.CONSTANTS_KEY: its constants' values in Triton's cache key
 ):
     pid = tl.program_id(0)
     # --- 1. positions, validity, sanitized inputs, log-ratios ---

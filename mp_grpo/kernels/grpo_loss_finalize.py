@@ -20,7 +20,7 @@ Every slot is written; the host names only those the config and the inputs repor
 import triton
 import triton.language as tl
 
-from mp_grpo.kernels import grpo_loss_common as K
+from mp_grpo.kernels import grpo_loss_constants as K
 from mp_grpo.kernels.grpo_loss_common import sequence_index
 
 
@@ -50,7 +50,7 @@ def grpo_loss_finalize_kernel(
     COLS: tl.constexpr,  # power of two ≥ PARTIAL_COLS
     BLOCK_P: tl.constexpr,
     BLOCK: tl.constexpr,  # positions per folding program
-    CONSTANTS_KEY: tl.constexpr,  # grpo_loss_common.CONSTANTS_KEY: its constants' values in Triton's cache key
+    CONSTANTS_KEY: tl.constexpr,  # grpo_loss_constants.CONSTANTS_KEY: its constants' values in Triton's cache key
 ):
     pid = tl.program_id(0)
     if FOLD_SEQ_GRAD:

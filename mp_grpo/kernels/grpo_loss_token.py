@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from mp_grpo.kernels.grpo_loss_common import (
-    OBJ_GMPO,
     block_ends,
     gmpo_clip,
     policy_inputs,
@@ -34,6 +33,7 @@ from mp_grpo.kernels.grpo_loss_common import (
     token_block,
     token_logprobs,
 )
+from mp_grpo.kernels.grpo_loss_constants import OBJ_GMPO
 
 
 @triton.jit

@@ -6,7 +6,7 @@ this module in the function's globals). The dialect: arithmetic and comparisons;
 ``tl.zeros_like``, ``tl.minimum`` / ``tl.maximum`` (on the torch path with ``torch.clamp``'s gradient: all of
 it to the first operand at a tie, so a bound is inclusive like the kernels' masks), ``tl.exp``,
 ``tl.sigmoid``, ``.to(tl.float64)``; compile-time branches on the codes of
-:mod:`mp_grpo.kernels.grpo_loss_common` (``K.*``) and on ``tl.constexpr`` flags; the helpers ``expm1``
+:mod:`mp_grpo.kernels.grpo_loss_constants` (``K.*``) and on ``tl.constexpr`` flags; the helpers :func:`expm1`
 (``torch.expm1`` on the torch path) and :func:`stop_gradient` (the identity here, ``detach`` there); calls to
 the other formulas of this module.
 
@@ -30,11 +30,31 @@ is written in ``mp_grpo/loss`` alone.
 import triton
 import triton.language as tl
 
+from mp_grpo.kernels import grpo_loss_constants as K
+
+EXPM1_SERIES_BOUND = tl.constexpr(0.5)
+"""Below this |x| expm1 sums its Taylor series; above, exp(x) - 1 loses at most ~2.5 ulp (e^x / (e^x - 1))."""
+EXPM1_SERIES_TERMS = tl.constexpr(17)
+"""x^17 / 17! < 1e-19 · |x| for |x| < 0.5: exact to float64 rounding."""
+
 
 @triton.jit
 def stop_gradient(x):
     """``x``; on the torch path ``x.detach()`` (the value counts, its gradient does not)."""
     return x
+
+
+@triton.jit
+def expm1(x):
+    """``exp(x) - 1``, exact near 0 (k3 and χ² of small log-ratios cancel catastrophically as ``exp(x) - 1``):
+    x·(1 + x/2·(1 + x/3·(…))) for |x| < 0.5, else exp(x) - 1 (the Triton interpreter has no libdevice, hence
+    the short series); on the torch path ``torch.expm1``."""
+    small = tl.abs(x) < EXPM1_SERIES_BOUND
+    xs = tl.where(small, x, 0.0)
+    q = tl.zeros_like(xs) + 1.0
+    for k in tl.static_range(EXPM1_SERIES_TERMS, 1, -1):
+        q = 1.0 + q * xs * (1.0 / k)
+    return tl.where(small, xs * q, tl.exp(x) - 1.0)
 
 
 # ------------------------------------------------------------------------------------ clamps
@@ -54,7 +74,7 @@ def clip_range(x, low, high):
 
 @triton.jit
 def floor_count(count):
-    """A count used as a divisor, floored at ``COUNT_FLOOR`` (``mp_grpo.loss.clamps`` says why)."""
+    """A count used as a divisor, floored at ``K.COUNT_FLOOR`` (``grpo_loss_constants`` says why)."""
     return tl.maximum(count, K.COUNT_FLOOR)
 
 
@@ -253,8 +273,3 @@ def chi2(log_ratio):
     value = expm1(2.0 * log_ratio)
     return value, 2.0 * (value + 1.0)
 
-
-# Imported last: grpo_loss_common imports this module's functions (its policy_inputs and gmpo_clip call them),
-# and these names are only looked up when a formula is compiled or rebound to torch.
-from mp_grpo.kernels import grpo_loss_common as K  # noqa: E402
-from mp_grpo.kernels.grpo_loss_common import expm1  # noqa: E402

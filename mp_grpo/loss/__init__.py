@@ -1,7 +1,8 @@
 """The GRPO-family loss layer, in plain torch (one concern per module).
 
 - :mod:`.grpo_loss`: :class:`GRPOLoss`, the per-micro-batch loss (orchestrates the modules below), and
-  :class:`LossBackend` (plain torch, or the fused kernels of :mod:`mp_grpo.ops.grpo_loss`).
+  :class:`LossBackend` (plain torch, or the fused kernels of :mod:`mp_grpo.ops.grpo_loss`); :mod:`.torch_path`:
+  its plain-torch stages; :mod:`.input_checks`: its input checks.
 - :mod:`.global_batch`: :class:`GlobalBatch`, the step's global counts and step-level decisions.
 - :mod:`.sequence`: :class:`SequenceLayout` — padded, packed (THD) and context-parallel sequences.
 - :mod:`.objectives`, :mod:`.rollout_correction`, :mod:`.opsm`, :mod:`.entropy`, :mod:`.kl`,

@@ -1,7 +1,8 @@
 """The loss layer's fixed bounds, each with the reason it exists, and the symmetric clamp they share.
 
-The configurable bounds (``policy.log_ratio_clamp``, ``kl.input_clamp``, ``kl.output_clamp``, the
-clipping ranges) live in :mod:`mp_grpo.config.loss`; the constants here are not meant to be tuned.
+The floors the kernels share (``COUNT_FLOOR``, ``WEIGHT_MEAN_FLOOR``) are defined once on the kernels' floor,
+:mod:`mp_grpo.kernels.grpo_loss_constants`, and re-exported here as floats. The configurable bounds (``policy.log_ratio_clamp``, ``kl.input_clamp``,
+``kl.output_clamp``, the clipping ranges) live in :mod:`mp_grpo.config.loss`; the constants here are not meant to be tuned.
 """
 
 from __future__ import annotations
@@ -10,14 +11,19 @@ import math
 
 import torch
 
-COUNT_FLOOR = 1.0
-"""Floor of every count used as a divisor (tokens, sequences, a sequence's length). A count of 0 only
-occurs where every numerator is exactly 0 (no valid token), so any positive floor leaves the result
-exact; it keeps 0/0 — and its NaN gradient — out of masked positions."""
+from mp_grpo.kernels import grpo_loss_constants
+from mp_grpo.kernels.token_math import clamp_sym
+from mp_grpo.loss.dialect import torch_formula
 
-WEIGHT_MEAN_FLOOR = 1e-8
-"""Below this global mean the IS weights are left unnormalized (verl's rule): a mean this small means
-(almost) every weight truncated to 0, and dividing by it would blow the few others up to ~1e8."""
+COUNT_FLOOR: float = grpo_loss_constants.COUNT_FLOOR.value
+"""Floor of every count used as a divisor: the kernels' :data:`mp_grpo.kernels.grpo_loss_constants.COUNT_FLOOR`
+(defined once there, on the kernels' floor, with why), as a float."""
+
+WEIGHT_MEAN_FLOOR: float = grpo_loss_constants.WEIGHT_MEAN_FLOOR.value
+"""Below this global mean the IS weights are left unnormalized (verl's rule): the kernels'
+:data:`mp_grpo.kernels.grpo_loss_constants.WEIGHT_MEAN_FLOOR` (defined once there, with why), as a float."""
+
+_clamp_sym = torch_formula(clamp_sym)
 
 
 def symmetric_clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
@@ -49,10 +55,3 @@ of its definition: applied whatever ``policy.log_ratio_clamp`` is."""
 
 VESPO_LAMBDA_FLOOR = 1e-4
 """Floor of VESPO's gamma rate λ (TRL / Liger ``.clamp(min=1e-4)``): with λ = 0, φ(w) = w^k is unbounded."""
-
-
-# Imported after the constants: mp_grpo.kernels.grpo_loss_common (imported through the dialect) reads them.
-from mp_grpo.kernels.token_math import clamp_sym  # noqa: E402
-from mp_grpo.loss.dialect import torch_formula  # noqa: E402
-
-_clamp_sym = torch_formula(clamp_sym)

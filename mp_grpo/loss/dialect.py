@@ -3,7 +3,7 @@
 :func:`torch_formula` takes one of those ``@triton.jit`` functions and returns its Python source compiled
 against torch instead of Triton: the same code object, with ``tl`` bound to :class:`TorchLanguage` (the
 subset of ``triton.language`` the dialect allows), ``K`` to the plain-int codes of
-:mod:`mp_grpo.kernels.grpo_loss_common`, the dialect's helpers to their torch equivalents
+:mod:`mp_grpo.kernels.grpo_loss_constants`, the dialect's helpers to their torch equivalents
 (:data:`TORCH_HELPERS`) and the other formulas it calls to their own torch versions. Nothing is re-derived:
 a formula edited in ``token_math.py`` changes both paths. Every per-token formula the kernels and the torch
 path share runs through here (``mp_grpo/loss``: clamps, objectives, rollout correction, OPSM, top-entropy,
@@ -19,7 +19,7 @@ from functools import cache
 import torch
 import triton.language as tl
 
-from mp_grpo.kernels import grpo_loss_common
+from mp_grpo.kernels import grpo_loss_constants
 
 
 def _minimum(a, b):
@@ -65,7 +65,7 @@ class TorchLanguage:
 
 
 CODES = types.SimpleNamespace(
-    **{name: value.value for name, value in vars(grpo_loss_common).items() if isinstance(value, tl.constexpr)}
+    **{name: value.value for name, value in vars(grpo_loss_constants).items() if isinstance(value, tl.constexpr)}
 )
 """The kernels' codes and slots (``K.*``) as plain ints (torch.compile traces ints, not Triton constexprs)."""
 

@@ -35,6 +35,12 @@ step with the same shapes is rejected.
 A batch records the caller's ``step`` id (:meth:`check_step` raises for another id), and a batch built
 for another LossConfig is rejected.
 
+**From counts.** :meth:`GlobalBatch.from_counts` takes the counts a training framework already made
+(verl's ``global_batch_info``, NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs``, Megatron-LM's
+per-token-loss counts) and, where the config needs them, the step-level statistics its loop computed: no
+collective, no mask. Such a batch checks what counts can bound (a micro-batch never has more valid tokens or
+sequences than the step); the checks of its inputs are in :mod:`mp_grpo.loss.step_counts`.
+
 Every rank of ``group`` must call the constructor (it makes collectives), with its own micro-batches.
 Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes them.
 """
@@ -49,7 +55,8 @@ import torch
 from mp_grpo.collectives import (
     ProcessGroup, all_gather_stacked, all_reduce_sum, broadcast_from_last, group_size, is_last_rank,
 )
-from mp_grpo.config.loss import LossConfig, RatioLevel
+from mp_grpo.config.loss import Aggregation, LossConfig, RatioLevel
+from mp_grpo.loss.step_counts import STEP_STATISTICS, check_counts, check_device, check_within_counts
 from mp_grpo.loss.clamps import COUNT_FLOOR
 from mp_grpo.loss.entropy import entropy_threshold
 from mp_grpo.loss.mismatch import k3
@@ -69,17 +76,20 @@ class GlobalBatch:
     valid_tokens: torch.Tensor
     """0-dim float64: valid tokens of the step, all ranks (N)."""
     valid_sequences: torch.Tensor
-    """0-dim float64: sequences with at least one valid token, each counted once (S)."""
+    """0-dim float64: sequences with at least one valid token, each counted once (S). NaN in a
+    :meth:`from_counts` batch not given it (see ``missing_counts``)."""
     all_sequences: torch.Tensor
-    """0-dim float64: every sequence (row / packed segment), each counted once (S with count_empty_sequences)."""
+    """0-dim float64: every sequence (row / packed segment), each counted once (S with count_empty_sequences).
+    NaN in a :meth:`from_counts` batch not given it."""
     num_micro_batches: torch.Tensor
-    """0-dim float64: (rank, micro-batch) pairs of the step over the group."""
+    """0-dim float64: (rank, micro-batch) pairs of the step over the group (NaN in a :meth:`from_counts` batch
+    not given it: the ``loss`` and ``valid_tokens`` metric entries then reduce to NaN)."""
     all_positions: torch.Tensor
     """0-dim float64: every token position of the micro-batches (masked or not, padding included), summed over
     the group's ranks — what a model runs on; the Megatron adapter's routed-token account for MoE (see
-    ``mp_grpo.megatron.moe``)."""
+    ``mp_grpo.megatron.moe``). NaN in a :meth:`from_counts` batch."""
     micro_batch_shapes: tuple[tuple[int, ...], ...]
-    """Token shapes of this rank's micro-batches, in order."""
+    """Token shapes of this rank's micro-batches, in order (empty for a :meth:`from_counts` batch)."""
     masks: tuple[torch.Tensor, ...] = ()
     """The loss masks the batch was built from (held, so their storage cannot be reused while it lives)."""
     mask_versions: tuple[int, ...] = ()
@@ -96,6 +106,9 @@ class GlobalBatch:
     """0-dim float64: global mean of k3(old ‖ rollout) (``mismatch.skip_threshold``)."""
     skip: torch.Tensor | None = None
     """0-dim bool: skip this step (``mismatch_k3 > skip_threshold``)."""
+    missing_counts: tuple[str, ...] = ()
+    """Counts a :meth:`from_counts` batch was not given (NaN in their fields): ``valid_sequences``,
+    ``all_sequences``, ``micro_batches``, ``all_positions``. :meth:`check_config` refuses a config that needs one."""
 
     # ------------------------------------------------------------------------------------------ build
     @classmethod
@@ -152,6 +165,81 @@ class GlobalBatch:
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
         return cls._build(config, masks, group=group, layouts=layouts, step=step, old_logprobs=old_logprobs,
                           rollout_logprobs=rollout_logprobs, entropies=entropies, pp_group=pp_group)
+
+    @classmethod
+    def from_counts(
+        cls,
+        *,
+        valid_tokens: int | float | torch.Tensor,
+        device: torch.device | str,
+        valid_sequences: int | float | torch.Tensor | None = None,
+        all_sequences: int | float | torch.Tensor | None = None,
+        micro_batches: int | float | torch.Tensor | None = None,
+        config: LossConfig | None = None,
+        weight_mean: float | torch.Tensor | None = None,
+        entropy_threshold: float | torch.Tensor | None = None,
+        mismatch_k3: float | torch.Tensor | None = None,
+        step: int | None = None,
+    ) -> GlobalBatch:
+        """The step's account from counts a training framework already made (no collective, no mask).
+
+        For loops that hand the loss global counts instead of the step's masks (verl's ``global_batch_info``,
+        NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs``, Megatron-LM's per-token-loss counts). The
+        counts must be over the same group and step as :meth:`from_masks` would count them: every rank
+        passes the same numbers.
+
+        Args:
+            valid_tokens: N, the step's valid (loss-mask) tokens over all ranks of the group.
+            device: the device of the tokens (the counts become float64 0-dim tensors there).
+            valid_sequences: sequences with at least one valid token, each counted once (S without
+                ``aggregation.count_empty_sequences``).
+            all_sequences: every sequence of the step, with or without a valid token (S with
+                ``count_empty_sequences``; verl's ``global_batch_size``).
+            micro_batches: (rank, micro-batch) pairs of the step; only the ``loss`` and ``valid_tokens`` metric
+                entries use it (they reduce to NaN without it).
+            config: the LossConfig the step-level statistics below were computed for; required with them.
+            weight_mean: the global mean of the truncated IS weights, needed by
+                ``rollout_correction.normalize_weights`` (what :meth:`from_rollouts` computes in its step 3).
+            entropy_threshold: the entropy quantile of the step's valid tokens, needed by
+                ``entropy.top_quantile < 1`` (:meth:`from_rollouts` step 5).
+            mismatch_k3: the global mean over valid tokens of k3(old ‖ rollout), needed by
+                ``mismatch.skip_threshold`` (:meth:`from_rollouts` step 3); ``skip`` follows from it.
+            step: an optimizer-step id to check later with :meth:`check_step`.
+
+        Each value is a Python number or a 0-dim tensor on ``device``. Python numbers are checked at once;
+        tensors on the device through the deferred error ledger (see :mod:`mp_grpo.loss.step_counts`): counts
+        finite, ≥ 0 and whole; valid_sequences ≤ all_sequences and ≤ valid_tokens; a step with a valid token
+        has a sequence; micro_batches ≥ 1; weight_mean > 0, mismatch_k3 ≥ 0, every statistic finite.
+        A statistic is required exactly when ``config`` needs it. Without ``config`` the batch holds counts
+        only, and :meth:`check_config` refuses a config that needs a step-level pass, naming the pass.
+
+        Such a batch cannot know which micro-batches belong to its step (it has no masks):
+        :meth:`check_micro_batch` checks what the counts bound — a micro-batch never has more valid tokens,
+        or more rows with a valid token, than the step.
+        """
+        # --- 1. the values checked (types, the statistics config needs, their rules), as float64 tensors ---
+        device = check_device(device)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        if config is not None and not isinstance(config, LossConfig):
+            raise TypeError(f"config must be a LossConfig or None, got {type(config).__name__}")
+        values = check_counts(dict(
+            valid_tokens=valid_tokens, valid_sequences=valid_sequences, all_sequences=all_sequences,
+            micro_batches=micro_batches, weight_mean=weight_mean, entropy_threshold=entropy_threshold,
+            mismatch_k3=mismatch_k3), device, config)
+
+        # --- 2. the batch: NaN for the counts not given; skip from mismatch_k3 ---
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+        missing = tuple(name for name in ("valid_sequences", "all_sequences", "micro_batches") if name not in values)
+        mismatch = values.get("mismatch_k3")
+        skip = mismatch > config.mismatch.skip_threshold if mismatch is not None else None  # type: ignore[union-attr]
+        return cls(
+            valid_tokens=values["valid_tokens"], valid_sequences=values.get("valid_sequences", nan),
+            all_sequences=values.get("all_sequences", nan), num_micro_batches=values.get("micro_batches", nan),
+            all_positions=nan, micro_batch_shapes=(), step=step, config=config,
+            weight_mean=values.get("weight_mean"), entropy_threshold=values.get("entropy_threshold"),
+            mismatch_k3=mismatch, skip=skip, missing_counts=(*missing, "all_positions"),
+        )
 
     @classmethod
     def _build(
@@ -293,12 +381,22 @@ class GlobalBatch:
         The same tensor (storage, shape, strides, device; not modified in place since) passes at once. Another
         tensor of one of their shapes must equal one of them: compared on the device, raised at once on the
         CPU and at the next :func:`mp_grpo.check_errors` on a GPU (no host read here).
+
+        A :meth:`from_counts` batch has no masks: ``loss_mask`` must fit in the step's counts — its valid
+        tokens at most ``valid_tokens``; its rows with a valid token (a 2-D mask) at most ``valid_sequences``
+        and ``all_sequences`` where given (a row of a padded, packed or CP-sharded mask holds at least one
+        sequence). Counted on the device, reported the same deferred way.
         """
         if not isinstance(loss_mask, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(loss_mask).__name__}")
         if loss_mask.device != self.valid_tokens.device:
             raise ValueError(f"batch.valid_tokens is on {self.valid_tokens.device} but {name} is on {loss_mask.device}: "
-                             "build the GlobalBatch from masks on the tokens' device")
+                             "build the GlobalBatch on the tokens' device")
+        if not self.masks:  # built from counts: what the counts bound
+            bounds = {field: getattr(self, field) for field in ("valid_tokens", "valid_sequences", "all_sequences")
+                      if field not in self.missing_counts}
+            check_within_counts(loss_mask, name, bounds, StaleGlobalBatchError)
+            return
         for mask, version in zip(self.masks, self.mask_versions):
             if _same_tensor(mask, loss_mask):
                 if loss_mask._version != version:
@@ -326,22 +424,42 @@ class GlobalBatch:
         )
 
     def check_config(self, config: LossConfig) -> None:
-        """Raise unless this batch holds the step-level quantities ``config`` needs, computed for ``config``."""
-        needs = []
-        if config.rollout_correction.normalize_weights:
-            needs.append("rollout_correction.normalize_weights")
-        if config.entropy.top_quantile < 1.0:
-            needs.append("entropy.top_quantile < 1")
-        if config.mismatch.skip_threshold is not None:
-            needs.append("mismatch.skip_threshold")
+        """Raise unless this batch holds the step-level quantities ``config`` needs, computed for ``config``
+        (and, for a :meth:`from_counts` batch, the sequence count its aggregation divides by)."""
         if self.config is None:
-            if needs:
+            needs = [stat for stat in STEP_STATISTICS if stat.needed(config)]
+            if needs and self.masks:
                 raise StaleGlobalBatchError(
-                    f"batch: the LossConfig needs step-level quantities ({', '.join(needs)}); build the GlobalBatch "
-                    "with GlobalBatch.from_rollouts(config, ...), not from_masks"
+                    f"batch: the LossConfig needs step-level quantities ({', '.join(s.key for s in needs)}); build the "
+                    "GlobalBatch with GlobalBatch.from_rollouts(config, ...), not from_masks"
+                )
+            if needs:
+                passes = "; ".join(f"{s.key} needs {s.name} ({s.computes})" for s in needs)
+                raise StaleGlobalBatchError(
+                    f"batch: the LossConfig needs step-level passes this GlobalBatch was built without: {passes}. "
+                    "Pass them with GlobalBatch.from_counts(config=config, ...), or build it with "
+                    "GlobalBatch.from_rollouts"
                 )
         elif self.config is not config and self.config != config:  # identity first: this runs every micro-batch
             raise StaleGlobalBatchError("batch: this GlobalBatch was built for a different LossConfig")
+        if self.missing_counts:
+            self._check_sequence_count(config)
+
+    def _check_sequence_count(self, config: LossConfig) -> None:
+        """A from_counts batch holds the sequence count S ``config``'s aggregation divides by (every mode but
+        token_mean divides by S, see :mod:`mp_grpo.loss.aggregation`)."""
+        agg = config.aggregation
+        modes = [f"aggregation.mode={agg.mode.value}"] if agg.mode != Aggregation.TOKEN_MEAN else []
+        if agg.regularizer != agg.mode and agg.regularizer != Aggregation.TOKEN_MEAN:
+            modes.append(f"aggregation.regularizer_mode={agg.regularizer.value}")
+        name = "all_sequences" if agg.count_empty_sequences else "valid_sequences"
+        if modes and name in self.missing_counts:
+            meaning = "every sequence" if agg.count_empty_sequences else "the sequences with a valid token"
+            raise StaleGlobalBatchError(
+                f"batch: {' and '.join(modes)} divides by the step's sequence count — {meaning} (aggregation."
+                f"count_empty_sequences={str(agg.count_empty_sequences).lower()}) — but this GlobalBatch was built "
+                f"from counts without {name}: pass {name}= to GlobalBatch.from_counts"
+            )
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -77,8 +77,8 @@ from mp_grpo.ops.checks import (
     check_runs_here,
     check_temperature,
 )
-from mp_grpo.ops.fused_linear_logprobs import ChunkPlan, _chunk_view, _matmul_into, main_grad_placeholder, plan_chunks
 from mp_grpo.ops.logprob_launch import gather_and_merge, logprob_backward, new_stats_buffer, shard_statistics
+from mp_grpo.ops.output_chunks import ChunkPlan, chunk_view, main_grad_placeholder, matmul_into, plan_chunks
 from mp_grpo.ops.sampling_filter import (
     SamplingFilter,
     check_sampling_filter,
@@ -176,7 +176,7 @@ class FusedLinearLoss(torch.autograd.Function):
         for r0 in range(0, max(n, 1), plan.forward_rows):
             r1 = min(r0 + plan.forward_rows, n)
             rows = r1 - r0
-            x = _chunk_view(chunk, rows, v_local)
+            x = chunk_view(chunk, rows, v_local)
             stats = stats_buffer[: rows + 1]  # row `rows` carries V_local (see new_stats_buffer)
 
             # --- 1. the chunk's logits and their shard statistics ---
@@ -219,10 +219,10 @@ class FusedLinearLoss(torch.autograd.Function):
             )
             # --- 5. hidden gradient of the chunk's rows (whole local vocabulary: written once) ---
             if grad_h is not None:
-                _matmul_into(grad_h[r0:r1], x, w, accumulate=False)
+                matmul_into(grad_h[r0:r1], x, w, accumulate=False)
             # --- 6. weight gradient, summed over row chunks ---
             if grad_w is not None:
-                _matmul_into(grad_w, x.t(), h[r0:r1], accumulate=r0 > 0)
+                matmul_into(grad_w, x.t(), h[r0:r1], accumulate=r0 > 0)
 
         ctx.save_for_backward(grad_h, grad_w)
         # Like Megatron's linear layer: main_grad is kept on ctx, not saved (DDP writes into it).

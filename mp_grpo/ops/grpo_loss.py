@@ -47,7 +47,7 @@ from mp_grpo.collectives import ProcessGroup, all_reduce_sum, group_size
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.kernels.grpo_loss_backward import grpo_loss_backward_kernel
 from mp_grpo.kernels.grpo_loss_combine import grpo_loss_combine_kernel
-from mp_grpo.kernels.grpo_loss_common import CONSTANTS_KEY, NUM_EXTREMES, NUM_PAIRS, PARTIAL_COLS
+from mp_grpo.kernels.grpo_loss_constants import CONSTANTS_KEY, NUM_EXTREMES, NUM_PAIRS, PARTIAL_COLS
 from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
 from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
 from mp_grpo.kernels.launch_config import INTERPRETER, ceil_div

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mp_grpo.config.loss import Aggregation, KLEstimator, LossConfig, Objective, RatioLevel
-from mp_grpo.kernels import grpo_loss_common as K
+from mp_grpo.kernels import grpo_loss_constants as K
 
 _OBJECTIVES = {
     Objective.PPO_CLIP: K.OBJ_PPO_CLIP, Objective.GSPO: K.OBJ_GSPO, Objective.CISPO: K.OBJ_CISPO,
@@ -118,7 +118,7 @@ def build_plan(cfg: LossConfig, key: InputsKey) -> FusedLossPlan:
 
 
 def _metric_names(cfg: LossConfig, key: InputsKey) -> tuple[tuple[str, bool, int], ...]:
-    """The torch path's metric names (mp_grpo/loss/grpo_loss.py step 6), in its order, with their slots."""
+    """The torch path's metric names (mp_grpo/loss/torch_path.py step 6), in its order, with their slots."""
     out: list[tuple[str, bool, int]] = []
 
     def pair(name: str, slot: Any) -> None:
@@ -165,7 +165,7 @@ def _metric_names(cfg: LossConfig, key: InputsKey) -> tuple[tuple[str, bool, int
 
 
 def config_parameters(cfg: LossConfig) -> list[float]:
-    """The kernels' parameter vector (slots ``P_*`` of ``grpo_loss_common``); an absent bound is ±inf,
+    """The kernels' parameter vector (slots ``P_*`` of ``grpo_loss_constants``); an absent bound is ±inf,
     which makes its clamp and its test the identity, as ``None`` does in the torch path."""
     inf = math.inf
     p, rc, kl = cfg.policy, cfg.rollout_correction, cfg.kl

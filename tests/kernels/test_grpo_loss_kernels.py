@@ -25,7 +25,7 @@ def _compile_all() -> None:
     from mp_grpo.config import load_config
     from mp_grpo.kernels.grpo_loss_backward import grpo_loss_backward_kernel
     from mp_grpo.kernels.grpo_loss_combine import grpo_loss_combine_kernel
-    from mp_grpo.kernels.grpo_loss_common import CONSTANTS_KEY
+    from mp_grpo.kernels.grpo_loss_constants import CONSTANTS_KEY
     from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
     from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
     from mp_grpo.ops.grpo_loss_plan import InputsKey, build_plan

@@ -241,9 +241,9 @@ def test_generator_errors() -> None:
 
 @pytest.mark.parametrize("objective", ["clip_cov", "kl_cov"])
 def test_context_parallel_is_refused(objective: str, monkeypatch) -> None:
-    import mp_grpo.loss.grpo_loss as grpo_loss
+    import mp_grpo.loss.input_checks as input_checks
 
-    monkeypatch.setattr(grpo_loss, "group_size", lambda group: 1 if group is None else 2)
+    monkeypatch.setattr(input_checks, "group_size", lambda group: 1 if group is None else 2)
     batch = _batch(1)
     with pytest.raises(ValueError, match="context parallel"):
         GRPOLoss(load_config(None, [f"policy.objective={objective}"]))(

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mp_grpo import fused_linear_logprobs, vocab_parallel_logprobs
-from mp_grpo.ops.fused_linear_logprobs import (
+from mp_grpo.ops.output_chunks import (
     GRAD_HIDDEN_BLOCK_BYTES,
     LOGITS_CHUNK_BYTES,
     plan_chunks,

@@ -199,7 +199,7 @@ def test_empty_batch_has_zero_gradients():
 
 
 def test_placeholder_is_allocated_once():
-    from mp_grpo.ops.fused_linear_logprobs import main_grad_placeholder
+    from mp_grpo.ops.output_chunks import main_grad_placeholder
 
     w = torch.nn.Parameter(torch.randn(7, 4))
     w.grad_added_to_main_grad = False
@@ -272,7 +272,7 @@ def test_grpo_loss_matches_objective_reference(feature):
 
 def test_default_plan_at_benchmark_size():
     """N = 16384, H = 4096, bf16: the forward chunk stays within its budget (7 chunks at V = 151936, one at 18992)."""
-    from mp_grpo.ops.fused_linear_logprobs import plan_chunks
+    from mp_grpo.ops.output_chunks import plan_chunks
     from mp_grpo.ops.fused_linear_loss import LOSS_LOGITS_CHUNK_BYTES
 
     for v, chunks in ((151936, 7), (18992, 1)):

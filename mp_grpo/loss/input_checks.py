@@ -1,0 +1,143 @@
+"""Host-side checks of :class:`~mp_grpo.loss.GRPOLoss`'s inputs (step 1 of its schedule); every error names the
+argument. Shapes and devices are checked against the argument that sets the token shape: ``logprobs`` for
+``GRPOLoss(...)``, ``target`` for :meth:`GRPOLoss.on_logits <mp_grpo.loss.grpo_loss.GRPOLoss.on_logits>`."""
+
+from __future__ import annotations
+
+import torch
+
+from mp_grpo.collectives import group_size
+from mp_grpo.config.loss import LossConfig, Objective
+from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES
+from mp_grpo.loss.sequence import SequenceLayout
+
+
+def check_loss_inputs(
+    cfg: LossConfig,
+    layout: SequenceLayout,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> None:
+    """Host-side checks; every error names the argument."""
+    check_float("logprobs", logprobs)
+    check_token_inputs(cfg, layout, logprobs.shape, logprobs.device, "logprobs", old_logprobs, advantages, loss_mask,
+                        rollout_logprobs, ref_logprobs, entropy)
+
+
+def check_token_inputs(
+    cfg: LossConfig,
+    layout: SequenceLayout,
+    shape: torch.Size,
+    device: torch.device,
+    reference: str,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    *,
+    entropy_computed: bool = False,
+) -> None:
+    """The checks of :func:`check_loss_inputs` against the token shape and device of ``reference`` (the argument that
+    sets them: ``logprobs``, or ``target`` for :meth:`GRPOLoss.on_logits`, which computes the entropy itself)."""
+    layout.check_tokens(shape, reference)
+    if not isinstance(loss_mask, torch.Tensor) or loss_mask.is_complex():
+        raise TypeError(f"loss_mask must be a bool, integer or floating tensor, got {_kind(loss_mask)}")
+    check_like("loss_mask", loss_mask, shape, device, reference)
+    rc = cfg.rollout_correction
+    if rc.bypass and old_logprobs is not None:
+        raise ValueError("old_logprobs must be None with rollout_correction.bypass: the rollout log-probs are the old ones")
+    needs = {
+        "rollout_logprobs": (cfg.needs_rollout_logprobs, "rollout_correction / mismatch settings"),
+        "ref_logprobs": (cfg.kl.coef != 0.0, "kl.coef != 0"),
+        "entropy": (cfg.needs_entropy and not entropy_computed,
+                    "entropy.bonus_coef / entropy.top_quantile / entropy.adaptive"),
+    }
+    given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs,
+             "entropy": entropy}
+    for name, value in given.items():
+        if value is None:
+            needed, why = needs.get(name, (False, ""))
+            if needed:
+                raise ValueError(f"{name} must be given: the config's {why} need it")
+            continue
+        check_float(name, value)
+        check_like(name, value, shape, device, reference)
+    check_float("advantages", advantages)
+    num_sequences = layout.num_sequences(shape)
+    if advantages.shape not in (shape, torch.Size([num_sequences])):
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)}; expected one per sequence [{num_sequences}] or one per "
+            f"token {tuple(shape)}"
+        )
+    if advantages.device != device:
+        raise ValueError(f"advantages is on {advantages.device} but {reference} is on {device}")
+
+
+def check_covariance(
+    cfg: LossConfig, layout: SequenceLayout, generator: torch.Generator | None, device: torch.device
+) -> None:
+    """clip_cov / kl_cov: no context parallelism; ``generator`` only with clip_cov, on the tokens' device."""
+    objective = cfg.policy.objective
+    if objective in COVARIANCE_OBJECTIVES and group_size(layout.cp_group) > 1:
+        raise ValueError(
+            f"layout: policy.objective={objective.value} selects tokens by their covariance over the micro-batch's "
+            f"valid tokens (verl), but under context parallelism (cp_group of size {group_size(layout.cp_group)}) "
+            "this rank holds only part of them and the selection is not made CP-invariant; use context parallel "
+            "size 1 with this objective")
+    if generator is None:
+        return
+    if objective != Objective.CLIP_COV:
+        raise ValueError(f"generator is only used by policy.objective=clip_cov, not {objective.value}")
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type != device.type:
+        raise ValueError(f"generator is on {generator.device} but logprobs is on {device}")
+
+
+def positive_token_mask(
+    cfg: LossConfig, layout: SequenceLayout, shape: torch.Size, positive: torch.Tensor | None,
+    layout_device: torch.device,
+) -> torch.Tensor | None:
+    """Bool token mask of the positive examples (``nll.positive_coef`` only); checks ``positive``."""
+    if cfg.nll.positive_coef == 0.0:
+        if positive is not None:
+            raise ValueError("positive is only used by nll.positive_coef != 0")
+        return None
+    if positive is None:
+        raise ValueError("positive must be given: the config's nll.positive_coef needs it")
+    if not isinstance(positive, torch.Tensor):
+        raise TypeError(f"positive must be a tensor, got {type(positive).__name__}")
+    if positive.device != layout_device:
+        raise ValueError(f"positive is on {positive.device} but logprobs is on {layout_device}")
+    num_sequences = layout.num_sequences(shape)
+    if positive.shape == torch.Size([num_sequences]):
+        positive = layout.broadcast(positive.to(torch.float64), shape)
+    elif positive.shape != shape:
+        raise ValueError(f"positive has shape {tuple(positive.shape)}; expected one per sequence [{num_sequences}] "
+                         f"or one per token {tuple(shape)}")
+    return positive != 0
+
+
+def _kind(x: object) -> str:
+    return str(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def check_float(name: str, x: object) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {_kind(x)}")
+
+
+def check_like(
+    name: str, x: torch.Tensor, shape: torch.Size, device: torch.device, reference: str = "logprobs"
+) -> None:
+    if x.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, {reference} has {tuple(shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but {reference} is on {device}")
