@@ -43,6 +43,7 @@ from enum import Enum
 
 import torch
 
+from mp_grpo.collectives import group_size
 from mp_grpo.config.loss import GSPOGradient, LossConfig, Objective, RatioLevel
 from mp_grpo.loss import torch_path
 from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES, covariance_selection
@@ -66,7 +67,7 @@ from mp_grpo.ops.checks import (
     check_temperature,
 )
 from mp_grpo.ops.logits_grpo_loss import LogitsSpec, logits_grpo_loss
-from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.ops.sampling_filter import SamplingFilter, check_sampling_filter
 from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
 
 
@@ -297,8 +298,9 @@ class GRPOLoss:
         The fused path (:mod:`mp_grpo.ops.logits_grpo_loss`: one autograd Function, the loss's backward inside
         the log-prob backward kernel) runs when the call would take the fused loss (:class:`LossBackend`), a
         ``batch`` is given (a training step has one; without it the step's account is built from this call's
-        log-probs first) and there is no ``sampling_filter``; otherwise the two ops run one after the other. Both
-        give the same values, gradients and metrics (``tests/ops/test_logits_grpo_loss.py``).
+        log-probs first), with or without a ``sampling_filter``; otherwise the two ops run one after the other. Both
+        give the same values, gradients and metrics, bit for bit (``tests/ops/test_logits_grpo_loss.py``,
+        ``tests/ops/test_logits_grpo_loss_filter.py``).
         """
         cfg = self.config
         layout = PaddedSequences() if layout is None else layout
@@ -306,7 +308,7 @@ class GRPOLoss:
             raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
         check_logits_and_target(logits, target)  # first: _use_fused reads logits.is_cuda
         with_entropy = bool(with_entropy) or cfg.needs_entropy
-        if batch is None or sampling_filter is not None or not self._use_fused(logits, layout):
+        if batch is None or not self._use_fused(logits, layout):
             out = vocab_parallel_logprobs(
                 logits, target, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
                 ignore_index=ignore_index, inplace_backward=inplace_backward, check_inputs=check_inputs,
@@ -320,8 +322,14 @@ class GRPOLoss:
             )
         # --- the fused path: check what the two ops would check, then one autograd Function ---
         check_runs_here(logits, "logits")
+        check_mode = check_inputs_mode(check_inputs)
+        if sampling_filter is not None:
+            check_sampling_filter(sampling_filter, target.shape, logits.device,
+                                  check_tensors=check_mode is not CheckInputs.OFF)
+            # Fields that keep everything (top_p = 1, top_k >= V, min_p = 0) cost nothing.
+            sampling_filter = sampling_filter.without_noops(logits.shape[-1] * group_size(tp_group))
         spec = LogitsSpec(tp_group, check_temperature(temperature), int(ignore_index), bool(inplace_backward),
-                          check_inputs_mode(check_inputs))
+                          check_mode, sampling_filter)
         shape, device = target.shape, logits.device
         check_token_inputs(cfg, layout, shape, device, "target", old_logprobs, advantages, loss_mask,
                             rollout_logprobs, ref_logprobs, None, entropy_computed=True)
