@@ -32,7 +32,9 @@ made the compiler move both vectors through shared memory into the accumulator's
 
 These passes are the fallback of the search (``ops/sampling_filter.py``): the rows that the candidates of
 ``logprob_candidates.py`` cannot finish. With HAS_SKIP, the rows whose ``skip`` flag is set read nothing and
-write nothing (their histogram rows are left as they are and never read).
+write nothing (their histogram rows are left as they are and never read). Under tensor parallelism each pass is
+a launch (its histograms are all-reduced between the pass and the pick); at TP = 1
+``logprob_radix_search_kernel`` runs a row's whole search in one program, the same passes and picks.
 """
 
 import triton
@@ -85,39 +87,15 @@ def _digit_and_member(x, in_row, tau, prefix, shift, KEY_BITS: tl.constexpr, DIG
 
 
 @triton.jit
-def logprob_radix_hist_kernel(
-    # pointers
-    x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16; last dim contiguous
-    tau_ptr,  # [N] fp32 raw-logit threshold of the filters applied before (-inf: none)
-    prefix_ptr,  # [N] int32 key digits chosen so far (the key's bits above shift + DIGIT_BITS)
-    row_max_ptr,  # [N] fp32 raw-logit row maximum over the whole vocabulary (MODE_MASS / MODE_EXACT)
-    hist_ptr,  # [N, 2**DIGIT_BITS] out: int32 (MODE_COUNT) or fp32
-    row_max_out_ptr,  # [N] fp32 out: this shard's row maximum (only with HAS_ROW_MAX_OUT)
-    skip_ptr,  # [N] int8: rows to leave alone (only with HAS_SKIP)
-    # shapes
-    V_local,
-    # strides
-    stride_x_row,
-    stride_hist_row,
-    # scalars
-    inv_temperature,  # fp32, 1 / temperature
-    shift,  # bit position of the digit in the key
-    # meta-parameters
-    KEY_BITS: tl.constexpr,
-    DIGIT_BITS: tl.constexpr,
-    MODE: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,  # False on a search's first pass (no digit chosen yet)
-    HAS_ROW_MAX_OUT: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+def radix_histogram_row(
+    row, run, x_ptr, tau_ptr, prefix_ptr, row_max_ptr, hist_ptr, row_max_out_ptr, V_local, stride_x_row,
+    stride_hist_row, inv_temperature, shift,
+    KEY_BITS: tl.constexpr, DIGIT_BITS: tl.constexpr, MODE: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_ROW_MAX_OUT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    """One pass of ``logprob_radix_hist_kernel`` for the row ``row`` (nothing read or written unless ``run``)."""
     BINS: tl.constexpr = 1 << DIGIT_BITS
-    row = tl.program_id(0).to(tl.int64)
     x_row_ptr = x_ptr + row * stride_x_row
-    if HAS_SKIP:
-        run = tl.load(skip_ptr + row) == 0
-    else:
-        run = tl.full([], 1, tl.int1)
     v_end = tl.where(run, V_local, 0)
     offs = tl.arange(0, BLOCK_V)
     bins = tl.arange(0, BINS)
@@ -186,34 +164,50 @@ def logprob_radix_hist_kernel(
 
 
 @triton.jit
-def logprob_radix_select_kernel(
+def logprob_radix_hist_kernel(
     # pointers
-    hist_ptr,  # [N, 2**DIGIT_BITS] TP-summed histogram: int32 counts (top-k) or fp32 masses (top-p)
-    x_ptr,  # the logits (only their dtype is used: the key -> value map)
-    prefix_ptr,  # [N] int32 in/out: key digits chosen so far
-    budget_ptr,  # [N] in/out; top-k: int32 tokens still to keep (0: row off); top-p: fp32 target p * S
-    above_ptr,  # [N] fp32 in/out (top-p): kept mass with a key above the current prefix's range
-    top_p_ptr,  # [N] fp32 (top-p): p; rows with p >= 1 are off
-    tau_ptr,  # [N] fp32 in/out: raw-logit threshold; raised on the last pass
+    x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16; last dim contiguous
+    tau_ptr,  # [N] fp32 raw-logit threshold of the filters applied before (-inf: none)
+    prefix_ptr,  # [N] int32 key digits chosen so far (the key's bits above shift + DIGIT_BITS)
+    row_max_ptr,  # [N] fp32 raw-logit row maximum over the whole vocabulary (MODE_MASS / MODE_EXACT)
+    hist_ptr,  # [N, 2**DIGIT_BITS] out: int32 (MODE_COUNT) or fp32
+    row_max_out_ptr,  # [N] fp32 out: this shard's row maximum (only with HAS_ROW_MAX_OUT)
     skip_ptr,  # [N] int8: rows to leave alone (only with HAS_SKIP)
     # shapes
-    N,
+    V_local,
     # strides
+    stride_x_row,
     stride_hist_row,
+    # scalars
+    inv_temperature,  # fp32, 1 / temperature
+    shift,  # bit position of the digit in the key
     # meta-parameters
     KEY_BITS: tl.constexpr,
     DIGIT_BITS: tl.constexpr,
-    IS_TOP_P: tl.constexpr,
-    IS_FIRST: tl.constexpr,
-    IS_LAST: tl.constexpr,
+    MODE: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,  # False on a search's first pass (no digit chosen yet)
+    HAS_ROW_MAX_OUT: tl.constexpr,
     HAS_SKIP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
-    BINS: tl.constexpr = 1 << DIGIT_BITS
     row = tl.program_id(0).to(tl.int64)
     if HAS_SKIP:
         run = tl.load(skip_ptr + row) == 0
     else:
         run = tl.full([], 1, tl.int1)
+    radix_histogram_row(row, run, x_ptr, tau_ptr, prefix_ptr, row_max_ptr, hist_ptr, row_max_out_ptr, V_local,
+                        stride_x_row, stride_hist_row, inv_temperature, shift, KEY_BITS, DIGIT_BITS, MODE, HAS_PREFIX,
+                        HAS_ROW_MAX_OUT, BLOCK_V)
+
+
+@triton.jit
+def radix_select_row(
+    row, run, hist_ptr, x_ptr, prefix_ptr, budget_ptr, above_ptr, top_p_ptr, tau_ptr, stride_hist_row,
+    KEY_BITS: tl.constexpr, DIGIT_BITS: tl.constexpr, IS_TOP_P: tl.constexpr, IS_FIRST: tl.constexpr,
+    IS_LAST: tl.constexpr,
+):
+    """``logprob_radix_select_kernel`` for the row ``row`` (nothing written unless ``run``)."""
+    BINS: tl.constexpr = 1 << DIGIT_BITS
     # Reversed digit order: r = 0 is the largest digit, so inclusive / exclusive scans from the top.
     r = tl.arange(0, BINS)
     digit = BINS - 1 - r
@@ -263,3 +257,99 @@ def logprob_radix_select_kernel(
         v = tl.where(v != v, float("-inf"), v)  # a key no value has (rounding at p ~ 1): keep all
         tau = tl.load(tau_ptr + row)
         tl.store(tau_ptr + row, tl.where(active, tl.maximum(tau, v), tau), mask=run)
+
+
+@triton.jit
+def logprob_radix_select_kernel(
+    # pointers
+    hist_ptr,  # [N, 2**DIGIT_BITS] TP-summed histogram: int32 counts (top-k) or fp32 masses (top-p)
+    x_ptr,  # the logits (only their dtype is used: the key -> value map)
+    prefix_ptr,  # [N] int32 in/out: key digits chosen so far
+    budget_ptr,  # [N] in/out; top-k: int32 tokens still to keep (0: row off); top-p: fp32 target p * S
+    above_ptr,  # [N] fp32 in/out (top-p): kept mass with a key above the current prefix's range
+    top_p_ptr,  # [N] fp32 (top-p): p; rows with p >= 1 are off
+    tau_ptr,  # [N] fp32 in/out: raw-logit threshold; raised on the last pass
+    skip_ptr,  # [N] int8: rows to leave alone (only with HAS_SKIP)
+    # shapes
+    N,
+    # strides
+    stride_hist_row,
+    # meta-parameters
+    KEY_BITS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
+    IS_TOP_P: tl.constexpr,
+    IS_FIRST: tl.constexpr,
+    IS_LAST: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_SKIP:
+        run = tl.load(skip_ptr + row) == 0
+    else:
+        run = tl.full([], 1, tl.int1)
+    radix_select_row(row, run, hist_ptr, x_ptr, prefix_ptr, budget_ptr, above_ptr, top_p_ptr, tau_ptr, stride_hist_row,
+                     KEY_BITS, DIGIT_BITS, IS_TOP_P, IS_FIRST, IS_LAST)
+
+
+@triton.jit
+def logprob_radix_search_kernel(
+    # pointers
+    x_ptr,  # [N, V_local] logits (TP = 1: the whole vocabulary)
+    tau_ptr,  # [N] fp32 in/out: the threshold of the filters applied before (min-p), raised by top-k, top-p
+    row_max_ptr,  # [N] fp32 raw row maximum (top-p's masses)
+    top_k_ptr,  # [N] int32 in/out (HAS_TOP_K): k, 0: off; the search's budget
+    top_p_ptr,  # [N] fp32 (HAS_TOP_P): p, >= 1: off
+    prefix_ptr,  # [N] int32 scratch: key digits chosen so far
+    budget_ptr,  # [N] fp32 scratch (top-p): p * S
+    above_ptr,  # [N] fp32 scratch (top-p): kept mass above the current prefix's range
+    count_hist_ptr,  # [N, 256] int32 scratch: a counting pass's histogram
+    mass_hist_ptr,  # [N, 256] fp32 scratch: a mass pass's histogram
+    skip_ptr,  # [N] int8: rows to leave alone (the candidates finished them)
+    # shapes
+    V_local,
+    # strides
+    stride_x_row,
+    # scalars
+    inv_temperature,
+    # meta-parameters
+    KEY_BITS: tl.constexpr,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    COUNT_BLOCK_V: tl.constexpr,
+    MASS_BLOCK_V: tl.constexpr,
+):
+    """The whole radix search of a row in one program (TP = 1: no histogram has to meet other ranks'): top-k's
+    counting passes, then top-p's mass passes and its exact last pass, each pass a read of the row and a pick
+    of the digit — the passes and picks of the two kernels above, one launch instead of two a pass. The
+    histograms and the search state go through this row's scratch (a barrier between writing and reading)."""
+    row = tl.program_id(0).to(tl.int64)
+    run = tl.load(skip_ptr + row) == 0
+    if run:
+        if HAS_TOP_K:
+            tl.store(prefix_ptr + row, 0)
+            tl.debug_barrier()
+            for i in tl.static_range(KEY_BITS // 8):
+                radix_histogram_row(row, run, x_ptr, tau_ptr, prefix_ptr, row_max_ptr, count_hist_ptr, row_max_ptr,
+                                    V_local, stride_x_row, 256, inv_temperature, KEY_BITS - 8 * (i + 1), KEY_BITS, 8,
+                                    MODE_COUNT, i > 0, False, COUNT_BLOCK_V)
+                tl.debug_barrier()
+                radix_select_row(row, run, count_hist_ptr, x_ptr, prefix_ptr, top_k_ptr, above_ptr, top_p_ptr,
+                                 tau_ptr, 256, KEY_BITS, 8, False, i == 0, i == KEY_BITS // 8 - 1)
+                tl.debug_barrier()
+        if HAS_TOP_P:
+            tl.store(prefix_ptr + row, 0)
+            tl.debug_barrier()
+            for i in tl.static_range((KEY_BITS - 8) // 4):
+                radix_histogram_row(row, run, x_ptr, tau_ptr, prefix_ptr, row_max_ptr, mass_hist_ptr, row_max_ptr,
+                                    V_local, stride_x_row, 256, inv_temperature, KEY_BITS - 4 * (i + 1), KEY_BITS, 4,
+                                    MODE_MASS, i > 0, False, MASS_BLOCK_V)
+                tl.debug_barrier()
+                radix_select_row(row, run, mass_hist_ptr, x_ptr, prefix_ptr, budget_ptr, above_ptr, top_p_ptr,
+                                 tau_ptr, 256, KEY_BITS, 4, True, i == 0, False)
+                tl.debug_barrier()
+            radix_histogram_row(row, run, x_ptr, tau_ptr, prefix_ptr, row_max_ptr, mass_hist_ptr, row_max_ptr,
+                                V_local, stride_x_row, 256, inv_temperature, 0, KEY_BITS, 8, MODE_EXACT, True, False,
+                                COUNT_BLOCK_V)
+            tl.debug_barrier()
+            radix_select_row(row, run, mass_hist_ptr, x_ptr, prefix_ptr, budget_ptr, above_ptr, top_p_ptr, tau_ptr,
+                             256, KEY_BITS, 8, True, False, True)

@@ -12,7 +12,11 @@ import triton
 
 from mp_grpo.kernels.launch_config import CANDIDATE_GROUP, LogprobLaunchConfig, logprob_launch_config
 from mp_grpo.kernels.logprob_candidates import logprob_candidate_select_kernel, logprob_candidates_kernel
-from mp_grpo.kernels.logprob_filter import logprob_radix_hist_kernel, logprob_radix_select_kernel
+from mp_grpo.kernels.logprob_filter import (
+    logprob_radix_hist_kernel,
+    logprob_radix_search_kernel,
+    logprob_radix_select_kernel,
+)
 from mp_grpo.ops.launcher import LaunchMeta, launch, launch_meta
 
 RADIX_COUNT_BITS = 8
@@ -196,4 +200,35 @@ def radix_select(
         KEY_BITS=key_bits(logits.dtype),
         DIGIT_BITS=digit_bits, IS_TOP_P=is_top_p, IS_FIRST=first, IS_LAST=last, HAS_SKIP=skip is not None,
         num_warps=1,
+    )
+
+
+def radix_search(
+    logits: torch.Tensor,  # [n, V] the whole vocabulary (TP = 1)
+    tau: torch.Tensor,  # [n] fp32 in/out
+    row_max: torch.Tensor,  # [n] fp32 raw row maximum
+    *,
+    top_k: torch.Tensor | None,  # [n] int32 in/out (0: off), the search's budget
+    top_p: torch.Tensor | None,  # [n] fp32
+    skip: torch.Tensor,  # [n] int8: rows to leave alone (nonzero)
+    inv_temperature: float,
+) -> None:
+    """TP = 1: the fallback's whole radix search of every row not skipped, in one launch (top-k's counting passes,
+    then top-p's mass passes and its exact pass, each pass one read of the row); raises ``tau`` in place."""
+    n, v_local = logits.shape
+    if n == 0 or (top_k is None and top_p is None):
+        return
+    cfg = logprob_launch_config(v_local)
+    device = logits.device
+    prefix = torch.empty(n, dtype=torch.int32, device=device)
+    scratch = torch.empty(2, n, dtype=torch.float32, device=device)  # top-p's budget and mass above
+    count_hist = torch.empty(n if top_k is not None else 1, 256, dtype=torch.int32, device=device)
+    mass_hist = torch.empty(n if top_p is not None else 1, 256, dtype=torch.float32, device=device)
+    launch(logprob_radix_search_kernel, (n,),
+        logits, tau, row_max, top_k if top_k is not None else prefix, top_p if top_p is not None else tau,
+        prefix, scratch[0], scratch[1], count_hist, mass_hist, skip,
+        v_local, logits.stride(0), inv_temperature,
+        KEY_BITS=key_bits(logits.dtype), HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
+        COUNT_BLOCK_V=cfg.filter_count_block_v, MASS_BLOCK_V=cfg.filter_mass_block_v,
+        num_warps=cfg.filter_count_warps,
     )

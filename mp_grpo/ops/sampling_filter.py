@@ -41,7 +41,8 @@ of size 1)
     3. ``logprob_candidate_select_kernel``: per row min-p, top-k, top-p on the union of the candidates
        (``kernels/logprob_candidates.py``): tau, the row maximum M, a finished flag; for finished rows
        (statistics asked for) this shard's statistics over its kept candidates.
-    4. Fallback, rows not finished (the others skip every launch's work): top-k: ``K / 8`` counting passes
+    4. Fallback, rows not finished (the others skip every launch's work; at TP = 1 steps 4 and 5 are one launch,
+       ``logprob_radix_search_kernel``, a row's whole search in one program): top-k: ``K / 8`` counting passes
        (2 for bf16, 4 for fp32), each one read of the shard and **one all-reduce (sum) of ``[N, 256]``
        int32**; then tau = max(tau, k-th largest logit).
     5. Fallback, top-p: ``(K - 8) / 4`` mass passes (2 for bf16, 6 for fp32) with **one all-reduce (sum)
@@ -75,6 +76,7 @@ from mp_grpo.ops.filter_launch import (
     gather_candidates,
     key_bits,
     radix_histogram,
+    radix_search,
     radix_select,
     select_from_candidates,
 )
@@ -273,8 +275,10 @@ def threshold_search(
     tau, skip = selected.tau, selected.finished
     bits = key_bits(x.dtype)
 
-    def summed(hist: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(hist, tp_group) if tp > 1 else hist
+    if tp == 1:
+        # --- 4.–5. TP = 1: the fallback's whole search in one launch (no histogram meets other ranks') ---
+        radix_search(x, tau, selected.row_max, top_k=top_k, top_p=top_p, skip=skip, inv_temperature=inv_temperature)
+        return ThresholdSearch(tau, skip)
 
     # --- 4. fallback top-k: radix select of the k-th largest key, 8 bits a pass, counts all-reduced ---
     if top_k is not None:
@@ -283,8 +287,8 @@ def threshold_search(
         for i in range(passes):
             hist = radix_histogram(x, tau, prefix, shift=bits - RADIX_COUNT_BITS * (i + 1),
                                    digit_bits=RADIX_COUNT_BITS, mass=False, first=i == 0, skip=skip)
-            radix_select(summed(hist), x, prefix, top_k, tau, digit_bits=RADIX_COUNT_BITS, first=i == 0,
-                         last=i == passes - 1, skip=skip)
+            radix_select(all_reduce_sum(hist, tp_group), x, prefix, top_k, tau, digit_bits=RADIX_COUNT_BITS,
+                         first=i == 0, last=i == passes - 1, skip=skip)
 
     # --- 5. fallback top-p: radix select on the mass strictly above, 4 bits a pass, then the last 8 bits exactly ---
     if top_p is not None:
@@ -297,7 +301,7 @@ def threshold_search(
             shift -= width
             hist = radix_histogram(x, tau, prefix, shift=shift, digit_bits=width, mass=True, row_max=selected.row_max,
                                    inv_temperature=inv_temperature, first=i == 0, skip=skip)
-            radix_select(summed(hist), x, prefix, budget, tau, digit_bits=width, first=i == 0,
+            radix_select(all_reduce_sum(hist, tp_group), x, prefix, budget, tau, digit_bits=width, first=i == 0,
                          last=i == len(widths) - 1, above=above, top_p=top_p, skip=skip)
     return ThresholdSearch(tau, skip)
 

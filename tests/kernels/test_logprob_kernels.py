@@ -17,13 +17,17 @@ from tests.kernels.sm90 import Sm90Compiler, needs_nvidia_backend, run_compile_s
 
 @needs_nvidia_backend
 def test_logprob_kernels_compile_for_sm90() -> None:
-    assert "compiled 89 kernels" in run_compile_script(__file__)
+    assert "compiled 98 kernels" in run_compile_script(__file__)
 
 
 def _compile_all() -> None:
     from mp_grpo.kernels.logprob_backward import logprob_backward_kernel
     from mp_grpo.kernels.logprob_candidates import logprob_candidate_select_kernel, logprob_candidates_kernel
-    from mp_grpo.kernels.logprob_filter import logprob_radix_hist_kernel, logprob_radix_select_kernel
+    from mp_grpo.kernels.logprob_filter import (
+        logprob_radix_hist_kernel,
+        logprob_radix_search_kernel,
+        logprob_radix_select_kernel,
+    )
     from mp_grpo.kernels.logprob_merge import logprob_merge_kernel
     from mp_grpo.kernels.logprob_stats import logprob_stats_kernel
 
@@ -80,6 +84,15 @@ def _compile_all() -> None:
                 tau_ptr="*fp32", skip_ptr="*i8", N="i32", stride_hist_row="i32",
             ), dict(KEY_BITS=key_bits, DIGIT_BITS=digit_bits, IS_TOP_P=is_top_p, IS_FIRST=first, IS_LAST=last,
                     HAS_SKIP=True))
+    # TP = 1: the whole radix fallback of a row in one program.
+    for logits in ("*bf16", "*fp16", "*fp32"):
+        for has_k, has_p in ((True, False), (False, True), (True, True)):
+            compile_kernel(logprob_radix_search_kernel, dict(
+                x_ptr=logits, tau_ptr="*fp32", row_max_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32",
+                prefix_ptr="*i32", budget_ptr="*fp32", above_ptr="*fp32", count_hist_ptr="*i32", mass_hist_ptr="*fp32",
+                skip_ptr="*i8", V_local="i32", stride_x_row="i64", inv_temperature="fp32",
+            ), dict(KEY_BITS=32 if logits == "*fp32" else 16, HAS_TOP_K=has_k, HAS_TOP_P=has_p, COUNT_BLOCK_V=4096,
+                    MASS_BLOCK_V=512))
     # The candidate pass (statistics' read) and its select kernel: every logits dtype, the GPU block sizes, and
     # TP = 1 / 2 / 8 for the select (its [TP, 2048] tile in registers). Aligned as the launcher specializes them.
     for logits in ("*bf16", "*fp16", "*fp32"):
