@@ -14,8 +14,8 @@ Writes ``logprob_filter.{json,md,png}`` into ``--out``. In one run, for N = 1638
    top-p falls back on every row) and the policy's rows with 5 % flat rows. Median forward and forward+backward
    ms (``triton.testing.do_bench``, host launch overhead included) and forward+backward as CUDA-graph replays
    (GPU time only); the rows the candidates finished; the mean kept tokens.
-3. **Building blocks** (after, policy rows): one read (``amax``), the unfiltered statistics kernel, the candidate
-   pass, the select kernel, the whole threshold search, each against its prediction.
+3. **Building blocks** (after, policy rows): one read (``amax``), the unfiltered statistics kernel, the group-maxima
+   read, the candidate kernel, the select kernel, the whole threshold search (and before's).
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mp_grpo import vocab_parallel_logprobs  # noqa: E402
 from mp_grpo.ops import SamplingFilter  # noqa: E402
-from mp_grpo.ops.filter_launch import candidates_of, gather_candidates, select_from_candidates  # noqa: E402
+from mp_grpo.ops.filter_launch import (  # noqa: E402
+    candidates_from_maxima,
+    candidates_of,
+    gather_candidates,
+    group_maxima,
+    select_from_candidates,
+)
 from mp_grpo.ops.logprob_launch import new_stats_buffer, shard_statistics  # noqa: E402
 from mp_grpo.ops.sampling_filter import threshold_search  # noqa: E402
 from tests.policy_logits import flat_logits, mixed_logits, policy_logits  # noqa: E402
@@ -144,6 +150,7 @@ def building_blocks(n: int, v: int) -> dict:
     x = policy_logits(n, v, device=DEVICE)
     t = x.float().argmax(-1)
     stats = new_stats_buffer(n, x.device)
+    grouped = group_maxima(x, with_sum=True, inv_temperature=1.0)
     found = gather_candidates(x, with_sum=True, inv_temperature=1.0)
     gathered = candidates_of(found.buffer.unsqueeze(0), x.dtype)
     k = torch.full((n,), 50, dtype=torch.int32, device=x.device)
@@ -152,8 +159,9 @@ def building_blocks(n: int, v: int) -> dict:
         "read (amax)": median_ms(lambda: x.amax(-1)),
         "statistics kernel (unfiltered, with entropy)": median_ms(lambda: shard_statistics(
             x, t, stats, vocab_start=0, inv_temperature=1.0, with_entropy=True)),
-        "candidate pass (no sum: top-k)": median_ms(lambda: gather_candidates(x, with_sum=False, inv_temperature=1.0)),
-        "candidate pass (with sum: top-p)": median_ms(lambda: gather_candidates(x, with_sum=True, inv_temperature=1.0)),
+        "group-maxima read (no sum: top-k)": median_ms(lambda: group_maxima(x, with_sum=False, inv_temperature=1.0)),
+        "group-maxima read (with sum: top-p)": median_ms(lambda: group_maxima(x, with_sum=True, inv_temperature=1.0)),
+        "candidate kernel (theta, re-read of the chosen groups)": median_ms(lambda: candidates_from_maxima(x, grouped)),
         "select kernel, top-k (with statistics)": median_ms(lambda: select_from_candidates(
             gathered, x, rank=0, v_global=v, top_k=k, top_p=None, min_p=None, inv_temperature=1.0, stats=stats,
             target=t, with_entropy=True)),

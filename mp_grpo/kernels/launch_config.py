@@ -39,17 +39,30 @@ class LogprobLaunchConfig:
     filter_mass_block_v: int
     """Columns per loop step of its mass passes (a ``[16, filter_mass_block_v]`` fp32 register accumulator)."""
     filter_mass_warps: int
+    candidate_group: int
+    """Columns per group of the candidate search: the statistics' read keeps each group's maximum
+    (``kernels/logprob_candidates.py``)."""
     candidate_keep: int
-    """Sub-blocks (8 columns each) the candidate buffer keeps when it is compacted: top-k with k <= this always
-    finishes on the candidates (``kernels/logprob_candidates.py``)."""
+    """Groups whose maxima set the candidates' threshold: top-k with k <= this always finishes on them."""
+    candidate_groups_cap: int
+    """Most groups read again for candidates (more: ties, the row takes the fallback)."""
     candidate_cap: int
-    """Capacity of the candidate buffer in sub-blocks (a power of two > ``candidate_keep``)."""
+    """Most candidates a row keeps (a power of two; more: the row takes the fallback)."""
+    candidates_warps: int
+    """Warps of the per-row candidate kernel (its group maxima in registers)."""
     select_warps: int
-    """Warps of the candidate select kernel (one program a row over ``TP x candidate_cap x 8`` candidates)."""
+    """Warps of the candidate select kernel (one program a row over ``TP x candidate_cap`` candidates)."""
 
 
-CANDIDATE_GROUP = 8
-"""Columns of a candidate sub-block: one 16-byte load of a thread for bf16 / fp16 logits."""
+CANDIDATE_GROUPS = 2048
+"""Most group maxima a row: the group size is the smallest power of two >= 8 that keeps ``V_local / group`` at or
+under this (one 2048-wide tile a row for the candidate kernel's bisection: 16 keys a thread with 4 warps)."""
+
+
+def candidate_group(v_local: int) -> int:
+    """Columns per candidate group for a shard of ``v_local`` columns."""
+    return max(8, triton.next_power_of_2(ceil_div(v_local, CANDIDATE_GROUPS)))
+
 
 LONG_ROW_V_LOCAL = 2**16
 """Shards wider than this take the long-row launch configuration (8192 columns, 8 warps)."""
@@ -64,11 +77,11 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
     (docs/kernel.md, "Batch invariance").
     """
     if INTERPRETER:
-        block = max(min(triton.next_power_of_2(v_local), 64), CANDIDATE_GROUP)
-        # A tiny candidate buffer (2 of 4 sub-blocks kept): the CPU tests' rows of 40-300 columns run both the
-        # candidate path and the fallback (tests/ops/test_sampling_filter_paths.py checks that they do).
-        return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1, block, 1, candidate_keep=2, candidate_cap=4,
-                                   select_warps=1)
+        block = max(min(triton.next_power_of_2(v_local), 64), 8)
+        # Tiny candidate sets (the 4 largest of 8-column groups, at most 16 candidates): the CPU tests' rows of
+        # 40-300 columns run both the candidate path and the fallback (tests/ops/test_sampling_filter_paths.py).
+        return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1, block, 1, candidate_group=8, candidate_keep=4,
+                                   candidate_groups_cap=8, candidate_cap=16, candidates_warps=1, select_warps=1)
     # H200 sweep, N = 16384, bf16 (docs/benchmarks/logprob_sweep.json): 4096 columns with 4 warps
     # was fastest or within 1 % of it for both kernels at V_local = 151936 and 18992. Long shards take
     # 8192 x 8 (H100, fwd+bwd as CUDA-graph replays, docs/benchmarks/logprob_filter.md "Batch invariance"):
@@ -93,10 +106,14 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         filter_count_warps=4,
         filter_mass_block_v=min(triton.next_power_of_2(v_local), 512),
         filter_mass_warps=4,
-        # 128 of 256 sub-blocks: top-k <= 128 always finishes on the candidates; a row's buffer is 4 KB (bf16),
-        # 2-4 compactions a row at V_local = 151936 / 18992 (iid rows, simulated). The select kernel holds the
-        # 2048 candidates of each TP rank in registers (16 a thread at TP = 1).
+        # The 128 largest group maxima: top-k <= 128 always finishes on the candidates; ~130-200 candidates a row
+        # (a trained policy's or iid rows), at most 512 (1 KB a row in bf16); the chosen groups re-read are
+        # ~128 x group / V_local of the row (~11 % at V_local = 151936 or 18992: groups of 128 / 16 columns). The
+        # per-row kernels are small and latency-bound: few warps, many rows in flight.
+        candidate_group=candidate_group(v_local),
         candidate_keep=128,
-        candidate_cap=256,
-        select_warps=4,
+        candidate_groups_cap=256,
+        candidate_cap=512,
+        candidates_warps=max(1, triton.next_power_of_2(ceil_div(v_local, candidate_group(v_local))) // 512),
+        select_warps=1,
     )

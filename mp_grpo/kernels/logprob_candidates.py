@@ -9,22 +9,23 @@ top-p set larger than the candidates: flat rows) take the radix passes of ``logp
 **Order key.** ``sort_key`` maps a logit (bf16 / fp16: its 16 stored bits; fp32: 32) to a signed int32 whose
 order is the logits' order (-0 counts as +0): ``bits >= 0 ? bits : bits ^ 0x7F..F``. ``key_value`` inverts it.
 
-``logprob_candidates_kernel`` — one program a row, the shard read once in ``[BLOCK_V / GROUP, GROUP]`` tiles
-(a sub-block of GROUP = 8 consecutive columns is one 16-byte load of a thread for bf16):
+The candidates of a row come from two kernels:
 
-    m      the shard's raw row maximum (online), and with HAS_SUM  s = sum_j exp((x_j - m) / T)
-    theta  an admission key, starting at the smallest key (admit all)
-    buffer up to CAP sub-blocks, in column order: each sub-block whose maximum has key >= theta is appended
-           whole (its columns past the row's end stored as NaN). When an append would overflow, theta rises
-           to the KEEP-th largest key among the maxima of the buffer and of the tile (a KEY_BITS-step
-           bisection on counts) and the buffer is compacted to the sub-blocks whose maximum is >= theta.
+``logprob_group_max_kernel`` — the statistics-like read of the shard (one program a row, ``[BLOCK_V / GROUP,
+GROUP]`` tiles): the raw row maximum m, with HAS_SUM the sum-exp s = sum_j exp((x_j - m) / T), and the maximum of
+every GROUP consecutive columns (``[N, V_local / GROUP]`` in the logits' dtype: 1/GROUP of the logits' bytes).
+Per element it costs what the statistics cost: the group maxima are the online maximum's first step, and no
+decision is taken during the read.
 
-Invariants at the end: every column with logit >= value(theta) lies in a buffered sub-block (theta only rises,
-and a column >= theta makes its sub-block's maximum >= theta); at least KEEP columns are >= value(theta)
-(KEEP distinct sub-block maxima), unless theta never rose (then every column is buffered). If ties at theta
-leave more than CAP sub-blocks, the row stops gathering and reports ``count = -1`` (the fallback takes it).
-Per element the pass costs what the statistics cost (the sub-block maxima are the online maximum's first
-step); the buffer's work is per sub-block, ~1/8 of the elements, plus 2-4 bisections a row.
+``logprob_candidates_kernel`` — one small program a row: theta = the KEEP-th largest group maximum (a KEY_BITS-step
+bisection on counts over the row's group maxima), then the groups whose maximum is >= theta (in column order) are
+read again from the logits and their columns >= theta kept, compacted in column order, in a buffer of CAP.
+
+Invariants: every column with logit >= value(theta) lies in a chosen group (its group's maximum is >= it), so
+the buffer holds every column >= value(theta); at least KEEP columns are >= value(theta) (KEEP distinct group
+maxima); with fewer than KEEP groups theta is the smallest key and every column is a candidate. If ties at theta
+choose more than GROUPS_CAP groups or leave more than CAP candidates, the row reports ``count = -1`` and the
+fallback takes it. The second read touches ~KEEP groups of GROUP columns: ~KEEP x GROUP / V_local of the row.
 
 ``logprob_candidate_select_kernel`` — one program a row, the TP ranks' candidates (all-gathered) in registers:
 
@@ -109,108 +110,127 @@ def largest_key_reaching(keys, weights, target, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_key_of_two(keys_a, ok_a, keys_b, ok_b, k, KEY_BITS: tl.constexpr):
-    """The k-th largest key among ``keys_a[ok_a]`` and ``keys_b[ok_b]`` (1-D; at least k of them)."""
+def _largest_key_reaching_1d(keys, weights, target, KEY_BITS: tl.constexpr):
+    """:func:`largest_key_reaching` for a 1-D tile."""
     lo = _key_min(KEY_BITS).to(tl.int64)
     hi = -lo - 1
     for _ in range(KEY_BITS):
         mid = lo + (hi - lo + 1) // 2
-        m32 = mid.to(tl.int32)
-        count = tl.sum((ok_a & (keys_a >= m32)).to(tl.int32), axis=0) + tl.sum((ok_b & (keys_b >= m32)).to(tl.int32), axis=0)
-        reached = count >= k
+        reached = tl.sum(tl.where(keys >= mid.to(tl.int32), weights, 0), axis=0) >= target
         lo = tl.where(reached, mid, lo)
         hi = tl.where(reached, hi, mid - 1)
     return lo.to(tl.int32)
 
 
 @triton.jit
-def logprob_candidates_kernel(
+def logprob_group_max_kernel(
     # pointers
     x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16; last dim contiguous
-    head_ptr,  # [N, 4] int32 out: (raw row max, sum-exp (fp32 bits), sub-blocks kept or -1, theta key)
-    cand_ptr,  # [N, CAP * GROUP] out, the logits' dtype: the kept sub-blocks (NaN past the row's end)
+    maxima_ptr,  # [N, n_groups] out, the logits' dtype: the maximum of each GROUP columns
+    head_ptr,  # [N, 4] int32 out: words 0, 1 = the raw row maximum and (HAS_SUM) the sum-exp, fp32 bits
     # shapes
     V_local,
+    n_groups,
     # strides
     stride_x_row,
+    stride_maxima_row,
     stride_head_row,
-    stride_cand_row,
     # scalars
     inv_temperature,  # fp32, 1 / temperature
     # meta-parameters
-    KEY_BITS: tl.constexpr,
-    GROUP: tl.constexpr,  # columns of a sub-block
-    KEEP: tl.constexpr,  # sub-blocks kept when the buffer is compacted
-    CAP: tl.constexpr,  # buffer capacity in sub-blocks
-    HAS_SUM: tl.constexpr,  # also the sum-exp (top-p needs the row's whole mass)
+    GROUP: tl.constexpr,
+    HAS_SUM: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_V // GROUP
     row = tl.program_id(0).to(tl.int64)
     x_row_ptr = x_ptr + row * stride_x_row
-    cand_row_ptr = cand_ptr + row * stride_cand_row
+    maxima_row_ptr = maxima_ptr + row * stride_maxima_row
     sub = tl.arange(0, ROWS)
-    lane = tl.arange(0, GROUP)
-    tile = sub[:, None] * GROUP + lane[None, :]
-    slots = tl.arange(0, CAP)
-    slot_tile = slots[:, None] * GROUP + lane[None, :]
+    tile = sub[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     scale = inv_temperature * LOG2E
-
     m = tl.full([], MAX_SENTINEL, dtype=tl.float32)
     s = tl.zeros([], dtype=tl.float32)
-    theta = _key_min(KEY_BITS)
-    count = tl.zeros([], dtype=tl.int32)  # sub-blocks in the buffer
-    full = tl.zeros([], dtype=tl.int32)  # 1 once ties at theta overflow the buffer: the row stops gathering
-
     for start in range(0, V_local, BLOCK_V):
-        # --- 1. the tile, its sub-block maxima, the online maximum and sum ---
+        # --- 1. the tile, its group maxima, the online maximum and sum ---
         cols = start + tile
-        in_row = cols < V_local
-        x = tl.load(x_row_ptr + cols, mask=in_row, other=float("-inf"))
+        x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf"))
         xf = x.to(tl.float32)
-        sub_max = tl.max(xf, axis=1)
-        m_new = tl.maximum(m, tl.max(sub_max, axis=0))
+        group_max = tl.max(xf, axis=1)
+        m_new = tl.maximum(m, tl.max(group_max, axis=0))
         if HAS_SUM:
             s = s * tl.exp2((m - m_new) * scale) + _total(tl.exp2((xf - m_new) * scale))
         m = m_new
-
-        # --- 2. admit the sub-blocks whose maximum reaches theta ---
-        sub_key = sort_key(sub_max.to(x.dtype), KEY_BITS)
-        admit = ((start + sub * GROUP) < V_local) & (sub_key >= theta)
-        n_admit = tl.sum(admit.to(tl.int32), axis=0)
-
-        # --- 3. the buffer would overflow: theta rises to the KEEP-th largest maximum, compact the buffer ---
-        if (full == 0) & (count + n_admit > CAP):
-            tl.debug_barrier()  # every thread's earlier appends are visible
-            slot_ok = slots < count
-            buf = tl.load(cand_row_ptr + slot_tile, mask=slot_ok[:, None], other=float("nan"))
-            bf = buf.to(tl.float32)
-            buf_key = sort_key(tl.max(tl.where(bf == bf, bf, float("-inf")), axis=1).to(x.dtype), KEY_BITS)
-            theta = _kth_largest_key_of_two(buf_key, slot_ok, sub_key, admit, KEEP, KEY_BITS)
-            keep = slot_ok & (buf_key >= theta)
-            admit = admit & (sub_key >= theta)
-            count = tl.sum(keep.to(tl.int32), axis=0)
-            n_admit = tl.sum(admit.to(tl.int32), axis=0)
-            tl.debug_barrier()  # every thread has read the buffer before it is rewritten
-            if count + n_admit > CAP:
-                full += 1
-                n_admit = n_admit * 0
-            else:
-                pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                tl.store(cand_row_ptr + pos[:, None] * GROUP + lane[None, :], buf, mask=keep[:, None])
-
-        # --- 4. append the admitted sub-blocks in column order ---
-        if (full == 0) & (n_admit > 0):
-            pos = count + tl.cumsum(admit.to(tl.int32), axis=0) - 1
-            tl.store(cand_row_ptr + pos[:, None] * GROUP + lane[None, :], tl.where(in_row, x, float("nan")),
-                     mask=admit[:, None])
-            count += n_admit
-
-    # --- 5. the row's head ---
+        # --- 2. store the group maxima (exact: each is one of the logits) ---
+        group = start // GROUP + sub
+        tl.store(maxima_row_ptr + group, group_max.to(x.dtype), mask=group < n_groups)
     head_row_ptr = head_ptr + row * stride_head_row
     tl.store(head_row_ptr + 0, m.to(tl.int32, bitcast=True))
     tl.store(head_row_ptr + 1, s.to(tl.int32, bitcast=True))
-    tl.store(head_row_ptr + 2, tl.where(full != 0, -1, count))
+
+
+@triton.jit
+def logprob_candidates_kernel(
+    # pointers
+    x_ptr,  # [N, V_local] logits shard
+    maxima_ptr,  # [N, n_groups] the group maxima of logprob_group_max_kernel
+    index_ptr,  # [N, GROUPS_CAP] int32 scratch: the chosen groups
+    head_ptr,  # [N, 4] int32 in/out: words 2, 3 = candidates kept (-1: overflow) and theta's key
+    cand_ptr,  # [N, CAP] out, the logits' dtype: the candidates, in column order
+    # shapes
+    V_local,
+    n_groups,
+    # strides
+    stride_x_row,
+    stride_maxima_row,
+    stride_index_row,
+    stride_head_row,
+    stride_cand_row,
+    # meta-parameters
+    KEY_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    KEEP: tl.constexpr,  # groups at least: theta = the KEEP-th largest group maximum
+    GROUPS_CAP: tl.constexpr,  # most groups read
+    CAP: tl.constexpr,  # most candidates kept
+    GROUPS_PAD: tl.constexpr,  # power of two >= n_groups
+    CHUNK: tl.constexpr,  # groups read at a time
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row_ptr = x_ptr + row * stride_x_row
+    index_row_ptr = index_ptr + row * stride_index_row
+    cand_row_ptr = cand_ptr + row * stride_cand_row
+    lane = tl.arange(0, GROUP)
+
+    # --- 1. theta: the KEEP-th largest group maximum (the smallest key when there are fewer groups: all) ---
+    g = tl.arange(0, GROUPS_PAD)
+    g_ok = g < n_groups
+    g_key = sort_key(tl.load(maxima_ptr + row * stride_maxima_row + g, mask=g_ok, other=float("-inf")), KEY_BITS)
+    theta = _largest_key_reaching_1d(g_key, g_ok.to(tl.int32), KEEP, KEY_BITS)
+
+    # --- 2. the groups whose maximum reaches theta (every column >= theta lies in one), in column order ---
+    chosen = g_ok & (g_key >= theta)
+    n_chosen = tl.sum(chosen.to(tl.int32), axis=0)
+    count = tl.full([], -1, dtype=tl.int32)  # -1: more than GROUPS_CAP groups or CAP candidates (ties)
+    if n_chosen <= GROUPS_CAP:
+        tl.store(index_row_ptr + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, g, mask=chosen)
+        tl.debug_barrier()  # every thread's indices are visible
+        # --- 3. read the chosen groups, keep their columns >= theta, in column order ---
+        kept = tl.zeros([], dtype=tl.int32)
+        for c in range(0, n_chosen, CHUNK):
+            j = c + tl.arange(0, CHUNK)
+            j_ok = j < n_chosen
+            group = tl.load(index_row_ptr + j, mask=j_ok, other=0)
+            cols = group[:, None] * GROUP + lane[None, :]
+            ok = j_ok[:, None] & (cols < V_local)
+            v = tl.load(x_row_ptr + cols, mask=ok, other=float("-inf"))
+            keep = ok & (sort_key(v, KEY_BITS) >= theta)
+            per_group = tl.sum(keep.to(tl.int32), axis=1)
+            pos = kept + (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
+            tl.store(cand_row_ptr + pos, v, mask=keep & (pos < CAP))
+            kept += tl.sum(per_group, axis=0)
+        count = tl.where(kept <= CAP, kept, -1)
+    head_row_ptr = head_ptr + row * stride_head_row
+    tl.store(head_row_ptr + 2, count)
     tl.store(head_row_ptr + 3, theta)
 
 

@@ -10,8 +10,12 @@ from typing import NamedTuple
 import torch
 import triton
 
-from mp_grpo.kernels.launch_config import CANDIDATE_GROUP, LogprobLaunchConfig, logprob_launch_config
-from mp_grpo.kernels.logprob_candidates import logprob_candidate_select_kernel, logprob_candidates_kernel
+from mp_grpo.kernels.launch_config import LogprobLaunchConfig, ceil_div, logprob_launch_config
+from mp_grpo.kernels.logprob_candidates import (
+    logprob_candidate_select_kernel,
+    logprob_candidates_kernel,
+    logprob_group_max_kernel,
+)
 from mp_grpo.kernels.logprob_filter import (
     logprob_radix_hist_kernel,
     logprob_radix_search_kernel,
@@ -25,7 +29,7 @@ RADIX_MASS_BITS = 4
 """Key bits per mass pass of the fallback (16 digits: a weighted one-hot sum, ~3 instructions per element per digit)."""
 _MODE_COUNT, _MODE_MASS, _MODE_EXACT = 0, 1, 2
 HEAD_WIDTH = 4
-"""int32 words of a candidate row's head: (raw row max, sum-exp, sub-blocks kept or -1, theta key)."""
+"""int32 words of a candidate row's head: (raw row max, sum-exp, candidates kept or -1, theta key)."""
 
 
 def key_bits(dtype: torch.dtype) -> int:
@@ -41,7 +45,7 @@ class Candidates(NamedTuple):
     head: torch.Tensor
     """``[..., N, 4]`` int32 view."""
     values: torch.Tensor
-    """``[..., N, CAP * GROUP]`` view in the logits' dtype."""
+    """``[..., N, CAP]`` view in the logits' dtype."""
 
 
 def candidates_of(buffer: torch.Tensor, dtype: torch.dtype) -> Candidates:
@@ -51,26 +55,66 @@ def candidates_of(buffer: torch.Tensor, dtype: torch.dtype) -> Candidates:
 
 
 @functools.lru_cache(maxsize=64)
-def _candidates_meta(cfg: LogprobLaunchConfig, key: int, has_sum: bool) -> LaunchMeta:
-    return LaunchMeta(KEY_BITS=key, GROUP=CANDIDATE_GROUP, KEEP=cfg.candidate_keep, CAP=cfg.candidate_cap,
-                      HAS_SUM=has_sum, BLOCK_V=max(cfg.stats_block_v, CANDIDATE_GROUP), num_warps=cfg.stats_warps)
+def _group_max_meta(cfg: LogprobLaunchConfig, has_sum: bool) -> LaunchMeta:
+    return LaunchMeta(GROUP=cfg.candidate_group, HAS_SUM=has_sum,
+                      BLOCK_V=max(cfg.stats_block_v, cfg.candidate_group), num_warps=cfg.stats_warps)
+
+
+@functools.lru_cache(maxsize=64)
+def _candidates_meta(cfg: LogprobLaunchConfig, key: int, n_groups: int) -> LaunchMeta:
+    return LaunchMeta(KEY_BITS=key, GROUP=cfg.candidate_group, KEEP=cfg.candidate_keep,
+                      GROUPS_CAP=cfg.candidate_groups_cap, CAP=cfg.candidate_cap,
+                      GROUPS_PAD=triton.next_power_of_2(n_groups),
+                      CHUNK=min(max(1, 2048 // cfg.candidate_group), triton.next_power_of_2(cfg.candidate_groups_cap)),
+                      num_warps=cfg.candidates_warps)
+
+
+class GroupMaxima(NamedTuple):
+    maxima: torch.Tensor
+    """[n, n_groups] the maximum of each group of columns, in the logits' dtype."""
+    found: Candidates
+    """The new candidate buffer, its head's row maximum and sum-exp written."""
+
+
+def group_maxima(logits: torch.Tensor, *, with_sum: bool, inv_temperature: float) -> GroupMaxima:
+    """Step 1 of :func:`gather_candidates`: one read of ``logits`` ``[n, V_local]`` — the group maxima, each row's raw
+    maximum and (``with_sum``) sum-exp."""
+    n, v_local = logits.shape
+    cfg = logprob_launch_config(v_local)
+    words = HEAD_WIDTH + cfg.candidate_cap * logits.dtype.itemsize // 4
+    found = candidates_of(torch.empty(n, words, dtype=torch.int32, device=logits.device), logits.dtype)
+    n_groups = ceil_div(v_local, cfg.candidate_group)
+    maxima = torch.empty(n, n_groups, dtype=logits.dtype, device=logits.device)
+    if n > 0:
+        launch_meta(logprob_group_max_kernel, (n,), _group_max_meta(cfg, with_sum),
+            logits, maxima, found.head,
+            v_local, n_groups, logits.stride(0), maxima.stride(0), found.head.stride(0),
+            inv_temperature,
+        )
+    return GroupMaxima(maxima, found)
+
+
+def candidates_from_maxima(logits: torch.Tensor, grouped: GroupMaxima) -> Candidates:
+    """Step 2 of :func:`gather_candidates`: per row, theta from the group maxima and the chosen groups' columns
+    >= theta (a re-read of ~``candidate_keep`` groups)."""
+    n, v_local = logits.shape
+    cfg = logprob_launch_config(v_local)
+    maxima, found = grouped
+    if n > 0:
+        index = torch.empty(n, cfg.candidate_groups_cap, dtype=torch.int32, device=logits.device)
+        launch_meta(logprob_candidates_kernel, (n,), _candidates_meta(cfg, key_bits(logits.dtype), maxima.shape[1]),
+            logits, maxima, index, found.head, found.values,
+            v_local, maxima.shape[1], logits.stride(0), maxima.stride(0), index.stride(0), found.head.stride(0),
+            found.values.stride(0),
+        )
+    return found
 
 
 def gather_candidates(logits: torch.Tensor, *, with_sum: bool, inv_temperature: float) -> Candidates:
-    """One read of ``logits`` ``[n, V_local]``: each row's largest sub-blocks, its raw maximum and (``with_sum``)
-    its sum-exp, in a new buffer (``kernels/logprob_candidates.py``)."""
-    n, v_local = logits.shape
-    cfg = logprob_launch_config(v_local)
-    words = HEAD_WIDTH + cfg.candidate_cap * CANDIDATE_GROUP * logits.dtype.itemsize // 4
-    found = candidates_of(torch.empty(n, words, dtype=torch.int32, device=logits.device), logits.dtype)
-    if n == 0:
-        return found
-    launch_meta(logprob_candidates_kernel, (n,), _candidates_meta(cfg, key_bits(logits.dtype), with_sum),
-        logits, found.head, found.values,
-        v_local, logits.stride(0), found.head.stride(0), found.values.stride(0),
-        inv_temperature,
-    )
-    return found
+    """Each row's candidates (its largest logits), raw maximum and (``with_sum``) sum-exp, in a new buffer: one read
+    of ``logits`` ``[n, V_local]`` that keeps the group maxima, then a small kernel a row that re-reads the chosen
+    groups (``kernels/logprob_candidates.py``)."""
+    return candidates_from_maxima(logits, group_maxima(logits, with_sum=with_sum, inv_temperature=inv_temperature))
 
 
 class Selected(NamedTuple):
@@ -121,10 +165,10 @@ def select_from_candidates(
         gathered.head.stride(0), gathered.head.stride(1), gathered.values.stride(0), gathered.values.stride(1),
         logits.stride(0), stats.stride(0) if write_stats else 0,
         inv_temperature,
-        KEY_BITS=key_bits(logits.dtype), GROUP=CANDIDATE_GROUP, CAP=cfg.candidate_cap,
+        KEY_BITS=key_bits(logits.dtype), GROUP=1, CAP=cfg.candidate_cap,
         TP_PAD=triton.next_power_of_2(tp), HAS_MIN_P=min_p is not None, HAS_TOP_K=top_k is not None,
         HAS_TOP_P=top_p is not None, HAS_ENTROPY=with_entropy, WRITE_STATS=write_stats,
-        num_warps=cfg.select_warps,
+        num_warps=min(8, max(cfg.select_warps, triton.next_power_of_2(tp) // 2)),  # ~16 candidates a thread
     )
     return out
 

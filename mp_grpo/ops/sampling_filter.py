@@ -19,24 +19,27 @@ processor; order: temperature, min-p, top-k, top-p):
   here the whole tie group is kept whenever vLLM keeps any member — ties kept, as for top-k.
 
 Threshold search (``kernels/logprob_candidates.py``, ``kernels/logprob_filter.py``). tau depends only on
-a row's largest logits, so the statistics' own read of the shard keeps them: each row's largest 8-column
-sub-blocks (at least 128 of them: every column >= an admission key theta, kept in a 4 KB buffer a row);
-one small kernel finishes the search on these candidates and writes the row's filtered statistics. It
-finishes top-k for every k <= 128 (more where the candidates hold more), min-p when its threshold lies
-among the candidates, and top-p when the candidates hold >= p of the kept mass — a trained policy's row,
-where a few tokens hold almost all of it. The other rows (flat rows under top-p, large k, ties overflowing
-the buffer) take the exact radix select of before on the whole shard, flagged rows only: top-k counts
-tokens (256-digit passes, 8 key bits each), top-p sums probability mass (16-digit passes, 4 key bits each,
-then one 256-digit pass over the last 8 bits, whose digits are single logit values: count x weight, exact).
-Both paths are exact: the result is the key of the k-th largest logit, or of the smallest logit whose
+a row's largest logits, so the statistics' read of the shard keeps the maximum of every group of columns
+(8-128 columns: 1/8-1/128 of the bytes), and a small kernel a row takes the 128 largest group maxima,
+re-reads those groups and keeps their columns >= the 128th largest maximum theta: every column >= theta,
+at least 128 of them (the candidates, ~130-200 a row, at most 512). A select kernel finishes the search on
+the candidates of all TP ranks and writes the row's filtered statistics. It finishes top-k for every
+k <= 128 (more where the candidates hold more), min-p when its threshold lies among the candidates, and
+top-p when the candidates hold >= p of the kept mass — a trained policy's row, where a few tokens hold
+almost all of it. The other rows (flat rows under top-p, large k, ties beyond the candidate kernel's
+capacity) take the exact radix select of before on the whole shard, flagged rows only: top-k counts tokens
+(256-digit passes, 8 key bits each), top-p sums probability mass (16-digit passes, 4 key bits each, then one
+256-digit pass over the last 8 bits, whose digits are single logit values: count x weight, exact). Both
+paths are exact: the result is the key of the k-th largest logit, or of the smallest logit whose
 strictly-larger mass is < p S.
 
 Schedule of :func:`filtered_statistics` / :func:`filter_threshold` (``N`` rows, ``V_local`` columns on each
 of ``TP`` ranks, ``K`` key bits: 16 for bf16 / fp16, 32 for fp32; every collective is skipped for a group
 of size 1)
 
-    1. ``logprob_candidates_kernel``: one read of the shard — the raw row maximum, with top-p the sum-exp,
-       and the candidate buffer ``[N, 4 + 2048 x 2 bytes / 4]`` int32 (bf16; its head and the candidates).
+    1. ``logprob_group_max_kernel``: one read of the shard — the raw row maximum, with top-p the sum-exp, and
+       the group maxima; ``logprob_candidates_kernel``: theta and the candidates of each row (a re-read of its
+       chosen groups) into the candidate buffer ``[N, 4 + 512 x 2 bytes / 4]`` int32 (bf16; head + candidates).
     2. **One all-gather of the candidate buffers** over the TP group (``[TP, N, W]``).
     3. ``logprob_candidate_select_kernel``: per row min-p, top-k, top-p on the union of the candidates
        (``kernels/logprob_candidates.py``): tau, the row maximum M, a finished flag; for finished rows

@@ -17,12 +17,16 @@ from tests.kernels.sm90 import Sm90Compiler, needs_nvidia_backend, run_compile_s
 
 @needs_nvidia_backend
 def test_logprob_kernels_compile_for_sm90() -> None:
-    assert "compiled 98 kernels" in run_compile_script(__file__)
+    assert "compiled 104 kernels" in run_compile_script(__file__)
 
 
 def _compile_all() -> None:
     from mp_grpo.kernels.logprob_backward import logprob_backward_kernel
-    from mp_grpo.kernels.logprob_candidates import logprob_candidate_select_kernel, logprob_candidates_kernel
+    from mp_grpo.kernels.logprob_candidates import (
+        logprob_candidate_select_kernel,
+        logprob_candidates_kernel,
+        logprob_group_max_kernel,
+    )
     from mp_grpo.kernels.logprob_filter import (
         logprob_radix_hist_kernel,
         logprob_radix_search_kernel,
@@ -93,19 +97,25 @@ def _compile_all() -> None:
                 skip_ptr="*i8", V_local="i32", stride_x_row="i64", inv_temperature="fp32",
             ), dict(KEY_BITS=32 if logits == "*fp32" else 16, HAS_TOP_K=has_k, HAS_TOP_P=has_p, COUNT_BLOCK_V=4096,
                     MASS_BLOCK_V=512))
-    # The candidate pass (statistics' read) and its select kernel: every logits dtype, the GPU block sizes, and
-    # TP = 1 / 2 / 8 for the select (its [TP, 2048] tile in registers). Aligned as the launcher specializes them.
+    # The candidate search: the group-maxima read, the per-row candidate kernel, the select kernel (TP = 1 / 2 / 8:
+    # its [TP, 512] tile in registers) — every logits dtype, the GPU configurations (groups of 128 columns at
+    # V_local = 151936, 16 at 18992). Aligned as the launcher specializes them.
     for logits in ("*bf16", "*fp16", "*fp32"):
         key_bits = 32 if logits == "*fp32" else 16
-        for block, candidates_compiler in ((4096, compiler), (8192, long_rows)):
+        for block, group, read_compiler in ((4096, 16, compiler), (8192, 128, long_rows)):
             for has_sum in (False, True):
-                compiled = candidates_compiler.compile(logprob_candidates_kernel, dict(
-                    x_ptr=logits, head_ptr="*i32", cand_ptr=logits, V_local="i32", stride_x_row="i64",
-                    stride_head_row="i32", stride_cand_row="i32", inv_temperature="fp32",
-                ), dict(KEY_BITS=key_bits, GROUP=8, KEEP=128, CAP=256, HAS_SUM=has_sum, BLOCK_V=block),
-                    aligned=("x_ptr", "cand_ptr", "V_local", "stride_x_row", "stride_cand_row"))
-                # The logits are read in 16-byte vectors (one 8-column sub-block of bf16 a thread).
-                assert "ld.global.v4" in compiled.asm["ptx"], f"candidate pass without 16-byte loads ({logits})"
+                compiled = read_compiler.compile(logprob_group_max_kernel, dict(
+                    x_ptr=logits, maxima_ptr=logits, head_ptr="*i32", V_local="i32", n_groups="i32",
+                    stride_x_row="i64", stride_maxima_row="i32", stride_head_row="i32", inv_temperature="fp32",
+                ), dict(GROUP=group, HAS_SUM=has_sum, BLOCK_V=block), aligned=("x_ptr", "V_local", "stride_x_row"))
+                # The logits are read in 16-byte vectors, as by the statistics kernel.
+                assert "ld.global.v4" in compiled.asm["ptx"], f"group-maxima read without 16-byte loads ({logits})"
+            compile_kernel(logprob_candidates_kernel, dict(
+                x_ptr=logits, maxima_ptr=logits, index_ptr="*i32", head_ptr="*i32", cand_ptr=logits, V_local="i32",
+                n_groups="i32", stride_x_row="i64", stride_maxima_row="i32", stride_index_row="i32",
+                stride_head_row="i32", stride_cand_row="i32",
+            ), dict(KEY_BITS=key_bits, GROUP=group, KEEP=128, GROUPS_CAP=256, CAP=512, GROUPS_PAD=2048,
+                    CHUNK=min(2048 // group, 256)))
         for tp in (1, 2, 8):
             compile_kernel(logprob_candidate_select_kernel, dict(
                 head_ptr="*i32", cand_ptr=logits, x_ptr=logits, target_ptr="*i64", top_k_ptr="*i32",
@@ -113,7 +123,7 @@ def _compile_all() -> None:
                 stats_ptr="*fp32", row_start="i32", V_local="i32", vocab_start="i32", v_global="i32", tp="i32",
                 rank="i32", stride_head_rank="i32", stride_head_row="i32", stride_cand_rank="i32",
                 stride_cand_row="i32", stride_x_row="i64", stride_stats_row="i32", inv_temperature="fp32",
-            ), dict(KEY_BITS=key_bits, GROUP=8, CAP=256, TP_PAD=tp, HAS_MIN_P=True, HAS_TOP_K=True, HAS_TOP_P=True,
+            ), dict(KEY_BITS=key_bits, GROUP=1, CAP=512, TP_PAD=tp, HAS_MIN_P=True, HAS_TOP_K=True, HAS_TOP_P=True,
                     HAS_ENTROPY=True, WRITE_STATS=True))
     for with_entropy in (False, True):
         compile_kernel(logprob_merge_kernel, dict(

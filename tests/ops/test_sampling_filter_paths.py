@@ -1,6 +1,7 @@
 """The two paths of the threshold search (mp_grpo/ops/sampling_filter.py): the candidates gathered in the statistics'
 read (kernels/logprob_candidates.py) and the radix fallback (kernels/logprob_filter.py). Both run in the CPU suite
-(the interpreter's candidate buffer keeps 2 of 4 sub-blocks), both give the float64 reference's kept set — on rows
+(under the interpreter the candidates are the columns >= the 4th largest maximum of 8-column groups, at most 16),
+both give the float64 reference's kept set — on rows
 of a few distinct values for every k and a grid of p (ties at every threshold), on rows whose ties overflow the
 candidate buffer, and whatever the buffer's size.
 """
@@ -47,11 +48,11 @@ def test_both_paths_run_and_agree_with_the_reference(dtype):
     logits = _mixed_rows(8, 70, dtype, seed=1)
     finished = _assert_kept_sets_equal(logits, top_p=0.9)
     assert finished[::2].all() and not finished[1::2].any(), finished  # peaky: candidates; flat: fallback
-    finished = _assert_kept_sets_equal(logits, top_k=2)  # k <= KEEP (2 here): always the candidates
+    finished = _assert_kept_sets_equal(logits, top_k=4)  # k <= KEEP (4 here): always the candidates
     assert finished.all()
     finished = _assert_kept_sets_equal(logits, top_k=30)  # k beyond the buffer: the fallback
     assert not finished.any()
-    finished = _assert_kept_sets_equal(logits, min_p=0.05, top_k=2, top_p=0.5)
+    finished = _assert_kept_sets_equal(logits, min_p=0.05, top_k=3, top_p=0.5)
     assert finished.all()
 
 
@@ -60,7 +61,7 @@ def test_every_k_and_a_grid_of_p_on_rows_of_ties(dtype):
     """Rows of 3 and 5 distinct values (ties at every threshold), every k in 0 … V (0 and V: off), p on a grid,
     as per-row tensors in one call; both paths, exact kept sets (fp32 masses of so few values are far from p)."""
     gen = torch.Generator().manual_seed(11)
-    vocab = 40  # 5 sub-blocks: more than the interpreter's buffer holds
+    vocab = 40  # 5 groups of 8 columns: more than the interpreter's 4 that set the candidates' threshold
     base = torch.stack([torch.randint(0, levels, (vocab,), generator=gen).float() * 1.5 - 2
                         for levels in (3, 5)])
     ks = torch.arange(0, vocab + 1)
@@ -77,8 +78,8 @@ def test_every_k_and_a_grid_of_p_on_rows_of_ties(dtype):
 
 
 def test_ties_overflowing_the_candidate_buffer():
-    """Rows of one repeated value (every sub-block maximum ties): the buffer cannot drop any, overflows, and the
-    fallback gives the reference's kept set — all of it."""
+    """Rows of one repeated value (every group maximum ties): more groups reach theta than the candidate kernel reads,
+    and the fallback gives the reference's kept set."""
     logits = torch.full((3, 200), 0.5)
     logits[1, 7] = 3.0  # one larger token, then 199 ties
     logits[2, ::2] = -1.0
@@ -87,13 +88,14 @@ def test_ties_overflowing_the_candidate_buffer():
         assert not finished[0], filt
 
 
-@pytest.mark.parametrize("keep,cap", [(1, 2), (64, 128)], ids=["tiny buffer", "buffer holds every row"])
-def test_any_buffer_size_gives_the_same_kept_sets(monkeypatch, keep, cap):
+@pytest.mark.parametrize("keep,groups_cap,cap", [(1, 2, 4), (64, 64, 512)],
+                         ids=["tiny candidate set", "every column a candidate"])
+def test_any_candidate_set_size_gives_the_same_kept_sets(monkeypatch, keep, groups_cap, cap):
     fixed = filter_launch.logprob_launch_config
-    monkeypatch.setattr(filter_launch, "logprob_launch_config",
-                        lambda v_local: replace(fixed(v_local), candidate_keep=keep, candidate_cap=cap))
+    monkeypatch.setattr(filter_launch, "logprob_launch_config", lambda v_local: replace(
+        fixed(v_local), candidate_keep=keep, candidate_groups_cap=groups_cap, candidate_cap=cap))
     logits = _mixed_rows(6, 300, torch.bfloat16, seed=4)
     for filt in (dict(top_k=5), dict(top_p=0.8), dict(min_p=0.02, top_p=0.95), dict(top_k=40, top_p=0.7)):
         finished = _assert_kept_sets_equal(logits, **filt)
-        if cap >= 300 // 8 + 1:
-            assert finished.all(), filt  # the buffer never overflows: every row finishes on its candidates
+        if keep > 300 // 8:
+            assert finished.all(), filt  # fewer groups than keep: every column is a candidate, every row finishes
