@@ -54,18 +54,16 @@ class LogprobLaunchConfig:
     """Warps of the candidate select kernel (one program a row over ``TP x candidate_cap`` candidates)."""
 
 
-CANDIDATE_GROUPS = 2048
-"""Most group maxima a row: the group size is the smallest power of two >= 8 that keeps ``V_local / group`` at or
-under this (one 2048-wide tile a row for the candidate kernel's bisection: 16 keys a thread with 4 warps)."""
+LONG_ROW_V_LOCAL = 2**16
+"""Shards wider than this take the long-row launch configuration (8192 columns, 8 warps)."""
 
 
 def candidate_group(v_local: int) -> int:
-    """Columns per candidate group for a shard of ``v_local`` columns."""
-    return max(8, triton.next_power_of_2(ceil_div(v_local, CANDIDATE_GROUPS)))
-
-
-LONG_ROW_V_LOCAL = 2**16
-"""Shards wider than this take the long-row launch configuration (8192 columns, 8 warps)."""
+    """Columns per candidate group for a shard of ``v_local`` columns: the smallest power of two >= 8 that keeps the
+    row's group maxima at or under 1024 — 2048 for long rows (> ``LONG_ROW_V_LOCAL``), so that the chosen groups'
+    re-read stays ~11 % of the row. The candidate kernel holds them in one warp's registers (32 / 64 keys a lane)."""
+    most = 2048 if v_local > LONG_ROW_V_LOCAL else 1024
+    return max(8, triton.next_power_of_2(ceil_div(v_local, most)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,12 +106,13 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         filter_mass_warps=4,
         # The 128 largest group maxima: top-k <= 128 always finishes on the candidates; ~130-200 candidates a row
         # (a trained policy's or iid rows), at most 512 (1 KB a row in bf16); the chosen groups re-read are
-        # ~128 x group / V_local of the row (~11 % at V_local = 151936 or 18992: groups of 128 / 16 columns). The
-        # per-row kernels are small and latency-bound: few warps, many rows in flight.
+        # ~128 x group / V_local of the row (11 % at V_local = 151936: groups of 128 columns; 22 % at 18992: 32).
+        # The per-row kernels run one warp a row (no block-wide barrier; many rows in flight): with 4 warps and
+        # groups of 16 at V_local = 18992 the candidate kernel took 0.33 ms, 1.5x the read (H100, N = 16384).
         candidate_group=candidate_group(v_local),
         candidate_keep=128,
         candidate_groups_cap=256,
         candidate_cap=512,
-        candidates_warps=max(1, triton.next_power_of_2(ceil_div(v_local, candidate_group(v_local))) // 512),
+        candidates_warps=1,
         select_warps=1,
     )

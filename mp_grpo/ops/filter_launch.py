@@ -65,7 +65,7 @@ def _candidates_meta(cfg: LogprobLaunchConfig, key: int, n_groups: int) -> Launc
     return LaunchMeta(KEY_BITS=key, GROUP=cfg.candidate_group, KEEP=cfg.candidate_keep,
                       GROUPS_CAP=cfg.candidate_groups_cap, CAP=cfg.candidate_cap,
                       GROUPS_PAD=triton.next_power_of_2(n_groups),
-                      CHUNK=min(max(1, 2048 // cfg.candidate_group), triton.next_power_of_2(cfg.candidate_groups_cap)),
+                      CHUNK=min(max(1, 512 // cfg.candidate_group), triton.next_power_of_2(cfg.candidate_groups_cap)),
                       num_warps=cfg.candidates_warps)
 
 

@@ -97,12 +97,13 @@ def _compile_all() -> None:
                 skip_ptr="*i8", V_local="i32", stride_x_row="i64", inv_temperature="fp32",
             ), dict(KEY_BITS=32 if logits == "*fp32" else 16, HAS_TOP_K=has_k, HAS_TOP_P=has_p, COUNT_BLOCK_V=4096,
                     MASS_BLOCK_V=512))
-    # The candidate search: the group-maxima read, the per-row candidate kernel, the select kernel (TP = 1 / 2 / 8:
-    # its [TP, 512] tile in registers) — every logits dtype, the GPU configurations (groups of 128 columns at
-    # V_local = 151936, 16 at 18992). Aligned as the launcher specializes them.
+    # The candidate search: the group-maxima read, the per-row candidate kernel (one warp), the select kernel (TP =
+    # 1 / 2 / 8: its [TP, 512] tile in registers, one warp up to TP = 2) — every logits dtype, the GPU
+    # configurations (groups of 128 columns at V_local = 151936, 32 at 18992). Aligned as the launcher specializes.
+    one_warp = Sm90Compiler(num_warps=1)
     for logits in ("*bf16", "*fp16", "*fp32"):
         key_bits = 32 if logits == "*fp32" else 16
-        for block, group, read_compiler in ((4096, 16, compiler), (8192, 128, long_rows)):
+        for block, group, groups_pad, read_compiler in ((4096, 32, 1024, compiler), (8192, 128, 2048, long_rows)):
             for has_sum in (False, True):
                 compiled = read_compiler.compile(logprob_group_max_kernel, dict(
                     x_ptr=logits, maxima_ptr=logits, head_ptr="*i32", V_local="i32", n_groups="i32",
@@ -110,14 +111,14 @@ def _compile_all() -> None:
                 ), dict(GROUP=group, HAS_SUM=has_sum, BLOCK_V=block), aligned=("x_ptr", "V_local", "stride_x_row"))
                 # The logits are read in 16-byte vectors, as by the statistics kernel.
                 assert "ld.global.v4" in compiled.asm["ptx"], f"group-maxima read without 16-byte loads ({logits})"
-            compile_kernel(logprob_candidates_kernel, dict(
+            one_warp.compile(logprob_candidates_kernel, dict(
                 x_ptr=logits, maxima_ptr=logits, index_ptr="*i32", head_ptr="*i32", cand_ptr=logits, V_local="i32",
                 n_groups="i32", stride_x_row="i64", stride_maxima_row="i32", stride_index_row="i32",
                 stride_head_row="i32", stride_cand_row="i32",
-            ), dict(KEY_BITS=key_bits, GROUP=group, KEEP=128, GROUPS_CAP=256, CAP=512, GROUPS_PAD=2048,
-                    CHUNK=min(2048 // group, 256)))
+            ), dict(KEY_BITS=key_bits, GROUP=group, KEEP=128, GROUPS_CAP=256, CAP=512, GROUPS_PAD=groups_pad,
+                    CHUNK=512 // group))
         for tp in (1, 2, 8):
-            compile_kernel(logprob_candidate_select_kernel, dict(
+            (one_warp if tp <= 2 else compiler).compile(logprob_candidate_select_kernel, dict(
                 head_ptr="*i32", cand_ptr=logits, x_ptr=logits, target_ptr="*i64", top_k_ptr="*i32",
                 top_p_ptr="*fp32", min_p_ptr="*fp32", tau_ptr="*fp32", row_max_ptr="*fp32", finished_ptr="*i8",
                 stats_ptr="*fp32", row_start="i32", V_local="i32", vocab_start="i32", v_global="i32", tp="i32",
@@ -131,7 +132,7 @@ def _compile_all() -> None:
             log_sum_ptr="*fp32", errors_ptr="*i64", N="i32", TP="i32", V_global="i32", ignore_index="i32",
             stride_stats_rank="i32", stride_stats_row="i32",
         ), dict(HAS_ENTROPY=with_entropy, BLOCK_N=256))
-    print(f"compiled {compiler.count + long_rows.count} kernels for sm_90")
+    print(f"compiled {compiler.count + long_rows.count + one_warp.count} kernels for sm_90")
 
 
 if __name__ == "__main__":
