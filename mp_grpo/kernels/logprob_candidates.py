@@ -17,10 +17,9 @@ every GROUP consecutive columns (``[N, V_local / GROUP]`` in the logits' dtype: 
 Per element it costs what the statistics cost: the group maxima are the online maximum's first step, and no
 decision is taken during the read.
 
-``logprob_candidates_kernel`` — one small program a row (one warp): theta = a key that KEEP to 1.5 KEEP of the row's
-group maxima reach (a bisection on counts between the smallest and the largest maximum, stopped once the count
-lands in that window), then the groups whose maximum is >= theta (in column order) are read again from the
-logits and their columns >= theta kept, compacted in column order, in a buffer of CAP.
+``logprob_candidates_kernel`` — one small program a row: theta = the KEEP-th largest group maximum (a KEY_BITS-step
+bisection on counts over the row's group maxima), then the groups whose maximum is >= theta (in column order) are
+read again from the logits and their columns >= theta kept, compacted in column order, in a buffer of CAP.
 
 Invariants: every column with logit >= value(theta) lies in a chosen group (its group's maximum is >= it), so
 the buffer holds every column >= value(theta); at least KEEP columns are >= value(theta) (KEEP distinct group
@@ -111,21 +110,15 @@ def largest_key_reaching(keys, weights, target, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _group_threshold(keys, ok, n_ok, KEEP: tl.constexpr, KEY_BITS: tl.constexpr):
-    """A key theta with KEEP <= count(keys[ok] >= theta) <= KEEP + KEEP // 2 where one exists, else the KEEP-th
-    largest key: a bisection between the smallest and the largest key that stops as soon as the count lands in that
-    window (typically 6-9 steps for bf16 logits, not 16). Fewer than KEEP keys: the smallest key of all."""
-    key_min = _key_min(KEY_BITS)
-    lo = tl.min(tl.where(ok, keys, 2147483647), axis=0).to(tl.int64)
-    hi = tl.max(tl.where(ok, keys, key_min), axis=0).to(tl.int64)
-    lo = tl.where(n_ok < KEEP, key_min.to(tl.int64), lo)
-    hi = tl.where(n_ok <= KEEP + KEEP // 2, lo, hi)  # every group already in the window (or too few): all of them
-    while lo < hi:
+def _largest_key_reaching_1d(keys, weights, target, KEY_BITS: tl.constexpr):
+    """:func:`largest_key_reaching` for a 1-D tile."""
+    lo = _key_min(KEY_BITS).to(tl.int64)
+    hi = -lo - 1
+    for _ in range(KEY_BITS):
         mid = lo + (hi - lo + 1) // 2
-        count = tl.sum((ok & (keys >= mid.to(tl.int32))).to(tl.int32), axis=0)
-        reached = count >= KEEP
+        reached = tl.sum(tl.where(keys >= mid.to(tl.int32), weights, 0), axis=0) >= target
         lo = tl.where(reached, mid, lo)
-        hi = tl.where(reached, tl.where(count <= KEEP + KEEP // 2, mid, hi), mid - 1)
+        hi = tl.where(reached, hi, mid - 1)
     return lo.to(tl.int32)
 
 
@@ -196,7 +189,7 @@ def logprob_candidates_kernel(
     # meta-parameters
     KEY_BITS: tl.constexpr,
     GROUP: tl.constexpr,
-    KEEP: tl.constexpr,  # groups at least whose maximum reaches theta (at most 1.5 KEEP where the keys allow)
+    KEEP: tl.constexpr,  # groups at least: theta = the KEEP-th largest group maximum
     GROUPS_CAP: tl.constexpr,  # most groups read
     CAP: tl.constexpr,  # most candidates kept
     GROUPS_PAD: tl.constexpr,  # power of two >= n_groups
@@ -208,11 +201,11 @@ def logprob_candidates_kernel(
     cand_row_ptr = cand_ptr + row * stride_cand_row
     lane = tl.arange(0, GROUP)
 
-    # --- 1. theta: a key that KEEP to KEEP + KEEP / 2 group maxima reach (all groups when there are fewer) ---
+    # --- 1. theta: the KEEP-th largest group maximum (the smallest key when there are fewer groups: all) ---
     g = tl.arange(0, GROUPS_PAD)
     g_ok = g < n_groups
     g_key = sort_key(tl.load(maxima_ptr + row * stride_maxima_row + g, mask=g_ok, other=float("-inf")), KEY_BITS)
-    theta = _group_threshold(g_key, g_ok, n_groups, KEEP, KEY_BITS)
+    theta = _largest_key_reaching_1d(g_key, g_ok.to(tl.int32), KEEP, KEY_BITS)
 
     # --- 2. the groups whose maximum reaches theta (every column >= theta lies in one), in column order ---
     chosen = g_ok & (g_key >= theta)
