@@ -53,9 +53,6 @@ LAYERS: dict[str, int] = {
 }
 """Room (a package or a module of ``mp_grpo``, or ``scripts``) → layer; see the module docstring's table."""
 
-KNOWN_CIRCLES: set[frozenset[str]] = {frozenset({"scripts.bench_filter_passes", "scripts.bench_logprob_filter"})}
-"""Circles known and being removed elsewhere: reported by :func:`test_known_circles_are_gone` (strict xfail)."""
-
 Graph = dict[str, set[str]]
 
 
@@ -201,15 +198,8 @@ def test_every_module_has_a_layer(graph: Graph) -> None:
 
 
 def test_no_circle(graph: Graph) -> None:
-    found = [c for c in circles(graph) if frozenset(c) not in KNOWN_CIRCLES]
+    found = circles(graph)
     assert not found, "import circles:\n" + _describe(found, graph)
-
-
-@pytest.mark.xfail(strict=True, reason="scripts/bench_filter_passes.py and scripts/bench_logprob_filter.py import "
-                                       "each other; being removed on another branch (remove this mark then)")
-def test_known_circles_are_gone(graph: Graph) -> None:
-    found = [c for c in circles(graph) if frozenset(c) in KNOWN_CIRCLES]
-    assert not found, "known import circles still there:\n" + _describe(found, graph)
 
 
 def test_no_import_runs_up_the_layers(graph: Graph) -> None:

@@ -10,7 +10,8 @@ One program reads one row of this rank's logits shard exactly once and writes fo
 
 With HAS_THRESHOLD (a sampling filter, ``mp_grpo/ops/sampling_filter.py``) only the columns whose raw
 logit is >= ``threshold[row]`` count (the others are treated as -inf), and a target below the threshold
-writes z_t = -inf, so that its merged log-prob is -inf.
+writes z_t = -inf, so that its merged log-prob is -inf. With HAS_SKIP the rows whose ``skip`` flag is set
+read and write nothing (the sampling filter's candidate kernel wrote their statistics already).
 
 ``u`` is what the entropy needs: H = log S - U / S after the statistics of all shards are merged
 (see ``logprob_merge.py``).
@@ -40,6 +41,7 @@ def logprob_stats_kernel(
     target_ptr,  # [N] int64 global token ids
     stats_ptr,  # [N_total + 1, 4] fp32 out: rows row_start .. row_start + n; row N_total = size row
     threshold_ptr,  # [N] fp32 raw-logit threshold of the kept set (only with HAS_THRESHOLD)
+    skip_ptr,  # [N] int8: rows to leave alone (only with HAS_SKIP)
     # shapes
     n,  # rows of x in this launch (the grid is max(n, 1))
     row_start,  # first stats row written by this launch (chunked callers)
@@ -54,10 +56,13 @@ def logprob_stats_kernel(
     # meta-parameters
     HAS_ENTROPY: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     has_row = row < n  # false only for the single program of an empty launch
+    if HAS_SKIP:
+        has_row &= tl.load(skip_ptr + row, mask=has_row, other=1) == 0
     x_row_ptr = x_ptr + row * stride_x_row
     offs = tl.arange(0, BLOCK_V)
     scale = inv_temperature * LOG2E  # raw logit units -> log2 units of z

@@ -43,6 +43,7 @@ from enum import Enum
 
 import torch
 
+from mp_grpo.collectives import group_size
 from mp_grpo.config.loss import GSPOGradient, LossConfig, Objective, RatioLevel
 from mp_grpo.loss import torch_path
 from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES, covariance_selection
@@ -340,18 +341,22 @@ class GRPOLoss:
         The fused path (:mod:`mp_grpo.ops.logits_grpo_loss`: one autograd Function, the loss's backward inside
         the log-prob backward kernel) runs when the call would take the fused loss (:class:`LossBackend`), a
         ``batch`` is given (a training step has one; without it the step's account is built from this call's
-        log-probs first) and there is no ``sampling_filter``; otherwise the two ops run one after the other. Both
-        give the same values, gradients and metrics (``tests/ops/test_logits_grpo_loss.py``).
+        log-probs first), with or without a ``sampling_filter``; otherwise the two ops run one after the other. Both
+        give the same values, gradients and metrics, bit for bit (``tests/ops/test_logits_grpo_loss.py``,
+        ``tests/ops/test_logits_grpo_loss_filter.py``).
         """
         cfg = self.config
         layout = checked_layout(layout)
         check_logits_and_target(logits, target)
         check_runs_here(logits, "logits")
-        spec = LogitsSpec(tp_group, check_temperature(temperature), int(ignore_index), bool(inplace_backward),
-                          check_inputs_mode(check_inputs))
+        check_mode = check_inputs_mode(check_inputs)
         if sampling_filter is not None:
             check_sampling_filter(sampling_filter, target.shape, logits.device,
-                                  check_tensors=spec.check_inputs is not CheckInputs.OFF)
+                                  check_tensors=check_mode is not CheckInputs.OFF)
+            # Fields that keep everything (top_p = 1, top_k >= V, min_p = 0) cost nothing.
+            sampling_filter = sampling_filter.without_noops(logits.shape[-1] * group_size(tp_group))
+        spec = LogitsSpec(tp_group, check_temperature(temperature), int(ignore_index), bool(inplace_backward),
+                          check_mode, sampling_filter)
         positive_mask = check_loss_call(
             cfg, layout, target.shape, logits.device, "target", old_logprobs, advantages, loss_mask, rollout_logprobs,
             ref_logprobs, None, entropy_computed=True, entropy_coef=entropy_coef, generator=generator,
@@ -361,7 +366,7 @@ class GRPOLoss:
             check_batch(cfg, batch, loss_mask)
         return self.on_logits_unchecked(
             logits, target, old_logprobs, advantages, loss_mask, spec=spec,
-            with_entropy=bool(with_entropy) or cfg.needs_entropy, sampling_filter=sampling_filter,
+            with_entropy=bool(with_entropy) or cfg.needs_entropy,
             rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, batch=batch, layout=layout,
             entropy_coef=entropy_coef, positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator,
         )
@@ -377,7 +382,6 @@ class GRPOLoss:
         spec: LogitsSpec,
         with_entropy: bool,
         layout: SequenceLayout,
-        sampling_filter: SamplingFilter | None = None,
         rollout_logprobs: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
         batch: GlobalBatch | None = None,
@@ -388,14 +392,14 @@ class GRPOLoss:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """:meth:`on_logits` for arguments checked already by the public entry point the micro-batch entered
         (:meth:`on_logits`, ``MegatronGRPO.loss_func``): ``logits`` and ``target`` (and that the kernels run on
-        their device), ``spec`` built from checked values, ``sampling_filter`` checked for ``target``, the loss
+        their device), ``spec`` built from checked values (its ``sampling_filter`` checked for ``target``), the loss
         inputs by ``check_loss_call`` (``positive_mask``: what it returned) and ``batch`` by ``check_batch``.
         ``with_entropy`` already includes the config's need. Internal: call :meth:`on_logits` itself."""
-        if batch is None or sampling_filter is not None or not self._use_fused(logits, layout):
+        if batch is None or not self._use_fused(logits, layout):
             out = vocab_parallel_logprobs_unchecked(
                 logits, target, tp_group=spec.tp_group, inv_temperature=spec.inv_temperature,
                 with_entropy=with_entropy, ignore_index=spec.ignore_index, inplace_backward=spec.inplace_backward,
-                check_inputs=spec.check_inputs, sampling_filter=sampling_filter,
+                check_inputs=spec.check_inputs, sampling_filter=spec.sampling_filter,
             )
             logprobs, entropy = out if with_entropy else (out, None)
             return self.share_unchecked(

@@ -23,9 +23,8 @@ Forward — chunks of whole rows, ``[rows, V_local]``
        ``check_inputs`` the error counters go to the deferred ledger (``mp_grpo.ops.checks``): no host read.
     Saved for backward: ``hidden`` and ``weight`` (not copies), targets, M, log S, entropy — 20 bytes
     a row; no logits.
-    With a ``sampling_filter``, step 1 first finds each chunk's per-row thresholds
-    (``ops/sampling_filter.py``: its passes over the chunk and its collectives, once per chunk) and the
-    statistics count only the kept columns; the thresholds (4 bytes a row) are saved for backward, whose
+    With a ``sampling_filter``, step 1's statistics count only each chunk's kept columns and give its per-row
+    thresholds (``ops/sampling_filter.py``, ``filtered_statistics``: its collectives once per chunk); the thresholds (4 bytes a row) are saved for backward, whose
     kernel gives the columns below them no gradient. Backward's blocks are then forward's chunks (whole
     rows), so that the recomputed logits are bitwise forward's (see ``sampling_filter`` below).
 
@@ -121,7 +120,7 @@ from mp_grpo.ops.output_chunks import (
 from mp_grpo.ops.sampling_filter import (
     SamplingFilter,
     check_sampling_filter,
-    filter_threshold,
+    filtered_statistics,
     targets_outside_filter,
 )
 
@@ -142,8 +141,8 @@ def _forward_statistics(
     """Forward step 1: logits of ``plan.forward_rows`` rows at a time, into one reused buffer.
 
     With no rows there is still one (empty) launch: the statistics kernel writes the shard-size row.
-    With a ``sampling_filter``, each chunk's rows get their threshold first (``filter_threshold`` on the
-    chunk: its passes and collectives per chunk); returns the ``[N]`` fp32 thresholds (else None)."""
+    With a ``sampling_filter``, each chunk's statistics are those of its kept set (``filtered_statistics`` on
+    the chunk: the threshold search's collectives once per chunk); returns the ``[N]`` fp32 thresholds (else None)."""
     n, v_local = h.shape[0], w.shape[0]
     chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
     threshold = None
@@ -154,18 +153,16 @@ def _forward_statistics(
         r1 = min(r0 + plan.forward_rows, n)
         logits = chunk_view(chunk, r1 - r0, v_local)
         torch.mm(h[r0:r1], w.t(), out=logits)
-        chunk_threshold = None
         if threshold is not None:
-            chunk_threshold = threshold[r0:r1]
-            chunk_threshold.copy_(filter_threshold(
-                logits, per_row.rows(r0, r1), torch.Size([r1 - r0]), tp_group=tp_group,
-                inv_temperature=inv_temperature,
-            ))
-        shard_statistics(
-            logits, t[r0:r1], stats, row_start=r0,
-            vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
-            threshold=chunk_threshold,
-        )
+            threshold[r0:r1] = filtered_statistics(
+                logits, t[r0:r1], stats, per_row.rows(r0, r1), torch.Size([r1 - r0]), row_start=r0, tp_group=tp_group,
+                inv_temperature=inv_temperature, with_entropy=with_entropy,
+            )
+        else:
+            shard_statistics(
+                logits, t[r0:r1], stats, row_start=r0,
+                vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
+            )
     return threshold
 
 

@@ -33,9 +33,9 @@ Forward — chunks of whole rows, ``[rows, V_local]`` (the plan of :func:`~mp_gr
        dtype (cuBLAS sums each chunk in fp32 and rounds once per chunk; one chunk: rounded once, as an
        fp32 buffer would be). Skipped when ``weight`` needs no gradient.
     Saved for backward: the two gradients (no logits, no inputs).
-    With a ``sampling_filter``: before step 1's statistics, the chunk's per-row thresholds
-    (``ops/sampling_filter.py``: its passes over the chunk and its collectives, once per chunk); steps 1
-    and 4 then count only the kept columns, and targets outside the kept set get no coefficient.
+    With a ``sampling_filter``: step 1's statistics are those of the chunk's kept set and give its per-row
+    thresholds (``ops/sampling_filter.py``, ``filtered_statistics``: its collectives once per chunk); step 4
+    then counts only the kept columns, and targets outside the kept set get no coefficient.
 
 Backward (``g`` = the upstream gradient of the loss, a 0-dim device tensor; no host read) — one pass of
 :func:`~mp_grpo.ops.scale.scale_into` (``kernels/scale.py``, ``g`` read from its device pointer) per gradient:
@@ -82,7 +82,7 @@ from mp_grpo.ops.output_chunks import ChunkPlan, chunk_view, main_grad_placehold
 from mp_grpo.ops.sampling_filter import (
     SamplingFilter,
     check_sampling_filter,
-    filter_threshold,
+    filtered_statistics,
     targets_outside_filter,
 )
 from mp_grpo.ops.scale import scale_into_unchecked
@@ -182,13 +182,13 @@ class FusedLinearLoss(torch.autograd.Function):
             # --- 1. the chunk's logits and their shard statistics ---
             torch.mm(h[r0:r1], w.t(), out=x)
             threshold = None
-            if per_row is not None:  # the sampling filter's per-row thresholds of the chunk
-                threshold = filter_threshold(x, per_row.rows(r0, r1), torch.Size([rows]), tp_group=tp_group,
-                                             inv_temperature=inv_temperature)
-            shard_statistics(
-                x, t[r0:r1], stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
-                threshold=threshold,
-            )
+            if per_row is not None:  # the statistics of the chunk's kept set, and its per-row thresholds
+                threshold = filtered_statistics(x, t[r0:r1], stats, per_row.rows(r0, r1), torch.Size([rows]),
+                                                tp_group=tp_group, inv_temperature=inv_temperature,
+                                                with_entropy=with_entropy)
+            else:
+                shard_statistics(x, t[r0:r1], stats, vocab_start=vocab_start, inv_temperature=inv_temperature,
+                                 with_entropy=with_entropy)
             # --- 2. the TP merge (one all-gather of the chunk's statistics) ---
             merged = gather_and_merge(
                 stats, t[r0:r1], tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,

@@ -11,7 +11,9 @@ log-prob backward kernel reads them, scaled on the device by the loss's upstream
 Schedule of :class:`LogitsGRPOLossFunction` (N rows, V_local columns on each of TP ranks)
 
 Forward
-    1. ``logprob_stats_kernel``: per-row statistics of this rank's shard (the logits read once).
+    1. ``logprob_stats_kernel``: per-row statistics of this rank's shard (the logits read once). With a
+       ``sampling_filter``: ``filtered_statistics`` (``ops/sampling_filter.py``), the statistics of the kept set
+       and the per-row thresholds — what ``vocab_parallel_logprobs`` runs, with its collectives.
     2. The one collective of the log-prob op: all-gather of the ``[N + 1, 4]`` statistics over ``tp_group``
        (skipped for a group of size 1).
     3. The fused loss's forward (:func:`mp_grpo.ops.grpo_loss.loss_forward`, its steps 1–5) on the statistics
@@ -20,13 +22,17 @@ Forward
        (``logprob_merge.merge_rows``), a few loads a position — instead of reading a log-prob tensor; the
        combine kernel also stores M, log S and the entropy for backward and adds the merge's error counts
        into the deferred ledger (no host read). Then the finalize kernel: the loss and the metric entries.
+    4. With a filter: the targets outside the kept set (log-prob -inf) are recorded through the deferred ledger
+       (``check_inputs``), as ``vocab_parallel_logprobs`` records them.
 Backward
     1. gspo / gmpo under context parallelism only (without, the finalize kernel folded it in forward): the
        fused loss's backward kernel adds the path through the sequence mean (after the CP all-reduce of its
        per-sequence factor) and applies the upstream gradient g.
     2. ``logprob_backward_kernel``: one read of the shard, one write of its gradient, with upstream gradients
        g · d share / d log π and g · d share / d H — g read on the device (``HAS_GRAD_SCALE``); gspo / gmpo:
-       step 1's, unscaled. No collective: logZ and H describe the whole vocabulary already.
+       step 1's, unscaled. No collective: logZ and H describe the whole vocabulary already. With a filter the
+       columns below the threshold get no gradient, and neither do targets outside the kept set (d share / d log π
+       set to 0 first, as the log-prob op's backward does).
 
 Launches: forward 3 (stats, combine, finalize; + memset and token kernel with per-sequence sums), backward 1
 (gspo / gmpo under context parallelism: 2) — against 4–6 and 2 for the log-prob op and the loss apart (stats, merge; combine, finalize
@@ -49,6 +55,7 @@ from mp_grpo.ops.logprob_launch import (
     raise_on_merge_errors,
     shard_statistics,
 )
+from mp_grpo.ops.sampling_filter import SamplingFilter, filtered_statistics, targets_outside_filter
 
 
 class LogitsSpec(NamedTuple):
@@ -59,6 +66,8 @@ class LogitsSpec(NamedTuple):
     ignore_index: int
     inplace_backward: bool
     check_inputs: CheckInputs
+    sampling_filter: SamplingFilter | None = None
+    """Checked, its no-op fields dropped (``SamplingFilter.without_noops``)."""
 
 
 class LogitsGRPOLossFunction(torch.autograd.Function):
@@ -78,10 +87,15 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
         vocab_start = group_rank(spec.tp_group) * v_local
         with_entropy = call.plan.combine_flags["HAS_ENTROPY"]
 
-        # --- 1. statistics of this rank's shard (one read of the logits) ---
+        # --- 1. statistics of this rank's shard (one read of the logits); with a filter, of its kept set ---
         stats = new_stats_buffer(n, x.device)
-        shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=spec.inv_temperature,
-                         with_entropy=with_entropy)
+        threshold = None
+        if spec.sampling_filter is None:
+            shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=spec.inv_temperature,
+                             with_entropy=with_entropy)
+        else:
+            threshold = filtered_statistics(x, t, stats, spec.sampling_filter, target.shape, tp_group=spec.tp_group,
+                                            inv_temperature=spec.inv_temperature, with_entropy=with_entropy)
         # --- 2. the one collective: all-gather of the statistics ---
         gathered = gather_statistics(stats, tp_group=spec.tp_group, v_local=v_local, ignore_index=spec.ignore_index,
                                      check_inputs=spec.check_inputs)
@@ -90,9 +104,17 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
                                spec.ignore_index)
         loss, pairs, extremes, saved = loss_forward(None, None, call, from_stats)
         raise_on_merge_errors(gathered, spec.check_inputs)
+        outside = None
+        if threshold is not None:
+            # --- 4. targets outside the kept set: log-prob -inf (z_t = -inf), recorded as vocab_parallel_logprobs
+            #        records them; no gradient from their log-prob in backward ---
+            row_max, log_sum = saved.rows[0], saved.rows[1]
+            logprobs = (gathered.stats[:, :n, 3].sum(0) - row_max) - log_sum  # -inf exactly where the merge's is
+            outside = targets_outside_filter(logprobs, t, spec.ignore_index, spec.check_inputs)
 
         ctx.mark_non_differentiable(pairs, extremes)
         ctx.save_for_backward(x, t)  # the inputs; the forward's own buffers are kept on ctx (as autograd allows)
+        ctx.threshold, ctx.outside = threshold, outside
         ctx.saved = saved
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
@@ -115,12 +137,15 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
             grad_lp, grad_ent = loss_backward(saved, grad_scale, torch.float32,
                                               torch.float32 if grad_ent is not None else None)
             grad_scale = None
-        # --- 2. one pass over the shard: recompute p, write the gradient ---
+        if ctx.outside is not None:
+            # A target outside the kept set: its log-prob is the constant -inf, no gradient flows from it.
+            grad_lp = torch.where(ctx.outside, 0.0, grad_lp)
+        # --- 2. one pass over the shard: recompute p (over the kept set with a filter), write the gradient ---
         grad_x = x if spec.inplace_backward else torch.empty_like(x)
         logprob_backward(
             x, grad_x, t, row_max, log_sum, entropy if grad_ent is not None else None, grad_lp, grad_ent,
             vocab_start=ctx.vocab_start, ignore_index=spec.ignore_index, inv_temperature=spec.inv_temperature,
-            grad_scale=grad_scale,
+            threshold=ctx.threshold, grad_scale=grad_scale,
         )
         return grad_x.view(ctx.logits_shape), None, None, None
 

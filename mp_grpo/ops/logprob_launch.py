@@ -16,8 +16,6 @@ from mp_grpo.collectives import ProcessGroup, all_gather_stacked
 from mp_grpo.kernels import (
     LogprobLaunchConfig,
     logprob_backward_kernel,
-    logprob_radix_hist_kernel,
-    logprob_radix_select_kernel,
     logprob_launch_config,
     logprob_merge_kernel,
     logprob_stats_kernel,
@@ -31,9 +29,9 @@ STATS_WIDTH = 4
 
 
 @functools.lru_cache(maxsize=256)
-def _stats_meta(cfg: LogprobLaunchConfig, with_entropy: bool, has_threshold: bool) -> LaunchMeta:
-    return LaunchMeta(HAS_ENTROPY=with_entropy, HAS_THRESHOLD=has_threshold, BLOCK_V=cfg.stats_block_v,
-                      num_warps=cfg.stats_warps)
+def _stats_meta(cfg: LogprobLaunchConfig, with_entropy: bool, has_threshold: bool, has_skip: bool) -> LaunchMeta:
+    return LaunchMeta(HAS_ENTROPY=with_entropy, HAS_THRESHOLD=has_threshold, HAS_SKIP=has_skip,
+                      BLOCK_V=cfg.stats_block_v, num_warps=cfg.stats_warps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -62,15 +60,19 @@ def shard_statistics(
     inv_temperature: float,
     with_entropy: bool,
     threshold: torch.Tensor | None = None,  # [n] fp32 raw-logit threshold of a sampling filter
+    skip: torch.Tensor | None = None,  # [n] int8: rows whose statistics are written already (nonzero)
 ) -> None:
     """Write the statistics of ``logits`` into ``stats[row_start : row_start + n]`` (one read of the
     logits) and the shard size into ``stats[N]``. Chunked callers pass their chunk's ``row_start``.
-    With ``threshold`` only the columns whose logit is >= it count (a sampling filter's kept set)."""
+    With ``threshold`` only the columns whose logit is >= it count (a sampling filter's kept set); rows
+    flagged in ``skip`` are neither read nor written."""
     n, v_local = logits.shape
     cfg = logprob_launch_config(v_local)
-    launch_meta(logprob_stats_kernel, (max(n, 1),), _stats_meta(cfg, with_entropy, threshold is not None),
+    meta = _stats_meta(cfg, with_entropy, threshold is not None, skip is not None)
+    launch_meta(logprob_stats_kernel, (max(n, 1),), meta,
         logits, target, stats,
         threshold if threshold is not None else stats,  # unused placeholder pointer without a filter
+        skip if skip is not None else stats,  # unused placeholder pointer
         n, row_start, stats.shape[0] - 1, v_local, vocab_start,
         logits.stride(0), stats.stride(0),
         inv_temperature,
@@ -224,79 +226,4 @@ def logprob_backward(
         v_local, vocab_start, ignore_index,
         logits.stride(0), grad_logits.stride(0),
         inv_temperature,
-    )
-
-
-RADIX_COUNT_BITS = 8
-"""Key bits per counting pass of the threshold search (256 digits: ``tl.histogram``, memory-bound)."""
-RADIX_MASS_BITS = 4
-"""Key bits per mass pass (16 digits: a weighted one-hot sum, ~3 instructions per element per digit)."""
-_MODE_COUNT, _MODE_MASS, _MODE_EXACT = 0, 1, 2
-
-
-def radix_histogram(
-    logits: torch.Tensor,  # [n, V_local], last dim contiguous
-    tau: torch.Tensor,  # [n] fp32: only columns with logit >= tau count
-    prefix: torch.Tensor,  # [n] int32 digits chosen so far
-    *,
-    shift: int,
-    digit_bits: int,
-    mass: bool,
-    row_max: torch.Tensor | None = None,  # [n] fp32 row maximum over the whole vocabulary (masses)
-    inv_temperature: float = 1.0,
-    first: bool,
-    row_max_out: torch.Tensor | None = None,  # [n] fp32 out: this shard's row maximum
-) -> torch.Tensor:
-    """``[n, 2**digit_bits]`` histogram of one digit of the logits' key (one read of the shard): int32 counts,
-    or with ``mass`` fp32 masses exp((x - M) / T) — summed per digit (``digit_bits = 4``) or, on the last
-    pass (``shift == 0``, ``digit_bits = 8``), counts times the exact weight of each digit's value.
-    See ``kernels/logprob_filter.py``."""
-    n, v_local = logits.shape
-    bins = 1 << digit_bits
-    exact = mass and digit_bits == RADIX_COUNT_BITS
-    hist = torch.empty(n, bins, dtype=torch.float32 if mass else torch.int32, device=logits.device)
-    if n == 0:
-        return hist
-    cfg = logprob_launch_config(v_local)
-    one_hot = mass and not exact
-    launch(logprob_radix_hist_kernel, (n,),
-        logits, tau, prefix, row_max if row_max is not None else tau, hist,
-        row_max_out if row_max_out is not None else tau,
-        v_local, logits.stride(0), hist.stride(0), inv_temperature, shift,
-        KEY_BITS=16 if logits.dtype in (torch.bfloat16, torch.float16) else 32,
-        DIGIT_BITS=digit_bits,
-        MODE=_MODE_EXACT if exact else (_MODE_MASS if mass else _MODE_COUNT),
-        HAS_PREFIX=not first,
-        HAS_ROW_MAX_OUT=row_max_out is not None,
-        BLOCK_V=cfg.filter_mass_block_v if one_hot else cfg.filter_count_block_v,
-        num_warps=cfg.filter_mass_warps if one_hot else cfg.filter_count_warps,
-    )
-    return hist
-
-
-def radix_select(
-    hist: torch.Tensor,  # [n, 2**digit_bits] TP-summed
-    logits: torch.Tensor,  # [n, V_local] (its dtype only)
-    prefix: torch.Tensor,  # [n] int32 in/out
-    budget: torch.Tensor,  # [n] in/out: int32 k left (top-k) or fp32 p * S (top-p)
-    tau: torch.Tensor,  # [n] fp32 in/out
-    *,
-    digit_bits: int,
-    first: bool,
-    last: bool,
-    above: torch.Tensor | None = None,  # [n] fp32 in/out (top-p)
-    top_p: torch.Tensor | None = None,  # [n] fp32 (top-p)
-) -> None:
-    """Pick each row's digit from the histogram, update the search state in place; on the last pass raise
-    ``tau`` to the threshold's logit (one tiny launch, one program per row)."""
-    n = hist.shape[0]
-    if n == 0:
-        return
-    is_top_p = top_p is not None
-    launch(logprob_radix_select_kernel, (n,),
-        hist, logits, prefix, budget, above if is_top_p else tau, top_p if is_top_p else tau, tau,
-        n, hist.stride(0),
-        KEY_BITS=16 if logits.dtype in (torch.bfloat16, torch.float16) else 32,
-        DIGIT_BITS=digit_bits, IS_TOP_P=is_top_p, IS_FIRST=first, IS_LAST=last,
-        num_warps=1,
     )

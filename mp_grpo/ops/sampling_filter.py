@@ -18,34 +18,47 @@ processor; order: temperature, min-p, top-k, top-p):
   group straddles the boundary. Inside a tie group vLLM's choice follows its (unstable) sort order;
   here the whole tie group is kept whenever vLLM keeps any member — ties kept, as for top-k.
 
-Threshold search — one mechanism for top-k and top-p: an exact radix select over the order-preserving
-integer key of the logits (16 bits for bf16 / fp16, 32 for fp32; ``kernels/logprob_filter.py``). Each pass
-reads the shard once and builds, per row, a histogram of the next key digit among the columns whose
-higher digits equal the ones chosen so far and whose logit is >= the thresholds already applied; the
-histograms are summed over the TP group (**one all-reduce per pass**) and a tiny kernel picks the digit.
-Top-k counts tokens (256-digit passes, 8 key bits each); top-p sums probability mass exp((z - M)) with
-the row maximum M known beforehand (16-digit passes, 4 key bits each, then one 256-digit pass over the
-last 8 bits, whose digits are single logit values: count x weight, exact). The search is exact: the
-result is the key of the k-th largest logit, or of the smallest logit whose strictly-larger mass is < p S.
+Threshold search (``kernels/logprob_candidates.py``, ``kernels/logprob_filter.py``). tau depends only on
+a row's largest logits, so the statistics' read of the shard keeps the maximum of every group of columns
+(8-128 columns: 1/8-1/128 of the bytes), and a small kernel a row takes the 128 largest group maxima,
+re-reads those groups and keeps their columns >= the 128th largest maximum theta: every column >= theta,
+at least 128 of them (the candidates, ~130-200 a row, at most 512). A select kernel finishes the search on
+the candidates of all TP ranks and writes the row's filtered statistics. It finishes top-k for every
+k <= 128 (more where the candidates hold more), min-p when its threshold lies among the candidates, and
+top-p when the candidates hold >= p of the kept mass — a trained policy's row, where a few tokens hold
+almost all of it. The other rows (flat rows under top-p, large k, ties beyond the candidate kernel's
+capacity) take the exact radix select of before on the whole shard, flagged rows only: top-k counts tokens
+(256-digit passes, 8 key bits each), top-p sums probability mass (16-digit passes, 4 key bits each, then one
+256-digit pass over the last 8 bits, whose digits are single logit values: count x weight, exact). Both
+paths are exact: the result is the key of the k-th largest logit, or of the smallest logit whose
+strictly-larger mass is < p S.
 
-Schedule of :func:`filter_threshold` (``N`` rows, ``V_local`` columns on each of ``TP`` ranks, ``K`` key
-bits: 16 for bf16 / fp16, 32 for fp32; every collective is skipped for a group of size 1)
+Schedule of :func:`filtered_statistics` / :func:`filter_threshold` (``N`` rows, ``V_local`` columns on each
+of ``TP`` ranks, ``K`` key bits: 16 for bf16 / fp16, 32 for fp32; every collective is skipped for a group
+of size 1)
 
-    1. Row maximum M (min-p and top-p need it): one ``amax`` read of the shard, or — with top-k and no
-       min-p — a by-product of top-k's first pass; **one all-reduce (max) of ``[N]`` fp32**.
-    2. min-p: ``tau = M + T log(min_p)`` (no pass, no collective).
-    3. top-k: ``K / 8`` counting passes (2 for bf16, 4 for fp32), each one read of the shard and
-       **one all-reduce (sum) of ``[N, 256]`` int32**; then ``tau = max(tau, k-th largest logit)``.
-    4. top-p: ``(K - 8) / 4`` mass passes (2 for bf16, 6 for fp32) with **one all-reduce (sum) of
-       ``[N, 16]`` fp32** each, then one exact pass with **one all-reduce (sum) of ``[N, 256]`` fp32**;
-       ``tau = max(tau, threshold logit)``.
-    No host read anywhere (per-row tensors included). Bitwise batch-invariant: every pass's launch
-    depends on V_local only, and the digit choice is per row.
+    1. ``logprob_group_max_kernel``: one read of the shard — the raw row maximum, with top-p the sum-exp, and
+       the group maxima; ``logprob_candidates_kernel``: theta and the candidates of each row (a re-read of its
+       chosen groups) into the candidate buffer ``[N, 4 + 512 x 2 bytes / 4]`` int32 (bf16; head + candidates).
+    2. **One all-gather of the candidate buffers** over the TP group (``[TP, N, W]``).
+    3. ``logprob_candidate_select_kernel``: per row min-p, top-k, top-p on the union of the candidates
+       (``kernels/logprob_candidates.py``): tau, the row maximum M, a finished flag; for finished rows
+       (statistics asked for) this shard's statistics over its kept candidates.
+    4. Fallback, rows not finished (the others skip every launch's work; at TP = 1 steps 4 and 5 are one launch,
+       ``logprob_radix_search_kernel``, a row's whole search in one program): top-k: ``K / 8`` counting passes
+       (2 for bf16, 4 for fp32), each one read of the shard and **one all-reduce (sum) of ``[N, 256]``
+       int32**; then tau = max(tau, k-th largest logit).
+    5. Fallback, top-p: ``(K - 8) / 4`` mass passes (2 for bf16, 6 for fp32) with **one all-reduce (sum)
+       of ``[N, 16]`` fp32** each, then one exact pass with **one all-reduce (sum) of ``[N, 256]`` fp32**,
+       the masses relative to step 3's M.
+    6. (``filtered_statistics``) ``logprob_stats_kernel`` with the threshold on the rows not finished.
+    No host read anywhere (per-row tensors included): the fallback's launches and collectives run whether
+    or not a row needs them. Bitwise batch-invariant: every launch depends on V_local only, and every
+    decision and sum of a row is made by that row's own programs in a fixed order.
 
-Cost (bf16, TP = 1, one H100, N = 16384, V = 151936): a counting pass is instruction-bound in
-``tl.histogram`` of 256 digits (~4.9 reads' worth), a mass pass compute-bound in its 16
-compare-select-adds per element (~4.3 reads); top-k = 2 counting passes + the filtered statistics,
-top-p = amax + 2 mass passes + 1 counting pass. Measured: ``docs/benchmarks/logprob_filter.md``.
+Cost (bf16, TP = 1, one H100, N = 16384): a trained policy's rows cost the statistics' read and the
+select kernel; flat rows under top-p pay the fallback's passes on top (each ~4-5 reads' worth:
+instruction-bound histograms). Measured: ``docs/benchmarks/logprob_filter.md``.
 """
 
 from __future__ import annotations
@@ -55,9 +68,22 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum, group_size
+from typing import NamedTuple
+
+from mp_grpo.collectives import ProcessGroup, all_gather_stacked, all_reduce_sum, group_rank, group_size
 from mp_grpo.ops.checks import CheckInputs, record_errors
-from mp_grpo.ops.logprob_launch import RADIX_COUNT_BITS, RADIX_MASS_BITS, radix_histogram, radix_select
+from mp_grpo.ops.filter_launch import (
+    RADIX_COUNT_BITS,
+    RADIX_MASS_BITS,
+    candidates_of,
+    gather_candidates,
+    key_bits,
+    radix_histogram,
+    radix_search,
+    radix_select,
+    select_from_candidates,
+)
+from mp_grpo.ops.logprob_launch import shard_statistics
 
 
 @dataclass(frozen=True)
@@ -153,6 +179,22 @@ def check_sampling_filter(filt: SamplingFilter, target_shape: torch.Size, device
             )
 
 
+class _StatsRequest(NamedTuple):
+    """Where :func:`filtered_statistics` wants the shard's statistics written."""
+
+    target: torch.Tensor  # [n] int64
+    stats: torch.Tensor  # [N + 1, 4] fp32
+    row_start: int
+    with_entropy: bool
+
+
+class ThresholdSearch(NamedTuple):
+    tau: torch.Tensor
+    """[n] fp32 raw-logit threshold of the kept set (-inf: keep all)."""
+    finished: torch.Tensor
+    """[n] int8: 1 where the candidates gave the threshold (steps 1-3), 0 where the fallback did."""
+
+
 def filter_threshold(
     x: torch.Tensor,  # [N, V_local] logits shard, last dim contiguous
     filt: SamplingFilter,
@@ -164,56 +206,109 @@ def filter_threshold(
     """``[N]`` fp32 raw-logit threshold of the filter's kept set (``-inf``: keep all). See the module
     docstring for the schedule and its collectives. ``filt`` is trusted: the op that calls this checked it
     against ``target_shape`` (:func:`check_sampling_filter`)."""
+    return threshold_search(x, filt, target_shape, tp_group=tp_group, inv_temperature=inv_temperature).tau
+
+
+def filtered_statistics(
+    x: torch.Tensor,  # [n, V_local] logits shard, last dim contiguous
+    target: torch.Tensor,  # [n] int64
+    stats: torch.Tensor,  # [N + 1, 4] fp32 from new_stats_buffer(N)
+    filt: SamplingFilter,
+    target_shape: torch.Size,
+    *,
+    row_start: int = 0,
+    tp_group: ProcessGroup | None,
+    inv_temperature: float,
+    with_entropy: bool,
+) -> torch.Tensor:
+    """:func:`mp_grpo.ops.logprob_launch.shard_statistics` of the filtered distribution: the statistics of the kept
+    columns of ``x`` into ``stats[row_start : row_start + n]`` (and the shard size into ``stats[N]``); returns the
+    ``[n]`` fp32 thresholds (saved for backward). The finished rows' statistics come from the candidates (step 3),
+    the others' from one more read (step 6)."""
+    request = _StatsRequest(target, stats, row_start, with_entropy)
+    search = threshold_search(x, filt, target_shape, tp_group=tp_group, inv_temperature=inv_temperature,
+                              statistics=request)
+    # --- 6. the rows the candidates did not finish: statistics over the kept columns of the whole shard ---
+    shard_statistics(x, target, stats, row_start=row_start, vocab_start=group_rank(tp_group) * x.shape[1],
+                     inv_temperature=inv_temperature, with_entropy=with_entropy, threshold=search.tau,
+                     skip=search.finished)
+    return search.tau
+
+
+def threshold_search(
+    x: torch.Tensor,  # [n, V_local] logits shard, last dim contiguous
+    filt: SamplingFilter,
+    target_shape: torch.Size,
+    *,
+    tp_group: ProcessGroup | None,
+    inv_temperature: float,
+    statistics: _StatsRequest | None = None,
+) -> ThresholdSearch:
+    """Steps 1-5 of the module docstring (with ``statistics``, step 3 also writes the finished rows' statistics)."""
     n, v_local = x.shape
     device = x.device
-    v_global = v_local * group_size(tp_group)
-    key_bits = 16 if x.dtype in (torch.bfloat16, torch.float16) else 32
-    tau = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
+    tp = group_size(tp_group)
+    v_global = v_local * tp
     if n == 0:
-        return tau
-
-    # --- 1. row maximum over the whole vocabulary (from top-k's first pass when min-p does not need it first) ---
-    row_max = None
-    if filt.min_p is not None or filt.top_k is None:
-        row_max = all_reduce_max(x.amax(dim=-1).float(), tp_group)
-
-    # --- 2. min-p: p_j >= min_p * p_max  <=>  x_j >= x_max + T log(min_p) ---
-    if filt.min_p is not None:
-        min_p = _per_row(filt.min_p, target_shape, device, torch.float32)
-        # log(0) = -inf switches the filter off for that row.
-        tau = torch.maximum(tau, row_max + torch.log(min_p) / inv_temperature)
-
-    # --- 3. top-k: radix select of the k-th largest key, 8 bits a pass, counts all-reduced ---
-    if filt.top_k is not None:
-        k = _per_row(filt.top_k, target_shape, device, torch.int64)
-        budget = torch.where((k <= 0) | (k >= v_global), 0, k).to(torch.int32)  # 0: row off
-        prefix = torch.zeros(n, dtype=torch.int32, device=device)
-        passes = key_bits // RADIX_COUNT_BITS
-        for i in range(passes):
-            local_max = torch.empty(n, dtype=torch.float32, device=device) if row_max is None and i == 0 else None
-            hist = radix_histogram(x, tau, prefix, shift=key_bits - RADIX_COUNT_BITS * (i + 1),
-                                   digit_bits=RADIX_COUNT_BITS, mass=False, first=i == 0, row_max_out=local_max)
-            hist = all_reduce_sum(hist, tp_group)
-            if local_max is not None:
-                row_max = all_reduce_max(local_max, tp_group)
-            radix_select(hist, x, prefix, budget, tau, digit_bits=RADIX_COUNT_BITS, first=i == 0, last=i == passes - 1)
-
-    # --- 4. top-p: radix select on the mass strictly above, 4 bits a pass, then the last 8 bits exactly ---
+        return ThresholdSearch(torch.empty(0, dtype=torch.float32, device=device),
+                               torch.empty(0, dtype=torch.int8, device=device))
+    top_k = min_p = top_p = None
+    if filt.top_k is not None:  # int32 k, 0: off (k <= 0 or k >= V keeps all)
+        if isinstance(filt.top_k, int):
+            top_k = torch.full((n,), filt.top_k if filt.top_k < v_global else 0, dtype=torch.int32, device=device)
+        else:
+            k = _per_row(filt.top_k, target_shape, device, torch.int64)
+            top_k = torch.where((k <= 0) | (k >= v_global), 0, k).to(torch.int32)
     if filt.top_p is not None:
         top_p = _per_row(filt.top_p, target_shape, device, torch.float32).contiguous()
+    if filt.min_p is not None:
+        min_p = _per_row(filt.min_p, target_shape, device, torch.float32).contiguous()
+
+    # --- 1. one read: the candidates, the row maximum and (top-p) the sum-exp ---
+    found = gather_candidates(x, with_sum=top_p is not None, inv_temperature=inv_temperature)
+    # --- 2. the one all-gather of the candidate buffers ---
+    gathered = candidates_of(all_gather_stacked(found.buffer, tp_group), x.dtype)
+    # --- 3. min-p, top-k, top-p on the candidates; the finished rows' statistics ---
+    selected = select_from_candidates(
+        gathered, x, rank=group_rank(tp_group), v_global=v_global, top_k=top_k, top_p=top_p, min_p=min_p,
+        inv_temperature=inv_temperature,
+        stats=statistics.stats if statistics is not None else None,
+        target=statistics.target if statistics is not None else None,
+        row_start=statistics.row_start if statistics is not None else 0,
+        with_entropy=statistics.with_entropy if statistics is not None else False,
+    )
+    tau, skip = selected.tau, selected.finished
+    bits = key_bits(x.dtype)
+
+    if tp == 1:
+        # --- 4.–5. TP = 1: the fallback's whole search in one launch (no histogram meets other ranks') ---
+        radix_search(x, tau, selected.row_max, top_k=top_k, top_p=top_p, skip=skip, inv_temperature=inv_temperature)
+        return ThresholdSearch(tau, skip)
+
+    # --- 4. fallback top-k: radix select of the k-th largest key, 8 bits a pass, counts all-reduced ---
+    if top_k is not None:
+        prefix = torch.zeros(n, dtype=torch.int32, device=device)
+        passes = bits // RADIX_COUNT_BITS
+        for i in range(passes):
+            hist = radix_histogram(x, tau, prefix, shift=bits - RADIX_COUNT_BITS * (i + 1),
+                                   digit_bits=RADIX_COUNT_BITS, mass=False, first=i == 0, skip=skip)
+            radix_select(all_reduce_sum(hist, tp_group), x, prefix, top_k, tau, digit_bits=RADIX_COUNT_BITS,
+                         first=i == 0, last=i == passes - 1, skip=skip)
+
+    # --- 5. fallback top-p: radix select on the mass strictly above, 4 bits a pass, then the last 8 bits exactly ---
+    if top_p is not None:
         prefix = torch.zeros(n, dtype=torch.int32, device=device)
         budget = torch.empty(n, dtype=torch.float32, device=device)
         above = torch.zeros(n, dtype=torch.float32, device=device)
-        widths = [RADIX_MASS_BITS] * ((key_bits - RADIX_COUNT_BITS) // RADIX_MASS_BITS) + [RADIX_COUNT_BITS]
-        shift = key_bits
-        for i, bits in enumerate(widths):
-            shift -= bits
-            hist = radix_histogram(x, tau, prefix, shift=shift, digit_bits=bits, mass=True, row_max=row_max,
-                                   inv_temperature=inv_temperature, first=i == 0)
-            hist = all_reduce_sum(hist, tp_group)
-            radix_select(hist, x, prefix, budget, tau, digit_bits=bits, first=i == 0, last=i == len(widths) - 1,
-                         above=above, top_p=top_p)
-    return tau
+        widths = [RADIX_MASS_BITS] * ((bits - RADIX_COUNT_BITS) // RADIX_MASS_BITS) + [RADIX_COUNT_BITS]
+        shift = bits
+        for i, width in enumerate(widths):
+            shift -= width
+            hist = radix_histogram(x, tau, prefix, shift=shift, digit_bits=width, mass=True, row_max=selected.row_max,
+                                   inv_temperature=inv_temperature, first=i == 0, skip=skip)
+            radix_select(all_reduce_sum(hist, tp_group), x, prefix, budget, tau, digit_bits=width, first=i == 0,
+                         last=i == len(widths) - 1, above=above, top_p=top_p, skip=skip)
+    return ThresholdSearch(tau, skip)
 
 
 def count_outside_filter(logprobs: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

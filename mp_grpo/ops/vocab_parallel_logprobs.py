@@ -3,12 +3,13 @@
 Schedule of :class:`VocabParallelLogProbs` (``N`` rows, ``V_local`` columns on each of ``TP`` ranks)
 
 Forward
-    0. Only with a ``sampling_filter``: ``filter_threshold`` (``ops/sampling_filter.py``) reduces the
-       filter to one raw-logit threshold per row by an exact radix select on the logits' key, one read
-       of the shard and one all-reduce per pass — top-k: 2 (bf16 / fp16) / 4 (fp32) passes, ``[N, 256]``
-       int32 each; top-p: 3 / 7 passes, ``[N, 16]`` fp32 (and ``[N, 256]`` for the last); plus the row
-       maximum's all-reduce of ``[N]`` fp32. Steps 1–3 and backward then count only the kept columns
-       (logit >= threshold): the filtered, renormalized distribution.
+    0. Only with a ``sampling_filter`` (``ops/sampling_filter.py``, ``filtered_statistics``): the filter is
+       reduced to one raw-logit threshold per row, and steps 1–3 and backward count only the kept columns
+       (logit >= threshold): the filtered, renormalized distribution. Step 1's read of the shard also keeps
+       each row's largest logits (the candidates); one all-gather of them over ``tp_group`` and a small
+       kernel give the threshold and the statistics of the rows they decide (a trained policy's rows: all of
+       top-k <= 128, top-p where the candidates hold >= p of the mass); the other rows take the exact radix
+       passes (one read of the shard and one all-reduce each) and one more statistics pass.
     1. ``logprob_stats_kernel``: one pass over this rank's shard writes per-row (max, sum-exp,
        sum-exp·z, target logit) — 16 bytes a row; the logits are read once.
     2. One collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped
@@ -45,7 +46,7 @@ from mp_grpo.ops.checks import (
 from mp_grpo.ops.sampling_filter import (
     SamplingFilter,
     check_sampling_filter,
-    filter_threshold,
+    filtered_statistics,
     targets_outside_filter,
 )
 from mp_grpo.ops.logprob_launch import (
@@ -82,19 +83,15 @@ class VocabParallelLogProbs(torch.autograd.Function):
         n = x.shape[0]
         vocab_start = group_rank(tp_group) * v_local
 
-        # --- 0. the sampling filter's per-row threshold (only with a filter) ---
-        threshold = None
-        if sampling_filter is not None:
-            threshold = filter_threshold(
-                x, sampling_filter, target.shape, tp_group=tp_group, inv_temperature=inv_temperature
-            )
-
-        # --- 1. statistics of this rank's shard (one read of the logits) ---
+        # --- 0.–1. statistics of this rank's shard (one read of the logits); with a filter, of its kept set ---
         stats = new_stats_buffer(n, x.device)
-        shard_statistics(
-            x, t, stats, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
-            threshold=threshold,
-        )
+        threshold = None
+        if sampling_filter is None:
+            shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=inv_temperature,
+                             with_entropy=with_entropy)
+        else:
+            threshold = filtered_statistics(x, t, stats, sampling_filter, target.shape, tp_group=tp_group,
+                                            inv_temperature=inv_temperature, with_entropy=with_entropy)
 
         # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
         #          log-prob, entropy, logZ = M + log S; raise on bad input ---

@@ -161,6 +161,45 @@ def test_loss_on_logits_is_capturable_and_equals_the_two_ops(objective: str) -> 
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)
 
 
+def test_loss_on_logits_with_a_sampling_filter_is_capturable_and_equals_the_two_ops() -> None:
+    """``GRPOLoss.on_logits`` with a ``sampling_filter`` (the fused path; per-row top-k / top-p, peaky rows that the
+    candidates finish and flat rows that take the radix fallback): captured and replayed bitwise equal to eager,
+    and eager bitwise equal to ``vocab_parallel_logprobs(sampling_filter=...)`` then the loss."""
+    from mp_grpo.ops import SamplingFilter
+
+    cfg = LossConfig(policy=PolicyConfig(eps_high=0.28))
+    B, T = 8, N // 8
+    mask, old, adv, batch = _loss_inputs(B, T, seed=7)
+    loss_fn = GRPOLoss(cfg, backend=LossBackend.TRITON)
+    gen = torch.Generator(device="cuda").manual_seed(70)
+    filt = SamplingFilter(top_k=torch.randint(0, 80, (B, T), generator=gen, device="cuda"),
+                          top_p=torch.rand(B, T, generator=gen, device="cuda") * 0.2 + 0.8)
+
+    def make(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        logits = torch.randn(B, T, V, generator=g, device="cuda") * 2
+        logits[::2] += torch.zeros(V, device="cuda").index_fill_(0, torch.arange(3, device="cuda") * 997, 14.0)
+        logits = logits.to(torch.bfloat16)
+        return [logits, logits.float().argmax(-1)]  # the argmax: inside every filter's kept set
+
+    def step(logits, target):
+        x = logits.detach().requires_grad_()
+        loss, metrics = loss_fn.on_logits(x, target, old, adv, mask, batch=batch, sampling_filter=filt)
+        (grad,) = torch.autograd.grad(loss * 0.5, [x])
+        return loss.detach(), grad, metrics["ratio/mean"], metrics["clip_frac/high"]
+
+    _replay_equals_eager(step, make)
+    logits, target = make(3)
+    ours = step(logits, target)
+    x = logits.detach().requires_grad_()
+    loss, metrics = loss_fn(vocab_parallel_logprobs(x, target, sampling_filter=filt), old, adv, mask, batch=batch)
+    (grad,) = torch.autograd.grad(loss * 0.5, [x])
+    for name, a, b in zip(("loss", "grad", "ratio", "clip"), ours,
+                          (loss.detach(), grad, metrics["ratio/mean"], metrics["clip_frac/high"])):
+        assert torch.equal(a, b), f"{name}: on_logits with a filter differs from the two ops"
+    mp_grpo.check_errors()
+
+
 def test_bad_target_is_raised_at_check_errors_eager_and_in_a_replay() -> None:
     logits, target, g_lp, g_ent = _logits_inputs(3)
     mp_grpo.check_errors()

@@ -1,5 +1,6 @@
 """vocab_parallel_logprobs with a sampling filter on a CUDA GPU, at real vocabulary sizes, vs the float64
-reference that filters the full softmax (tests/reference.py). Skipped without a GPU.
+reference that filters the full softmax (tests/reference.py), on a trained policy's rows (the candidates of the
+statistics' read finish the search) and on flat rows (top-p takes the radix fallback). Skipped without a GPU.
 
     python -m pytest tests/gpu/test_logprob_filter.py tests/gpu/test_logprob_batch_invariance.py -v
 """
@@ -11,6 +12,7 @@ import torch
 
 from mp_grpo import check_errors, vocab_parallel_logprobs
 from mp_grpo.ops import SamplingFilter, count_outside_filter
+from tests.policy_logits import flat_logits, policy_logits
 from tests.reference import filtered_logprobs_reference, sampling_filter_keep_reference
 from tests.tolerances import assert_close
 
@@ -26,19 +28,13 @@ FILTERS = [
 ]
 
 
-def _peaky_logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A language-model-like row: a few dominant tokens over a long tail."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(rows, vocab, device="cuda", generator=gen) * 2
-    x[:, :40] += torch.linspace(9, 3, 40, device="cuda")
-    return x[:, torch.randperm(vocab, device="cuda", generator=gen)].to(dtype)
-
-
+@pytest.mark.parametrize("rows", ["policy", "flat"])
 @pytest.mark.parametrize("vocab", [151936, 18992])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("filt", FILTERS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
-def test_filter_matches_reference_on_gpu(vocab, dtype, filt):
-    logits = _peaky_logits(16, vocab, dtype, seed=vocab % 97)
+def test_filter_matches_reference_on_gpu(vocab, dtype, filt, rows):
+    make = policy_logits if rows == "policy" else flat_logits
+    logits = make(16, vocab, seed=vocab % 97, dtype=dtype)
     temperature = 0.9
     keep_ref = sampling_filter_keep_reference(logits.cpu(), temperature=temperature, **filt)
     # The op's kept set: the float64 reference's, up to the one boundary tie group that fp32 mass sums may
@@ -63,7 +59,7 @@ def test_filter_matches_reference_on_gpu(vocab, dtype, filt):
 
 
 def test_per_row_filters_and_outside_targets_on_gpu():
-    logits = _peaky_logits(8, 18992, torch.bfloat16, seed=3)
+    logits = flat_logits(8, 18992, seed=3)
     filt = dict(top_k=torch.tensor([20, 0, 50, 1, 5, 100, 0, 7], device="cuda"),
                 top_p=torch.tensor([0.9, 0.95, 1.0, 0.5, 0.8, 0.9, 0.99, 1.0], device="cuda"))
     keep = sampling_filter_keep_reference(logits.cpu(), **{k: v.cpu() for k, v in filt.items()})
@@ -82,8 +78,10 @@ def test_per_row_filters_and_outside_targets_on_gpu():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_threshold_search_kept_set_exact_on_gpu(dtype):
-    """The radix select's kept set equals the float64 reference's at V = 151936, rows with ties included."""
-    logits = _peaky_logits(12, 151936, dtype, seed=5)
+    """The threshold search's kept set (candidates and radix fallback) equals the float64 reference's at V = 151936,
+    flat and trained-policy rows, rows with ties included."""
+    logits = flat_logits(12, 151936, seed=5, dtype=dtype)
+    logits[6:] = policy_logits(6, 151936, seed=5, dtype=dtype)
     logits[:4] = (logits[:4].float() * 2).round().to(dtype) / 2  # heavy ties
     for filt in (dict(top_k=20), dict(top_p=0.9), dict(top_k=50, top_p=0.95), dict(min_p=0.01, top_p=0.99)):
         keep = _kept_set(logits, filt, 0.9)
@@ -150,3 +148,21 @@ def test_fused_ops_with_filter_on_gpu():
         for actual, expected, what in zip(out[name], out["per_token"], ("grad hidden", "grad weight")):
             err = (actual - expected).norm() / expected.norm()
             assert err < 2e-2, f"{name} {what}: relative L2 error {err:.2e}"
+
+
+def test_trained_policy_rows_finish_on_the_candidates_and_flat_rows_fall_back():
+    """At V = 151936 (bf16): top-k (k <= 128) and top-k + top-p finish on the candidates for every row; top-p on a
+    trained policy's rows too, on flat rows never — and the kept sets are the reference's either way."""
+    from mp_grpo.ops.sampling_filter import threshold_search
+
+    policy = policy_logits(32, 151936, seed=2)
+    flat = flat_logits(32, 151936, seed=2)
+    for logits, filt, expect in ((policy, dict(top_k=50), True), (flat, dict(top_k=128), True),
+                                 (policy, dict(top_p=0.95), True), (flat, dict(top_p=0.95), False),
+                                 (flat, dict(top_k=50, top_p=0.95), True)):
+        search = threshold_search(logits, SamplingFilter(**filt), logits.shape[:-1], tp_group=None,
+                                  inv_temperature=1.0)
+        finished = search.finished.bool().cpu()
+        assert finished.all() if expect else not finished.any(), (filt, finished)
+        keep_ref = sampling_filter_keep_reference(logits.cpu(), **filt)
+        _assert_admissible((logits.float() >= search.tau[:, None]).cpu(), keep_ref, logits, filt)

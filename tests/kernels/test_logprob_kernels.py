@@ -2,7 +2,7 @@
 GPU: Triton's real compiler (to PTX and, with the ptxas shipped in the triton wheel, to a cubin), not the
 interpreter the CPU suite runs them in — the interpreter accepts code the compiler rejects (a global that is
 not ``tl.constexpr`` did slip through it once). Every logits dtype, with and without entropy and a
-sampling filter's threshold, and the threshold search's radix kernels, at the block
+sampling filter's threshold, the threshold search's candidate and select kernels and its radix kernels, at the block
 sizes ``kernels/launch_config.py`` picks on a GPU; the mass pass's loop has no layout conversion.
 
 The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script; see ``sm90.py``).
@@ -17,12 +17,21 @@ from tests.kernels.sm90 import Sm90Compiler, needs_nvidia_backend, run_compile_s
 
 @needs_nvidia_backend
 def test_logprob_kernels_compile_for_sm90() -> None:
-    assert "compiled 68 kernels" in run_compile_script(__file__)
+    assert "compiled 104 kernels" in run_compile_script(__file__)
 
 
 def _compile_all() -> None:
     from mp_grpo.kernels.logprob_backward import logprob_backward_kernel
-    from mp_grpo.kernels.logprob_filter import logprob_radix_hist_kernel, logprob_radix_select_kernel
+    from mp_grpo.kernels.logprob_candidates import (
+        logprob_candidate_select_kernel,
+        logprob_candidates_kernel,
+        logprob_group_max_kernel,
+    )
+    from mp_grpo.kernels.logprob_filter import (
+        logprob_radix_hist_kernel,
+        logprob_radix_search_kernel,
+        logprob_radix_select_kernel,
+    )
     from mp_grpo.kernels.logprob_merge import logprob_merge_kernel
     from mp_grpo.kernels.logprob_stats import logprob_stats_kernel
 
@@ -36,10 +45,12 @@ def _compile_all() -> None:
     for stats_block, stats_compiler in ((4096, compiler), (8192, long_rows)):
         for logits, with_entropy, with_threshold in cases:
             stats_compiler.compile(logprob_stats_kernel, dict(
-                x_ptr=logits, target_ptr="*i64", stats_ptr="*fp32", threshold_ptr="*fp32", n="i32", row_start="i32",
+                x_ptr=logits, target_ptr="*i64", stats_ptr="*fp32", threshold_ptr="*fp32", skip_ptr="*i8", n="i32",
+                row_start="i32",
                 N_total="i32", V_local="i32", vocab_start="i32", stride_x_row="i64", stride_stats_row="i32",
                 inv_temperature="fp32",
-            ), dict(HAS_ENTROPY=with_entropy, HAS_THRESHOLD=with_threshold, BLOCK_V=stats_block))
+            ), dict(HAS_ENTROPY=with_entropy, HAS_THRESHOLD=with_threshold, HAS_SKIP=with_threshold,
+                    BLOCK_V=stats_block))
             stats_compiler.compile(logprob_backward_kernel, dict(
                 x_ptr=logits, grad_x_ptr=logits, target_ptr="*i64", row_max_ptr="*fp32", log_sum_ptr="*fp32",
                 entropy_ptr="*fp32", grad_logprob_ptr="*fp32", grad_entropy_ptr="*fp32", threshold_ptr="*fp32",
@@ -59,10 +70,10 @@ def _compile_all() -> None:
         for mode, digit_bits, has_prefix, has_max, block_v in passes:
             compiled = compile_kernel(logprob_radix_hist_kernel, dict(
                 x_ptr=logits, tau_ptr="*fp32", prefix_ptr="*i32", row_max_ptr="*fp32",
-                hist_ptr="*i32" if mode == 0 else "*fp32", row_max_out_ptr="*fp32", V_local="i32",
+                hist_ptr="*i32" if mode == 0 else "*fp32", row_max_out_ptr="*fp32", skip_ptr="*i8", V_local="i32",
                 stride_x_row="i64", stride_hist_row="i32", inv_temperature="fp32", shift="i32",
             ), dict(KEY_BITS=key_bits, DIGIT_BITS=digit_bits, MODE=mode, HAS_PREFIX=has_prefix,
-                    HAS_ROW_MAX_OUT=has_max, BLOCK_V=block_v))
+                    HAS_ROW_MAX_OUT=has_max, HAS_SKIP=not has_max, BLOCK_V=block_v))
             if mode == 1:
                 # The mass pass's loop must not convert layouts (through shared memory): a [BLOCK_V] load
                 # compared as digit[:, None] did, twice a block, and ran at 25x one read on an H100.
@@ -74,15 +85,54 @@ def _compile_all() -> None:
             compile_kernel(logprob_radix_select_kernel, dict(
                 hist_ptr="*fp32" if is_top_p else "*i32", x_ptr=logits, prefix_ptr="*i32",
                 budget_ptr="*fp32" if is_top_p else "*i32", above_ptr="*fp32", top_p_ptr="*fp32",
-                tau_ptr="*fp32", N="i32", stride_hist_row="i32",
-            ), dict(KEY_BITS=key_bits, DIGIT_BITS=digit_bits, IS_TOP_P=is_top_p, IS_FIRST=first, IS_LAST=last))
+                tau_ptr="*fp32", skip_ptr="*i8", N="i32", stride_hist_row="i32",
+            ), dict(KEY_BITS=key_bits, DIGIT_BITS=digit_bits, IS_TOP_P=is_top_p, IS_FIRST=first, IS_LAST=last,
+                    HAS_SKIP=True))
+    # TP = 1: the whole radix fallback of a row in one program.
+    for logits in ("*bf16", "*fp16", "*fp32"):
+        for has_k, has_p in ((True, False), (False, True), (True, True)):
+            compile_kernel(logprob_radix_search_kernel, dict(
+                x_ptr=logits, tau_ptr="*fp32", row_max_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32",
+                prefix_ptr="*i32", budget_ptr="*fp32", above_ptr="*fp32", count_hist_ptr="*i32", mass_hist_ptr="*fp32",
+                skip_ptr="*i8", V_local="i32", stride_x_row="i64", inv_temperature="fp32",
+            ), dict(KEY_BITS=32 if logits == "*fp32" else 16, HAS_TOP_K=has_k, HAS_TOP_P=has_p, COUNT_BLOCK_V=4096,
+                    MASS_BLOCK_V=512))
+    # The candidate search: the group-maxima read, the per-row candidate kernel (one warp), the select kernel (TP =
+    # 1 / 2 / 8: its [TP, 512] tile in registers, one warp up to TP = 2) — every logits dtype, the GPU
+    # configurations (groups of 128 columns at V_local = 151936, 32 at 18992). Aligned as the launcher specializes.
+    one_warp = Sm90Compiler(num_warps=1)
+    for logits in ("*bf16", "*fp16", "*fp32"):
+        key_bits = 32 if logits == "*fp32" else 16
+        for block, group, groups_pad, read_compiler in ((4096, 32, 1024, compiler), (8192, 128, 2048, long_rows)):
+            for has_sum in (False, True):
+                compiled = read_compiler.compile(logprob_group_max_kernel, dict(
+                    x_ptr=logits, maxima_ptr=logits, head_ptr="*i32", V_local="i32", n_groups="i32",
+                    stride_x_row="i64", stride_maxima_row="i32", stride_head_row="i32", inv_temperature="fp32",
+                ), dict(GROUP=group, HAS_SUM=has_sum, BLOCK_V=block), aligned=("x_ptr", "V_local", "stride_x_row"))
+                # The logits are read in 16-byte vectors, as by the statistics kernel.
+                assert "ld.global.v4" in compiled.asm["ptx"], f"group-maxima read without 16-byte loads ({logits})"
+            one_warp.compile(logprob_candidates_kernel, dict(
+                x_ptr=logits, maxima_ptr=logits, index_ptr="*i32", head_ptr="*i32", cand_ptr=logits, V_local="i32",
+                n_groups="i32", stride_x_row="i64", stride_maxima_row="i32", stride_index_row="i32",
+                stride_head_row="i32", stride_cand_row="i32",
+            ), dict(KEY_BITS=key_bits, GROUP=group, KEEP=128, GROUPS_CAP=256, CAP=512, GROUPS_PAD=groups_pad,
+                    CHUNK=512 // group))
+        for tp in (1, 2, 8):
+            (one_warp if tp <= 2 else compiler).compile(logprob_candidate_select_kernel, dict(
+                head_ptr="*i32", cand_ptr=logits, x_ptr=logits, target_ptr="*i64", top_k_ptr="*i32",
+                top_p_ptr="*fp32", min_p_ptr="*fp32", tau_ptr="*fp32", row_max_ptr="*fp32", finished_ptr="*i8",
+                stats_ptr="*fp32", row_start="i32", V_local="i32", vocab_start="i32", v_global="i32", tp="i32",
+                rank="i32", stride_head_rank="i32", stride_head_row="i32", stride_cand_rank="i32",
+                stride_cand_row="i32", stride_x_row="i64", stride_stats_row="i32", inv_temperature="fp32",
+            ), dict(KEY_BITS=key_bits, GROUP=1, CAP=512, TP_PAD=tp, HAS_MIN_P=True, HAS_TOP_K=True, HAS_TOP_P=True,
+                    HAS_ENTROPY=True, WRITE_STATS=True))
     for with_entropy in (False, True):
         compile_kernel(logprob_merge_kernel, dict(
             stats_ptr="*fp32", target_ptr="*i64", logprob_ptr="*fp32", entropy_ptr="*fp32", row_max_ptr="*fp32",
             log_sum_ptr="*fp32", errors_ptr="*i64", N="i32", TP="i32", V_global="i32", ignore_index="i32",
             stride_stats_rank="i32", stride_stats_row="i32",
         ), dict(HAS_ENTROPY=with_entropy, BLOCK_N=256))
-    print(f"compiled {compiler.count + long_rows.count} kernels for sm_90")
+    print(f"compiled {compiler.count + long_rows.count + one_warp.count} kernels for sm_90")
 
 
 if __name__ == "__main__":
