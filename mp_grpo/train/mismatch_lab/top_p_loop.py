@@ -37,8 +37,9 @@ VARIANTS: dict[str, list[str]] = {
 class TopPLoopSetup:
     """What experiment (f) runs (the documented run; :data:`QUICK` is the lab's default)."""
 
-    steps: int = 12
-    """Optimizer steps per run (on-policy: one rollout batch of 48 sequences × 6 completion tokens each)."""
+    steps: int = 20
+    """Optimizer steps per run, as the job's config (on-policy: one rollout batch of 48 sequences × 6 completion
+    tokens a step)."""
     variants: tuple[str, ...] = tuple(VARIANTS)
     """Names from :data:`VARIANTS`."""
     extra_overrides: tuple[str, ...] = ("parallel.tensor_model_parallel_size=1", "parallel.sequence_format=padded",
@@ -47,7 +48,7 @@ class TopPLoopSetup:
 
 
 QUICK = TopPLoopSetup(steps=2)
-"""The lab's default for (f): every variant, 2 steps (``--full``: the documented 12)."""
+"""The lab's default for (f): every variant, 2 steps (``--full``: the documented 20)."""
 
 
 def run(setup: TopPLoopSetup = TopPLoopSetup()) -> dict:
@@ -68,10 +69,13 @@ def run(setup: TopPLoopSetup = TopPLoopSetup()) -> dict:
         rollouts: list[dict] = []
 
         def take(micro, cfg=cfg, rollouts=rollouts) -> None:
-            old = torch.cat([mb.old_logprobs for mb in micro]).double()
-            rollout = torch.cat([mb.rollout_logprobs for mb in micro]).double()
-            mask = torch.cat([mb.loss_mask for mb in micro])
-            rollouts.append(mismatch_statistics(old, rollout, mask, cfg.loss.policy.log_ratio_clamp))
+            width = max(mb.loss_mask.shape[1] for mb in micro)  # padded micro-batches: one sequence a row
+
+            def rows(name: str) -> torch.Tensor:
+                return torch.cat([torch.nn.functional.pad(getattr(mb, name), (0, width - mb.loss_mask.shape[1])) for mb in micro])
+
+            old, rollout = rows("old_logprobs").double(), rows("rollout_logprobs").double()
+            rollouts.append(mismatch_statistics(old, rollout, rows("loss_mask"), cfg.loss.policy.log_ratio_clamp))
 
         start = time.perf_counter()
         records = loop.run(cfg, on_rollout=take)
