@@ -226,7 +226,8 @@ def rollout_batch(cfg: JobConfig, rollout_index: int, trainer: Trainer, engine: 
         ref = forward_logprobs(grpo, trainer.forward_backward, trainer.reference, unfiltered, model_kwargs=trainer.model_kwargs)
         micro = [replace(mb, ref_logprobs=lp) for mb, lp in zip(micro, ref.logprobs)]
     stats = dict(reward=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
-                 solved=float((rewards == 1.0).float().mean()), outside_filter=counts[0] / max(counts[1], 1.0),
+                 solved=float((rewards == 1.0).float().mean()),
+                 outside_filter=counts[0] / counts[1],  # counts[1] ≥ 1: every completion has a token
                  completions=gen.tokens.cpu(), rewards=rewards.cpu())
     return micro, old.entropy, stats
 

@@ -94,7 +94,8 @@ class RolloutEngine:
         when the engine samples from the whole vocabulary."""
         if self.config.top_k == 0 and self.config.top_p >= 1.0:
             return None
-        return SamplingFilter(top_k=self.config.top_k or None, top_p=None if self.config.top_p >= 1.0 else float(self.config.top_p))
+        top_p = None if self.config.top_p >= 1.0 else float(self.config.top_p)
+        return SamplingFilter(top_k=self.config.top_k or None, top_p=top_p)
 
     @torch.no_grad()
     def sync_weights(self, trainer_model: torch.nn.Module) -> None:

@@ -9,8 +9,9 @@
 * The loop itself under torchrun (gloo) with top-k and top-p on and a bf16 engine: TP = 1, TP = 2 and DP = 2
   give the same completions, rewards and dropped-token fractions, and loss / grad norm to fp32 reduction order
   (the micro-batch split is tested without a filter in test_trajectory_invariance.py; the filter is per row);
-  both passes carry the filter; with replay the vllm-kl is at the bf16 level and the token IS mean 1, without
-  it the IS mean is the kept mass (< 1).
+  the old-log-prob and training passes carry the filter (on-policy ratios exactly 1), the reference pass does
+  not (a finite KL); with replay the vllm-kl is at the bf16 level and the token IS mean 1, without it the IS
+  mean is the kept mass (< 1).
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ BASE = [
     "rollout.group_size=4", "rollout.prompt_min_length=1", "rollout.prompt_max_length=2",
     "task.completion_length=3", "output.progress_bar=false", "parallel.sequence_format=packed",
     "engine.dtype=bf16", "engine.top_k=6", f"engine.top_p={TOP_P}",
+    "loss.kl.coef=0.01",  # the reference pass too (full-vocabulary log-probs)
 ]
 # name -> (processes, overrides); every layout has 8 sequences a step
 LAYOUTS = {
@@ -199,7 +201,7 @@ def case_runs(names: list[str], out: str) -> None:
         results[name] = [dict(completions=r["completions"].tolist(), rewards=r["rewards"].tolist(),
                               loss=r["metrics"]["loss"], grad_norm=r["grad_norm"], outside=r["outside_filter"],
                               k3=r["metrics"]["mismatch/k3"], is_mean=r["metrics"]["is_weight/raw/mean"],
-                              ratio=(r["metrics"]["ratio/min"], r["metrics"]["ratio/max"]),
+                              ratio=(r["metrics"]["ratio/min"], r["metrics"]["ratio/max"]), kl=r["metrics"]["kl"],
                               replayed=replayed) for r in records]
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
@@ -224,6 +226,9 @@ def test_loop_replays_the_filter_on_every_layout(tmp_path: Path) -> None:
             # On-policy: the training pass's log-probs equal the old pass's, so it replays the filter too.
             assert b["ratio"] == [1.0, 1.0], f"training-pass ratios {b['ratio']}: {where}"
             assert abs(b["loss"] - a["loss"]) <= TOL_LOSS_ABS, f"loss {b['loss']} vs {a['loss']}: {where}"
+            # KL(π_θ^filtered ‖ π_ref) on full-vocabulary reference log-probs: finite, and > 0 even at step 0
+            # (θ = ref) by the filter's kept mass.
+            assert 0.0 < b["kl"] < 1.0, f"kl {b['kl']}: {where}"
             assert abs(b["grad_norm"] - a["grad_norm"]) <= TOL_GRAD_NORM_REL * a["grad_norm"], \
                 f"grad norm {b['grad_norm']} vs {a['grad_norm']}: {where}"
     assert no_replay[0]["completions"] == base[0]["completions"]  # the same engine; the updates then differ
