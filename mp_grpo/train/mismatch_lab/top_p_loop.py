@@ -142,13 +142,15 @@ def plot(result: dict, path: Path) -> None:
         steps = [x["step"] for x in r["steps"]]
         ax1.plot(steps, [x["reward"] for x in r["steps"]], "o-", ms=3, label=name)
         ax2.plot(steps, [x["sequence_is_mean"] for x in r["steps"]], "o-", ms=3, label=name)
+    for ax in (ax1, ax2):
+        ax.xaxis.get_major_locator().set_params(integer=True)
     ax1.set_xlabel("optimizer step")
     ax1.set_ylabel("mean reward of the rollout batch")
     ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("sequence IS mean, mean over sequences of exp(Σ old − rollout)")
+    ax2.set_ylabel("sequence IS mean: mean of exp Σ(old − rollout)")
     ax2.set_ylim(0.0, 1.1)
     ax1.legend(fontsize=8)
-    fig.suptitle("(f) the learning loop with top-p sampling, the filter replayed by the trainer or not (bf16 engine)")
+    fig.suptitle("(f) the learning loop sampling with top-p (bf16 engine): the trainer replays the filter or not")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
