@@ -2,7 +2,8 @@
 
 * The boundary rule on a constructed case: a row of logits whose fp32 top-p nucleus drops a token that the
   same logits rounded to bf16 keep — a bf16 engine samples it, the fp32 trainer's replayed filter gives it
-  log-prob −inf. :func:`~mp_grpo.train.loop.drop_outside_filter` takes it out of the loss mask and counts it:
+  log-prob −inf (the old-log-prob pass's function equals the float64 filtered reference, the −inf included).
+  :func:`~mp_grpo.train.loop.drop_outside_filter` takes it out of the loss mask and counts it:
   loss, gradient and metrics then equal those of the same micro-batch with that token never trained on, all
   finite; without the rule the token's clamped log-ratio (−20) dominates vllm-kl and the mismatch skip fires.
   A later update whose filter drops a token the old pass kept: ratio e^−20, no gradient, counted.
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from tests.distributed import torchrun, worker_main
 from tests.reference import filtered_logprobs_reference, sampling_filter_keep_reference
+from tests.tolerances import assert_close
 
 TOP_P = 0.8
 VOCAB = 16
@@ -115,6 +117,9 @@ def test_boundary_token_leaves_the_loss_as_if_never_trained_on() -> None:
     with torch.no_grad():
         old, _ = grpo.token_logprobs(logits, mb)  # the old-log-prob pass's function (forward_logprobs calls it)
     assert bool(torch.isneginf(old[b, s])) and int(torch.isneginf(old).sum()) == 1
+    ref, _ = filtered_logprobs_reference(logits, mb.targets, top_p=TOP_P)  # TP = 1 against float64
+    assert torch.equal(torch.isneginf(old), torch.isneginf(ref))
+    assert_close(old[torch.isfinite(ref)], ref[torch.isfinite(ref)], torch.float32, msg="old log-probs vs float64")
     with_old = mb.with_logprobs(old_logprobs=old)
     ruled, dropped = drop_outside_filter(with_old)
     assert int(dropped) == 1 and not bool(ruled.loss_mask[b, s]) and int(ruled.targets[b, s]) == -100
