@@ -3,12 +3,17 @@
 - :func:`vocab_parallel_logprobs`: exact token log-probs (and entropy) from a vocabulary sharded
   over tensor-parallel ranks, one Triton pass forward and one backward, one small collective.
 - :func:`fused_linear_logprobs`: the same from the hidden states and the output-layer weight shard,
-  chunk by chunk, never holding the whole logits.
+  chunk by chunk, never holding the whole logits; :func:`fused_linear_loss`: a token-separable loss of
+  those log-probs with its gradient made in forward (no recompute).
 - :class:`GRPOLoss`, :class:`GlobalBatch`, :func:`reduce_metrics`, :class:`LossConfig`, :func:`load_config`:
   the GRPO-family loss with every correction, normalized by the step's explicit global account
   (``docs/loss.md``); :class:`PaddedSequences` / :class:`PackedSequences` for padded, packed and
-  context-parallel sequences.
+  context-parallel sequences; :func:`preset_names` lists the shipped loss presets, :class:`ConfigError` is
+  what a bad config raises.
 """
+
+__version__ = "0.1.0"
+"""The package's version: the one place it is written (``pyproject.toml`` reads it, ``dynamic = ["version"]``)."""
 
 # First, before anything imports triton: on a machine without a GPU this selects Triton's
 # interpreter (see mp_grpo/kernels/__init__.py).
@@ -16,13 +21,15 @@ import mp_grpo.kernels  # noqa: F401  isort: skip
 
 from mp_grpo.ops import fused_linear_logprobs, vocab_parallel_logprobs
 from mp_grpo.ops.checks import CheckInputs, check_errors
+from mp_grpo.ops.fused_linear_loss import fused_linear_loss
 
 # The GRPO-family loss layer (plain torch) and its typed config (omegaconf is only needed by load_config).
-from mp_grpo.config import LossConfig, load_config  # noqa: E402  isort: skip
+from mp_grpo.config import ConfigError, LossConfig, load_config, preset_names  # noqa: E402  isort: skip
 from mp_grpo.loss import (  # noqa: E402  isort: skip
     GlobalBatch, GRPOLoss, LossBackend, PackedSequences, PaddedSequences, SequenceLayout, reduce_metrics,
 )
 
-__all__ = ["CheckInputs", "check_errors", "fused_linear_logprobs", "vocab_parallel_logprobs"]
-__all__ += ["GRPOLoss", "GlobalBatch", "LossBackend", "LossConfig", "PackedSequences", "PaddedSequences",
-            "SequenceLayout", "load_config", "reduce_metrics"]
+__all__ = ["CheckInputs", "check_errors", "fused_linear_logprobs", "fused_linear_loss", "vocab_parallel_logprobs"]
+__all__ += ["ConfigError", "GRPOLoss", "GlobalBatch", "LossBackend", "LossConfig", "PackedSequences",
+            "PaddedSequences", "SequenceLayout", "load_config", "preset_names", "reduce_metrics"]
+__all__ += ["__version__"]

@@ -37,7 +37,7 @@ case "$what" in
     python3 -m pytest tests/gpu/test_forward_only.py -v -s -p no:cacheprovider 2>&1 | tee "$out/forward_only.log" \
       | grep -E "PASS|FAIL|SKIP|passed|failed|Error|forward_logprobs" | tail -20
     torchrun --standalone --nproc_per_node 1 -m mp_grpo.train --config gpu output.progress_bar=false \
-      output.json_log="$out/grpo_gpu.json" output.plot="$out/grpo_gpu.png" 2>&1 | tee "$out/grpo_gpu.log" | grep -v -i warn | tail -70
+      output.dir="$out/grpo_gpu" 2>&1 | tee "$out/grpo_gpu.log" | grep -v -i warn | tail -70
     ;;
   loss)
     python3 scripts/bench_loss.py --out "$out" 2>&1 | grep -v -i warn | tail -30

@@ -24,6 +24,8 @@ CHECK = """
 import sys
 from pathlib import Path
 
+import importlib.metadata
+
 import mp_grpo
 from mp_grpo.config import LossConfig, load_config, preset_names
 
@@ -32,6 +34,8 @@ assert Path(mp_grpo.__file__).resolve().is_relative_to(site), f"mp_grpo imported
 shipped = sorted(str(p.relative_to(site)) for p in (site / "mp_grpo").rglob("*.yaml"))
 expected = sys.argv[2].split(",")
 assert shipped == expected, f"the wheel ships {shipped}, the checkout has {expected}"
+installed = importlib.metadata.version("mp_grpo")
+assert installed == mp_grpo.__version__, f"the wheel's metadata says {installed}, mp_grpo.__version__ {mp_grpo.__version__}"
 names = preset_names()
 assert names and all(isinstance(load_config(name), LossConfig) for name in names)
 print("presets", " ".join(names))

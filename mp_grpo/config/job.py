@@ -44,11 +44,14 @@ class OutputPath(str, Enum):
     """How the loss reads the policy's output layer (``model.output_path``; :class:`mp_grpo.megatron.MegatronGRPO`).
 
     Both give the same log-probs and the same parameter gradients; they trade time for memory. Measured
-    on one H200 at N = 16384 tokens, H = 4096, V = 151936, bf16 (``docs/benchmarks/fused.md``): forward +
-    backward of the output layer and the log-probs takes 1.04x the bare output-layer matmuls on the
-    logits path and 1.40x on the fused path (it recomputes the logits in backward), while the logits
-    path holds the ``[tokens, V_local]`` logits (4.6 GiB there, and as much again for their gradient)
-    and the fused path at most 0.72 GiB beyond its inputs.
+    on one H100 at N = 16384 tokens, H = 4096, V = 151936, bf16 (``docs/benchmarks/fused.md``): forward +
+    backward of the output layer and the GRPO loss takes 1.04x the bare output-layer matmuls on the logits
+    path, and on the fused path 1.04x for token-level objectives (the loss's gradient made in forward) and
+    1.34x for sequence-level ones such as GSPO (the logits recomputed in backward); the logits path holds the
+    ``[tokens, V_local]`` logits (4.6 GiB there), the fused path 0.69–0.72 GiB beyond its inputs. MegatronGRPO
+    writes the logits' gradient into them. In a whole training step of a Qwen2.5-1.5B-shaped GPTModel on one
+    H100 both paths take ≤ 1.01x the time of the decoder without an output layer plus the bare output
+    matmuls (``docs/benchmarks/step.md``).
     """
 
     LOGITS = "logits"
@@ -58,6 +61,10 @@ class OutputPath(str, Enum):
     """GPTModel's output layer is skipped; :func:`mp_grpo.fused_linear_logprobs` takes its (TP-gathered)
     input and weight and computes the log-probs chunk by chunk, never holding the logits. For long
     sequences or large vocabularies, where the logits path runs out of memory."""
+
+
+MIN_GROUP_SIZE = 2
+"""Fewest completions per prompt: a group's advantages are its rewards minus their mean, all 0 for a group of one."""
 
 
 def _positive(key: str, value: int) -> None:
@@ -91,7 +98,7 @@ class ModelConfig:
     """Seed of the initial weights (the same on every rank: every TP layout starts from the same model)."""
     output_path: OutputPath = OutputPath.LOGITS
     """logits | fused: how the loss reads the output layer (:class:`OutputPath`; same gradients, fused
-    trades ~35 % more output-layer time for not holding the ``[tokens, V_local]`` logits)."""
+    never holds the ``[tokens, V_local]`` logits, at the same speed for token-level objectives)."""
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_sequence_length"):
@@ -159,7 +166,8 @@ class RolloutConfig:
     """``rollout``: the synthetic rollout engine (random prompts and completions, synthetic rewards)."""
 
     group_size: int = 4
-    """Completions per prompt; advantages are normalized within each group. Divides the global batch."""
+    """Completions per prompt (≥ 2); advantages are normalized within each group, so a group of one has advantage
+    0 and nothing is learned. Divides the global batch."""
     prompt_min_length: int = 4
     """Shortest prompt (tokens)."""
     prompt_max_length: int = 16
@@ -177,8 +185,11 @@ class RolloutConfig:
     """Fraction of each completion inside one tool-output span (excluded from the loss mask); 0 = no tools."""
 
     def __post_init__(self) -> None:
-        for key in ("group_size", "prompt_min_length", "prompt_max_length", "completion_min_length", "completion_max_length"):
+        for key in ("prompt_min_length", "prompt_max_length", "completion_min_length", "completion_max_length"):
             _positive(f"rollout.{key}", getattr(self, key))
+        if not isinstance(self.group_size, int) or self.group_size < MIN_GROUP_SIZE:
+            raise ConfigError(f"rollout.group_size: got {self.group_size!r}; allowed: an integer ≥ {MIN_GROUP_SIZE} (advantages "
+                              "are normalized within a group: with one completion per prompt every advantage is 0 and nothing is learned)")
         if self.prompt_min_length > self.prompt_max_length:
             raise ConfigError(f"rollout.prompt_min_length: {self.prompt_min_length} exceeds prompt_max_length "
                               f"{self.prompt_max_length}; allowed: prompt_min_length ≤ prompt_max_length")
@@ -276,14 +287,17 @@ class TaskConfig:
 
 @dataclass
 class OutputConfig:
-    """``output``: what the job writes."""
+    """``output``: what the job writes, and where (:mod:`mp_grpo.train.outputs`)."""
 
-    json_log: str = "out/grpo_step.json"
-    """Path of the JSON log (config, layout, per-step metrics), written by rank 0."""
+    dir: str | None = None
+    """Run directory of ``log.json`` and ``curves.png`` (rank 0). None = ``out/<config name>-seed<seed>-<digest>``,
+    the digest a hash of every other key: runs of different configs never share a directory."""
+    overwrite: bool = False
+    """Allow ``dir`` to replace the files of a run of another config (those of the same config are always replaced)."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
-    plot: str | None = "out/grpo_step.png"
-    """Path of the PNG of reward, loss, grad norm, vllm-kl and IS statistics per step (rank 0); None = none."""
+    plot: bool = True
+    """Write ``curves.png``: reward, loss, grad norm, vllm-kl and IS statistics per step."""
 
 
 @dataclass
@@ -329,10 +343,15 @@ class JobConfig:
 
 def load_job_config(source: str | Path | DictConfig | dict, overrides: Sequence[str] | None = None) -> JobConfig:
     """A validated :class:`JobConfig`: the source, its ``loss_preset`` under its ``loss`` keys, then ``overrides``."""
+    from omegaconf.errors import OmegaConfBaseException
+
     raw = OmegaConf.load(source) if isinstance(source, (str, Path)) else OmegaConf.create(source)
-    raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides or [])))
+    try:
+        raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides or [])))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"overrides: {str(exc).splitlines()[0]}; allowed: 'key=value' strings") from exc
     preset = raw.get("loss_preset")
     if preset is not None:
         inline = raw.get("loss") or {}
-        raw.loss = OmegaConf.merge(OmegaConf.load(preset_path(str(preset))), inline)
+        raw.loss = OmegaConf.merge(OmegaConf.load(preset_path(str(preset), key="loss_preset")), inline)
     return load_config(raw, schema=JobConfig)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import types
 import typing
@@ -48,12 +49,26 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 
-def preset_path(name: str) -> Path:
-    """Path of the shipped preset ``<name>`` (``mp_grpo/presets/<name>.yaml``); the error lists the presets."""
+def preset_path(name: str, *, key: str = "preset") -> Path:
+    """Path of the shipped preset ``<name>`` (``mp_grpo/presets/<name>.yaml``); the error (naming ``key``)
+    suggests the closest name and lists the presets."""
     path = PRESETS_DIR / f"{name}.yaml"
     if not isinstance(name, str) or not _is_preset_name(name) or not path.is_file():
-        raise ConfigError(f"preset: no preset named {name!r} in {PRESETS_DIR}; allowed: {' | '.join(preset_names())}")
+        names = preset_names()
+        raise ConfigError(f"{key}: no preset named {name!r}{_notes(did_you_mean(str(name), names))}; allowed: {' | '.join(names)}")
     return path
+
+
+def did_you_mean(given: str, choices: Sequence[str], *, prefix: str = "") -> str | None:
+    """``"did you mean <prefix><closest>?"`` when one of ``choices`` is close to ``given`` (difflib), else None."""
+    close = difflib.get_close_matches(given, list(choices), n=1)
+    return f"did you mean {prefix}{close[0]}?" if close else None
+
+
+def _notes(*notes: str | None) -> str:
+    """``" (a; b)"`` of the notes that are not None, or ``""``."""
+    kept = [n for n in notes if n]
+    return f" ({'; '.join(kept)})" if kept else ""
 
 
 def _is_preset_name(source: str) -> bool:
@@ -109,7 +124,7 @@ def load_config(
     except ConfigError as exc:
         raise _with_full_key(exc, merged) from None
     except OmegaConfBaseException as exc:
-        raise _explain(exc, schema) from exc
+        raise _explain(exc, schema, loaded, dotlist) from exc
     return obj  # type: ignore[return-value]
 
 
@@ -220,11 +235,14 @@ def _enum_member(enum: type[Enum], value: Any, key: str, annotation: Any) -> Enu
         for member in enum:
             if member.value == value:
                 return member
-    raise ConfigError(f"{key}: got {value!r}; allowed: {_describe(annotation)}")
+    hint = _notes(did_you_mean(str(value), [str(m.value) for m in enum]))
+    raise ConfigError(f"{key}: got {value!r}{hint}; allowed: {_describe(annotation)}")
 
 
-def _explain(exc: Exception, schema: type) -> ConfigError:
-    """Turn an OmegaConf error into a ConfigError naming the full key and the allowed values."""
+def _explain(exc: Exception, schema: type, *sources: DictConfig) -> ConfigError:
+    """Turn an OmegaConf error into a ConfigError naming the full key and the allowed values; for an unknown
+    key, the value given (looked up in ``sources``) and the closest known key."""
+    from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError
 
     full_key = str(getattr(exc, "full_key", "") or "")
@@ -232,7 +250,13 @@ def _explain(exc: Exception, schema: type) -> ConfigError:
     parent, leaf = _resolve(schema, full_key.split(".") if full_key else [])
     if isinstance(exc, ConfigKeyError) or leaf is None:
         keys = [f.name for f in dataclasses.fields(parent)] if parent is not None else []
-        return ConfigError(f"{full_key or '<root>'}: {message}; allowed keys: {' | '.join(keys)}")
+        if not full_key:
+            return ConfigError(f"<root>: {message}; allowed keys: {' | '.join(keys)}")
+        head, _, name = full_key.rpartition(".")
+        given = next((v for s in sources if (v := OmegaConf.select(s, full_key, default=None)) is not None), None)
+        got = None if given is None or OmegaConf.is_config(given) else f"given {given!r}"
+        hint = did_you_mean(name, keys, prefix=f"{head}." if head else "")
+        return ConfigError(f"{full_key}: no such key{_notes(got, hint)}; allowed keys: {' | '.join(keys)}")
     if isinstance(_strip_optional(leaf), type) and issubclass(_strip_optional(leaf), Enum):
         message = message.split(", expected")[0]  # OmegaConf lists the member names; we list the values
     return ConfigError(f"{full_key}: {message}; allowed: {_describe(leaf)}")

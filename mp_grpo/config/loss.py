@@ -419,6 +419,20 @@ class MismatchConfig:
 
 
 @dataclass
+class NonFiniteConfig:
+    """``nonfinite``: what a NaN or ±inf input at a trained position does to the step."""
+
+    skip_step: bool = False
+    """false: GRPOLoss drops the position (no value, no gradient), counts it in the metric ``nonfinite_inputs``
+    and ``mp_grpo.check_errors()`` (which ``reduce_metrics`` and ``GlobalBatch.skip_step`` call) raises a
+    ValueError naming the input. true: ``GlobalBatch.from_rollouts`` also counts the non-finite old / rollout /
+    reference log-probs, advantages and entropies it is given (at trained positions, every rank) in its one
+    all-reduce, and a step with any is skipped on every rank alike (loss 0, zero gradient, ``skip_step()``
+    true) instead of raising. The trained policy's own log-probs (its logits) come from the step itself, after
+    that all-reduce: a non-finite one still raises."""
+
+
+@dataclass
 class LossConfig:
     """The whole GRPO-family loss: one field per section."""
 
@@ -438,6 +452,8 @@ class LossConfig:
     """Training–inference mismatch monitor."""
     nll: NLLConfig = field(default_factory=NLLConfig)
     """Positive-example NLL (VAPO)."""
+    nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    """NaN / ±inf inputs: raise (default) or skip the step on every rank."""
 
     def __post_init__(self) -> None:
         rc = self.rollout_correction

@@ -16,14 +16,17 @@ Schedule (one program per BLOCK positions):
     1. positions, sequences, validity; inputs sanitized (masked positions read as 0, never loaded) — the
        log-probs and entropy loaded, or with FROM_STATS merged from the log-prob op's all-gathered statistics
        (and M, log S, entropy stored for its backward, its error counts added: the merge kernel's work,
-       ``mp_grpo/ops/logits_grpo_loss.py``); the clamped log-ratio ℓ and the rollout log-ratio d.
+       ``mp_grpo/ops/logits_grpo_loss.py``); a valid position with a NaN / ±inf input dropped as if masked
+       (``grpo_loss_common.token_inputs``: no value, no gradient), flagged per input; the clamped log-ratio ℓ
+       and the rollout log-ratio d.
     2. per-sequence values from the pass-1 sums: length n, gspo / gmpo mean, Σd, OPSM mean.
     3. the objective: term, ratio, clip flags; ∂term/∂log π along the token's path, ∂term/∂m.
     4. rollout correction (weight raw → truncated → applied) and the keep masks (rejection, OPSM,
        top-entropy); the policy term.
     5. KL (+ its gradient) and entropy bonus; skip; the divisor D_t; the share and the gradients.
-    6. partial sums and extremes of this block for the metrics; with rollout log-probs, the per-sequence
-       χ² of sequences [pid·BLOCK, (pid+1)·BLOCK) (counted on CP rank 0 only).
+    6. partial sums and extremes of this block for the metrics (and the non-finite counts: dropped positions,
+       and per input — the finalize kernel adds those into the deferred error ledger); with rollout log-probs,
+       the per-sequence χ² of sequences [pid·BLOCK, (pid+1)·BLOCK) (counted on CP rank 0 only).
 """
 
 import triton
@@ -33,16 +36,14 @@ from mp_grpo.kernels import grpo_loss_constants as K
 from mp_grpo.kernels.grpo_loss_common import (
     block_ends,
     gmpo_clip,
-    load_clean,
     masked_max,
     masked_min,
     masked_sum,
     param,
-    policy_inputs,
     segment_add,
     sequence_index,
     token_block,
-    token_logprobs,
+    token_inputs,
 )
 from mp_grpo.kernels.token_math import (
     chi2,
@@ -70,7 +71,7 @@ def grpo_loss_combine_kernel(
     # token inputs, flat [N]
     lp_ptr, old_ptr, rollout_ptr, ref_ptr, ent_ptr, adv_ptr, mask_ptr,
     # FROM_STATS: statistics [TP, N + 1, 4] fp32, targets [N] int64, out (M, log S, entropy) [3, N] fp32,
-    # error counters [2] int64 (lp_ptr / ent_ptr unused)
+    # error counters [3] int64 (lp_ptr / ent_ptr unused)
     stats_ptr, target_ptr, row_out_ptr, errors_ptr,
     # sequences: cu_seqlens [S + 1] (packed only), pass-1 sums [S, NUM_COLS] (float64), seq_grad [S] (float64, zeroed)
     cu_ptr, seq_sums_ptr, seq_grad_ptr,
@@ -97,15 +98,12 @@ def grpo_loss_combine_kernel(
 ):
     pid = tl.program_id(0)
     # --- 1. positions, validity, sanitized inputs, log-ratios ---
-    offs, seq, valid = token_block(pid, mask_ptr, cu_ptr, N, T, S, search_steps, PACKED, BLOCK)
-    lp, ent = token_logprobs(
-        lp_ptr, ent_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr, offs, valid,
-        N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
-        HAS_ENTROPY, FROM_STATS, True, COMPUTE,
-    )
-    lp, old, rollout, adv, log_ratio, log_ratio_inside, d = policy_inputs(
-        lp, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
-        HAS_OLD, HAS_ROLLOUT, BYPASS, ADV_PER_TOKEN, COMPUTE,
+    offs, seq, masked_in = token_block(pid, mask_ptr, cu_ptr, N, T, S, search_steps, PACKED, BLOCK)
+    (valid, lp, ent, old, rollout, ref, adv, log_ratio, log_ratio_inside, d,
+     bad_lp, bad_old, bad_rollout, bad_ref, bad_adv, bad_ent) = token_inputs(
+        lp_ptr, ent_ptr, old_ptr, rollout_ptr, ref_ptr, adv_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr,
+        offs, seq, masked_in, params_ptr, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+        HAS_ENTROPY, FROM_STATS, True, HAS_OLD, HAS_ROLLOUT, HAS_REF, BYPASS, ADV_PER_TOKEN, COMPUTE,
     )
     clamp = param(params_ptr, K.P_LOG_RATIO_CLAMP, COMPUTE)
     zero = tl.zeros_like(lp)
@@ -198,7 +196,6 @@ def grpo_loss_combine_kernel(
     d_contribution = policy_scale * direct
     kl = zero
     if HAS_REF:
-        ref = load_clean(ref_ptr, offs, valid, COMPUTE)
         x, x_inside = clamp_sym(ref - lp, param(params_ptr, K.P_KL_INPUT_CLAMP, COMPUTE))
         # token_math (written once); the score log π_θ − stopgrad(log π_θ) is 0 in value
         before_clamp, d_estimator, weight, d_log_ratio, d_score = weighted_kl(
@@ -264,6 +261,14 @@ def grpo_loss_combine_kernel(
     tl.store(out + K.SUM_REJECTED_ENTROPY, masked_sum(~keep_entropy, valid))
     tl.store(out + K.SUM_KL, masked_sum(kl, valid))
     tl.store(out + K.SUM_ENTROPY, masked_sum(ent, valid))
+    # the positions dropped for a non-finite input (metric), and per input where it is not finite (the ledger)
+    tl.store(out + K.SUM_NONFINITE, masked_sum(masked_in & ~valid, masked_in))
+    tl.store(out + K.SUM_NONFINITE_LOGPROBS, masked_sum(bad_lp, bad_lp))
+    tl.store(out + K.SUM_NONFINITE_OLD, masked_sum(bad_old, bad_old))
+    tl.store(out + K.SUM_NONFINITE_ROLLOUT, masked_sum(bad_rollout, bad_rollout))
+    tl.store(out + K.SUM_NONFINITE_REF, masked_sum(bad_ref, bad_ref))
+    tl.store(out + K.SUM_NONFINITE_ADVANTAGES, masked_sum(bad_adv, bad_adv))
+    tl.store(out + K.SUM_NONFINITE_ENTROPY, masked_sum(bad_ent, bad_ent))
     chi2_seq = none
     chi2_seq_count = none
     mismatch_k1 = none

@@ -2,11 +2,12 @@
 ``grpo_loss_backward``, ``grpo_loss_finalize``).
 
 - Token blocks: the sequence of each position (padded rows or packed segments), validity, inputs
-  loaded as 0 on masked positions (never read there, so inf / NaN cannot reach a value).
+  loaded as 0 on masked positions (never read there, so inf / NaN cannot reach a value); ``token_inputs``
+  drops a valid position with a NaN / ±inf input as if it were masked, and flags it per input.
 - ``segment_add``: one block's per-sequence sums added to a ``[S, NUM_COLS]`` float64 buffer with a
   float64 cumulative sum and one atomic add per sequence end (and one per inner boundary) — a handful of
   atomics per block, whatever the sequence lengths.
-- ``policy_inputs`` / ``gmpo_clip``: the loads and config parameters around the per-token formulas of
+- ``token_inputs`` / ``gmpo_clip``: the loads and config parameters around the per-token formulas of
   ``token_math`` (written once there, for these kernels and the torch path).
 
 The codes, slots and floors they read are in :mod:`mp_grpo.kernels.grpo_loss_constants`.
@@ -66,19 +67,41 @@ def param(params_ptr, slot, COMPUTE: tl.constexpr):
 
 
 @triton.jit
-def token_logprobs(
-    lp_ptr, ent_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr, offs, valid,
-    N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
-    HAS_ENTROPY: tl.constexpr, FROM_STATS: tl.constexpr, STORE_ROWS: tl.constexpr, COMPUTE: tl.constexpr,
+def nonfinite(x):
+    """NaN or ±inf (a comparison with NaN is false)."""
+    return ~(tl.abs(x) < float("inf"))
+
+
+@triton.jit
+def token_inputs(
+    lp_ptr, ent_ptr, old_ptr, rollout_ptr, ref_ptr, adv_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr,
+    offs, seq, valid, params_ptr, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+    HAS_ENTROPY: tl.constexpr, FROM_STATS: tl.constexpr, STORE_ROWS: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_ROLLOUT: tl.constexpr, HAS_REF: tl.constexpr, BYPASS: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
-    """Sanitized (log π_θ, entropy) of the block: loaded from ``lp_ptr`` / ``ent_ptr``, or with FROM_STATS merged
-    from the all-gathered ``[TP, N + 1, 4]`` log-prob statistics (``logprob_merge.merge_rows``, the log-prob op's
-    merge) — then with STORE_ROWS also (M, log S, entropy) of every position in range stored at
-    ``row_out_ptr + {0, N, 2N}`` for the log-prob backward, and the merge's error counts added into
-    ``errors_ptr``. 0 where not valid (never read there); entropy 0 without HAS_ENTROPY."""
+    """Every token input of the block, loaded at the valid positions only, then checked and sanitized:
+
+    1. log π_θ and the entropy, loaded from ``lp_ptr`` / ``ent_ptr`` or with FROM_STATS merged from the
+       all-gathered ``[TP, N + 1, 4]`` log-prob statistics (``logprob_merge.merge_rows``, the log-prob op's merge)
+       — then with STORE_ROWS also (M, log S, entropy) of every position in range stored at
+       ``row_out_ptr + {0, N, 2N}`` for the log-prob backward, and the merge's error counts added into
+       ``errors_ptr``; log π_old, the rollout and reference log-probs, A (per token, or per sequence).
+    2. ``kept`` = valid and every input given finite there: a position with a NaN or ±inf input is dropped, as
+       if masked; ``bad_*`` flag, per input, the valid positions where it is not finite (both kernels compute the
+       same ``kept``, so the per-sequence sums and the shares see the same positions).
+    3. Every input 0 where not kept (``tl.where``: a NaN or inf never reaches a value or a gradient); the clamped
+       log-ratio ℓ, its gradient mask and d = clamp(trainer − rollout) (0 without rollout log-probs). On-policy
+       (no old log-probs) π_old = stopgrad π_θ: ℓ = 0 with gradient 1. Bypass: π_old = rollout and the trainer
+       side of d is stopgrad π_θ.
+
+    Returns (kept, lp, ent, old, rollout, ref, adv, ℓ, ℓ inside its clamp, d, bad_lp, bad_old, bad_rollout,
+    bad_ref, bad_adv, bad_ent); entropy, reference and absent inputs are 0.
+    """
     in_range = offs < N
+    # --- 1. loads at the valid positions ---
     if FROM_STATS:
-        merged, entropy, row_max, log_sum, shard_mismatches, out_of_range = merge_rows(
+        merged, entropy, row_max, log_sum, shard_mismatches, out_of_range, bad_rows = merge_rows(
             stats_ptr, target_ptr, offs, in_range, N, TP, V_global, ignore_index, stride_stats_rank,
             stride_stats_row, HAS_ENTROPY,
         )
@@ -89,50 +112,56 @@ def token_logprobs(
             tl.store(row_out_ptr + N + offs, log_sum, mask=in_range)
             if HAS_ENTROPY:
                 tl.store(row_out_ptr + 2 * N + offs, entropy, mask=in_range)
-            add_error_counts(errors_ptr, shard_mismatches, out_of_range, in_range)
+            add_error_counts(errors_ptr, shard_mismatches, out_of_range, bad_rows, in_range)
     else:
         lp = load_clean(lp_ptr, offs, valid, COMPUTE)
         ent = tl.zeros_like(lp)
         if HAS_ENTROPY:
             ent = load_clean(ent_ptr, offs, valid, COMPUTE)
-    return lp, ent
-
-
-@triton.jit
-def policy_inputs(
-    lp, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
-    HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
-    COMPUTE: tl.constexpr,
-):
-    """Sanitized (log π_θ — ``lp``, from :func:`token_logprobs` —, log π_old, rollout, A), the clamped log-ratio ℓ,
-    its gradient mask, and the rollout-correction log-ratio d = clamp(trainer − rollout) (0 without rollout
-    log-probs).
-
-    On-policy (no old log-probs) π_old = stopgrad π_θ: ℓ = 0 with gradient 1. Bypass: π_old = rollout and
-    the trainer side of d is stopgrad π_θ.
-    """
-    rollout = tl.zeros_like(lp)
+    zero = tl.zeros_like(lp)
+    rollout = zero
     if HAS_ROLLOUT:
         rollout = load_clean(rollout_ptr, offs, valid, COMPUTE)
+    old = zero
     if HAS_OLD:
         old = load_clean(old_ptr, offs, valid, COMPUTE)
-    elif BYPASS:
-        old = rollout
-    else:
-        old = lp
+    ref = zero
+    if HAS_REF:
+        ref = load_clean(ref_ptr, offs, valid, COMPUTE)
     if ADV_PER_TOKEN:
         adv = load_clean(adv_ptr, offs, valid, COMPUTE)
     else:
         adv = tl.load(adv_ptr + seq, mask=valid, other=0.0).to(COMPUTE)
+    # --- 2. the positions kept: every input finite (absent ones are 0) ---
+    bad_lp = valid & nonfinite(lp)
+    bad_ent = valid & nonfinite(ent)
+    bad_old = valid & nonfinite(old)
+    bad_rollout = valid & nonfinite(rollout)
+    bad_ref = valid & nonfinite(ref)
+    bad_adv = valid & nonfinite(adv)
+    kept = valid & ~(bad_lp | bad_ent | bad_old | bad_rollout | bad_ref | bad_adv)
+    # --- 3. sanitized inputs, log-ratios ---
+    lp = tl.where(kept, lp, 0.0)
+    ent = tl.where(kept, ent, 0.0)
+    rollout = tl.where(kept, rollout, 0.0)
+    ref = tl.where(kept, ref, 0.0)
+    adv = tl.where(kept, adv, 0.0)
+    if HAS_OLD:
+        old = tl.where(kept, old, 0.0)
+    elif BYPASS:
+        old = rollout
+    else:
+        old = lp
     clamp = param(params_ptr, P_LOG_RATIO_CLAMP, COMPUTE)
     log_ratio, log_ratio_inside = clamp_sym(lp - old, clamp)
-    d = tl.zeros_like(lp)
+    d = zero
     if HAS_ROLLOUT:
         if BYPASS:
             d, _ = clamp_sym(lp - rollout, clamp)
         else:
             d, _ = clamp_sym(old - rollout, clamp)
-    return lp, old, rollout, adv, log_ratio, log_ratio_inside, d
+    return (kept, lp, ent, old, rollout, ref, adv, log_ratio, log_ratio_inside, d,
+            bad_lp, bad_old, bad_rollout, bad_ref, bad_adv, bad_ent)
 
 
 @triton.jit

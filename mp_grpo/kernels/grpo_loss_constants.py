@@ -94,16 +94,25 @@ SUM_CHI2_SEQ = tl.constexpr(16)
 SUM_CHI2_SEQ_COUNT = tl.constexpr(17)
 SUM_KL = tl.constexpr(18)
 SUM_ENTROPY = tl.constexpr(19)
-NUM_SUMS = tl.constexpr(20)
-EXT_RATIO_MIN = tl.constexpr(20)
-EXT_RATIO_MAX = tl.constexpr(21)
-EXT_WEIGHT_RAW_MIN = tl.constexpr(22)
-EXT_WEIGHT_RAW_MAX = tl.constexpr(23)
-EXT_WEIGHT_TRUNCATED_MIN = tl.constexpr(24)
-EXT_WEIGHT_TRUNCATED_MAX = tl.constexpr(25)
-EXT_WEIGHT_APPLIED_MIN = tl.constexpr(26)
-EXT_WEIGHT_APPLIED_MAX = tl.constexpr(27)
-PARTIAL_COLS = tl.constexpr(28)
+SUM_NONFINITE = tl.constexpr(20)  # valid positions dropped for a non-finite input (metric nonfinite_inputs)
+# Per input, the valid positions where it is non-finite (the deferred ledger's counts, in NONFINITE_INPUTS' order):
+SUM_NONFINITE_LOGPROBS = tl.constexpr(21)
+SUM_NONFINITE_OLD = tl.constexpr(22)
+SUM_NONFINITE_ROLLOUT = tl.constexpr(23)
+SUM_NONFINITE_REF = tl.constexpr(24)
+SUM_NONFINITE_ADVANTAGES = tl.constexpr(25)
+SUM_NONFINITE_ENTROPY = tl.constexpr(26)
+NUM_NONFINITE_INPUTS = tl.constexpr(6)
+NUM_SUMS = tl.constexpr(27)
+EXT_RATIO_MIN = tl.constexpr(27)
+EXT_RATIO_MAX = tl.constexpr(28)
+EXT_WEIGHT_RAW_MIN = tl.constexpr(29)
+EXT_WEIGHT_RAW_MAX = tl.constexpr(30)
+EXT_WEIGHT_TRUNCATED_MIN = tl.constexpr(31)
+EXT_WEIGHT_TRUNCATED_MAX = tl.constexpr(32)
+EXT_WEIGHT_APPLIED_MIN = tl.constexpr(33)
+EXT_WEIGHT_APPLIED_MAX = tl.constexpr(34)
+PARTIAL_COLS = tl.constexpr(35)
 NUM_EXTREMES = tl.constexpr(8)
 
 # Metric pairs [NUM_PAIRS, 2] (value, count) written by the finalize kernel; pair i = sum column i except:
@@ -111,7 +120,8 @@ PAIR_LOSS = tl.constexpr(0)  # count 1 / M
 PAIR_VALID_TOKENS = tl.constexpr(1)  # count 1 / M
 PAIR_CHI2_SEQ = tl.constexpr(16)  # count: sequences with a valid token (CP rank 0)
 PAIR_SKIPPED = tl.constexpr(17)  # (skip flag, 1)
-NUM_PAIRS = tl.constexpr(20)
+PAIR_NONFINITE = tl.constexpr(20)  # count 1 / M
+NUM_PAIRS = tl.constexpr(21)
 
 
 def _constants_key() -> int:

@@ -3,10 +3,12 @@
 Program 0 (the others, with FOLD_SEQ_GRAD only, see step 4). Schedule:
     1. Sum (float64) and take the extremes of the ``[programs, PARTIAL_COLS]`` partials, BLOCK_P rows at a time.
     2. The loss share (in the loss's dtype) = Σ of the share column.
-    3. The metric pairs ``[NUM_PAIRS, 2]`` = (value, count): count 1 / M for the loss and the valid-token
-       total (M = the step's (rank, micro-batch) pairs), the sequence count for the per-sequence χ², (skip, 1)
+    3. The metric pairs ``[NUM_PAIRS, 2]`` = (value, count): count 1 / M for the loss, the valid-token
+       total and the non-finite total (M = the step's (rank, micro-batch) pairs), the sequence count for the per-sequence χ², (skip, 1)
        for the skip flag, the valid-token count for every other mean; and the extremes ``[NUM_EXTREMES]``
-       (even slots minima, odd slots maxima; ±inf where nothing is valid).
+       (even slots minima, odd slots maxima; ±inf where nothing is valid). The per-input non-finite counts
+       added into the deferred error ledger's int64 counters ``nonfinite_errors`` — none when the step is skipped
+       (nothing of it is trained on: nothing wrong to raise).
     4. FOLD_SEQ_GRAD (gspo / gmpo without context parallelism): programs 1, 2, … each take BLOCK positions
        and add the path through the sequence mean into the per-token gradient the combine kernel wrote,
        ``grad_lp[t] += seq_grad[s(t)] · seq_factor[t]`` — the per-sequence sums ``seq_grad`` are complete only
@@ -38,6 +40,7 @@ def grpo_loss_finalize_kernel(
     loss_ptr,  # 0-dim out, the loss's dtype
     pairs_ptr,  # [NUM_PAIRS, 2] float64 out
     extremes_ptr,  # [NUM_EXTREMES] float64 out
+    nonfinite_errors_ptr,  # [NUM_NONFINITE_INPUTS] int64, added into: the ledger's counters (or fresh zeros)
     grad_lp_ptr,  # [N] compute dtype, in/out (FOLD_SEQ_GRAD only)
     seq_grad_ptr,  # [S] float64 (FOLD_SEQ_GRAD only)
     seq_factor_ptr,  # [N] compute dtype (FOLD_SEQ_GRAD only)
@@ -58,8 +61,8 @@ def grpo_loss_finalize_kernel(
             _fold_seq_grad(grad_lp_ptr, seq_grad_ptr, seq_factor_ptr, cu_ptr, pid - 1, N, T, S, search_steps,
                            PACKED, BLOCK)
     if pid == 0:
-        _finalize(partial_ptr, micro_batches_ptr, skip_ptr, loss_ptr, pairs_ptr, extremes_ptr, P, HAS_SKIP, COLS,
-                  BLOCK_P)
+        _finalize(partial_ptr, micro_batches_ptr, skip_ptr, loss_ptr, pairs_ptr, extremes_ptr, nonfinite_errors_ptr,
+                  P, HAS_SKIP, COLS, BLOCK_P)
 
 
 @triton.jit
@@ -77,7 +80,7 @@ def _fold_seq_grad(grad_lp_ptr, seq_grad_ptr, seq_factor_ptr, cu_ptr, block, N, 
 
 
 @triton.jit
-def _finalize(partial_ptr, micro_batches_ptr, skip_ptr, loss_ptr, pairs_ptr, extremes_ptr, P,
+def _finalize(partial_ptr, micro_batches_ptr, skip_ptr, loss_ptr, pairs_ptr, extremes_ptr, nonfinite_errors_ptr, P,
               HAS_SKIP: tl.constexpr, COLS: tl.constexpr, BLOCK_P: tl.constexpr):
     cols = tl.arange(0, COLS)
     is_sum = cols < K.NUM_SUMS
@@ -99,15 +102,21 @@ def _finalize(partial_ptr, micro_batches_ptr, skip_ptr, loss_ptr, pairs_ptr, ext
     # --- 3. metric pairs and extremes ---
     inv_micro_batches = 1.0 / tl.load(micro_batches_ptr).to(tl.float64)
     counts = tl.zeros([COLS], dtype=tl.float64) + _pick(sums, cols, K.SUM_VALID)
-    counts = tl.where((cols == K.PAIR_LOSS) | (cols == K.PAIR_VALID_TOKENS), inv_micro_batches, counts)
+    counts = tl.where((cols == K.PAIR_LOSS) | (cols == K.PAIR_VALID_TOKENS) | (cols == K.PAIR_NONFINITE),
+                      inv_micro_batches, counts)
     counts = tl.where(cols == K.PAIR_CHI2_SEQ, _pick(sums, cols, K.SUM_CHI2_SEQ_COUNT), counts)
     values = sums
+    trained = 1.0  # the step is not skipped
     if HAS_SKIP:
         skip = tl.load(skip_ptr).to(tl.float64)
         values = tl.where(cols == K.PAIR_SKIPPED, skip, values)
+        trained = 1.0 - skip
     counts = tl.where(cols == K.PAIR_SKIPPED, 1.0, counts)
     is_pair = cols < K.NUM_PAIRS
     tl.store(pairs_ptr + 2 * cols, values, mask=is_pair)
     tl.store(pairs_ptr + 2 * cols + 1, counts, mask=is_pair)
+    is_nonfinite = (cols >= K.SUM_NONFINITE_LOGPROBS) & (cols < K.SUM_NONFINITE_LOGPROBS + K.NUM_NONFINITE_INPUTS)
+    tl.atomic_add(nonfinite_errors_ptr + (cols - K.SUM_NONFINITE_LOGPROBS), (sums * trained).to(tl.int64),
+                  mask=is_nonfinite)
     extremes = tl.where(is_min, lows, highs)
     tl.store(extremes_ptr + (cols - K.NUM_SUMS), extremes, mask=is_extreme & (cols - K.NUM_SUMS < K.NUM_EXTREMES))

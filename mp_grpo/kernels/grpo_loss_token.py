@@ -17,7 +17,8 @@ group before the combine pass.
 With FROM_STATS the log-probs are merged from the log-prob op's all-gathered statistics here (the merge is a
 few loads a position; ``mp_grpo/ops/logits_grpo_loss.py``) instead of loaded.
 
-Schedule: 1. the block's positions, their sequences and validity; 2. the sanitized inputs and log-ratios;
+Schedule: 1. the block's positions, their sequences and validity; 2. the sanitized inputs and log-ratios (a valid
+position with a NaN / ±inf input dropped, as the combine pass drops it: ``grpo_loss_common.token_inputs``);
 3. each column's per-sequence sums added to the buffer.
 """
 
@@ -27,19 +28,19 @@ import triton.language as tl
 from mp_grpo.kernels.grpo_loss_common import (
     block_ends,
     gmpo_clip,
-    policy_inputs,
     segment_add,
     sequence_index,
     token_block,
-    token_logprobs,
+    token_inputs,
 )
 from mp_grpo.kernels.grpo_loss_constants import OBJ_GMPO
 
 
 @triton.jit
 def grpo_loss_token_kernel(
-    # token inputs, flat [N] (any float dtype; loss mask any dtype, nonzero = trained on)
-    lp_ptr, old_ptr, rollout_ptr, adv_ptr, mask_ptr,
+    # token inputs, flat [N] (any float dtype; loss mask any dtype, nonzero = trained on); the reference log-probs
+    # and the entropy only to drop the positions where they are not finite, as the combine kernel does
+    lp_ptr, old_ptr, rollout_ptr, ref_ptr, ent_ptr, adv_ptr, mask_ptr,
     # FROM_STATS: the log-prob statistics [TP, N + 1, 4] fp32 and the targets [N] int64 (lp_ptr unused)
     stats_ptr, target_ptr,
     # sequences: cu_seqlens [S + 1] (packed only), config parameters (float64), the sums (float64, zeroed)
@@ -51,7 +52,7 @@ def grpo_loss_token_kernel(
     # meta-parameters
     FROM_STATS: tl.constexpr,
     PACKED: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr,
-    ADV_PER_TOKEN: tl.constexpr, OBJECTIVE: tl.constexpr,
+    HAS_REF: tl.constexpr, HAS_ENTROPY: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, OBJECTIVE: tl.constexpr,
     NUM_COLS: tl.constexpr, COL_SEQ_IN: tl.constexpr, COL_D: tl.constexpr, COL_OPSM: tl.constexpr,
     COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -61,15 +62,12 @@ def grpo_loss_token_kernel(
     seq_next = sequence_index(offs + 1, cu_ptr, T, S, search_steps, PACKED)
     end, last = block_ends(offs, seq_next, seq, N, BLOCK)
 
-    # --- 2. sanitized inputs (log-probs loaded, or merged from the statistics) and log-ratios ---
-    lp, _ = token_logprobs(
-        lp_ptr, lp_ptr, stats_ptr, target_ptr, lp_ptr, lp_ptr, offs, valid,
-        N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
-        False, FROM_STATS, False, COMPUTE,
-    )
-    lp, old, rollout, adv, log_ratio, _, d = policy_inputs(
-        lp, old_ptr, rollout_ptr, adv_ptr, offs, seq, valid, params_ptr,
-        HAS_OLD, HAS_ROLLOUT, BYPASS, ADV_PER_TOKEN, COMPUTE,
+    # --- 2. sanitized inputs (log-probs loaded, or merged from the statistics; positions with a non-finite input
+    #        dropped) and log-ratios ---
+    valid, lp, _, old, rollout, _, adv, log_ratio, _, d, _, _, _, _, _, _ = token_inputs(
+        lp_ptr, ent_ptr, old_ptr, rollout_ptr, ref_ptr, adv_ptr, stats_ptr, target_ptr, lp_ptr, lp_ptr,
+        offs, seq, valid, params_ptr, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+        HAS_ENTROPY, FROM_STATS, False, HAS_OLD, HAS_ROLLOUT, HAS_REF, BYPASS, ADV_PER_TOKEN, COMPUTE,
     )
 
     # --- 3. per-sequence sums of every column ---

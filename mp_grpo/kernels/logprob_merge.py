@@ -14,9 +14,18 @@ log S to rounding (ulp(1e4) ~ 1e-3), and z - M is exact for the logits near the 
 It also checks its inputs, so that bad input is never silently wrong: a target outside
 ``[0, V_global)`` (other than ``ignore_index``) gets a NaN log-prob, and if the TP ranks' shard
 sizes (row N of the stats, column 0) differ, every output is NaN. The kernel adds the number of ranks
-whose shard size differs from rank 0's into ``errors[0]`` and the number of bad targets into
-``errors[1]``: two int64 counters that are the deferred error ledger's own slots (no launch of the
-host's to record them) or, for a check at the call, fresh zeros the host reads.
+whose shard size differs from rank 0's into ``errors[0]``, the number of bad targets into
+``errors[1]`` and the number of rows with non-finite logits into ``errors[2]``: three int64 counters
+that are the deferred error ledger's own slots (no launch of the host's to record them) or, for a
+check at the call, fresh zeros the host reads.
+
+Non-finite logits are seen here, per row, from the merged statistics — no work per logit, and the same
+count on every TP rank (each merges every shard's statistics), so every rank raises alike: a NaN or
++inf logit anywhere in a row makes its sum S NaN (exp(NaN), or +inf − +inf), and a row that is −inf
+throughout has S = 0; either way log S is not finite, and the row's log-prob and entropy are NaN.
+Such a row is counted when its target is not ``ignore_index`` (the backward kernel gives it no
+gradient either way). A −inf logit elsewhere is probability 0 — a filtered or masked token — and is
+allowed; at the target it gives the log-prob −inf, which the loss counts as a non-finite log-prob.
 """
 
 import triton
@@ -29,7 +38,8 @@ def merge_rows(
     HAS_ENTROPY: tl.constexpr,
 ):
     """Steps 1–3 below for the positions ``rows`` (in range where ``row_mask``): (log-prob — NaN where poisoned —,
-    entropy — 0 without HAS_ENTROPY —, M, log S, shard-size mismatches (a scalar), targets out of range (bool)).
+    entropy — 0 without HAS_ENTROPY —, M, log S, shard-size mismatches (a scalar), targets out of range (bool),
+    rows with non-finite logits (bool; see the module docstring)).
     Shared with the GRPO loss kernels that take the log-probs straight from the statistics (``FROM_STATS``)."""
     row_ptr = stats_ptr + rows * stride_stats_row
 
@@ -67,19 +77,22 @@ def merge_rows(
     poisoned = out_of_range | (shard_mismatches > 0)
     logprob = tl.where(valid, (z_target - m_max) - log_s, 0.0)
     logprob = tl.where(poisoned, float("nan"), logprob)
+    # a NaN / +inf logit in the row, or -inf throughout: log S is not finite (NaN compares false)
+    nonfinite = valid & ~poisoned & ~(tl.abs(log_s) < float("inf"))
     entropy = tl.zeros(rows.shape, dtype=tl.float32)
     if HAS_ENTROPY:
         entropy = tl.where(shard_mismatches > 0, float("nan"), log_s - u_tot / s_tot)
-    return logprob, entropy, m_max, log_s, shard_mismatches, out_of_range
+    return logprob, entropy, m_max, log_s, shard_mismatches, out_of_range, nonfinite
 
 
 @triton.jit
-def add_error_counts(errors_ptr, shard_mismatches, out_of_range, row_mask):
-    """Step 4 below: the shard-size mismatches (once, by program 0) and this block's bad targets, added into the
-    ``[2]`` int64 counters (the deferred ledger's own slots, or fresh zeros)."""
+def add_error_counts(errors_ptr, shard_mismatches, out_of_range, nonfinite, row_mask):
+    """Step 4 below: the shard-size mismatches (once, by program 0), this block's bad targets and its rows with
+    non-finite logits, added into the ``[3]`` int64 counters (the deferred ledger's own slots, or fresh zeros)."""
     if tl.program_id(0) == 0:
         tl.atomic_add(errors_ptr + 0, shard_mismatches.to(tl.int64))
     tl.atomic_add(errors_ptr + 1, tl.sum((out_of_range & row_mask).to(tl.int64), axis=0))
+    tl.atomic_add(errors_ptr + 2, tl.sum((nonfinite & row_mask).to(tl.int64), axis=0))
 
 
 @triton.jit
@@ -91,7 +104,7 @@ def logprob_merge_kernel(
     entropy_ptr,  # [N] fp32 out (only with HAS_ENTROPY)
     row_max_ptr,  # [N] fp32 out: M, saved for backward
     log_sum_ptr,  # [N] fp32 out: log S (logZ = M + log S), saved for backward
-    errors_ptr,  # [2] int64 counters, added into: (shard-size mismatches, bad targets)
+    errors_ptr,  # [3] int64 counters, added into: (shard-size mismatches, bad targets, non-finite rows)
     # shapes
     N,
     TP,
@@ -109,7 +122,7 @@ def logprob_merge_kernel(
     row_mask = rows < N
 
     # --- 1.–3. merge the shards' statistics (merge_rows) ---
-    logprob, entropy, m_max, log_s, shard_mismatches, out_of_range = merge_rows(
+    logprob, entropy, m_max, log_s, shard_mismatches, out_of_range, nonfinite = merge_rows(
         stats_ptr, target_ptr, rows, row_mask, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
         HAS_ENTROPY,
     )
@@ -120,4 +133,4 @@ def logprob_merge_kernel(
         tl.store(entropy_ptr + rows, entropy, mask=row_mask)
 
     # --- 4. error counts, added into the counters (the deferred ledger's own slots, or fresh zeros) ---
-    add_error_counts(errors_ptr, shard_mismatches, out_of_range, row_mask)
+    add_error_counts(errors_ptr, shard_mismatches, out_of_range, nonfinite, row_mask)

@@ -3,7 +3,8 @@
 - :mod:`.grpo_loss`: :class:`GRPOLoss`, the per-micro-batch loss (orchestrates the modules below), and
   :class:`LossBackend` (plain torch, or the fused kernels of :mod:`mp_grpo.ops.grpo_loss`); :mod:`.torch_path`:
   its plain-torch stages; :mod:`.input_checks`: its input checks.
-- :mod:`.global_batch`: :class:`GlobalBatch`, the step's global counts and step-level decisions.
+- :mod:`.global_batch`: :class:`GlobalBatch`, the step's global counts and step-level decisions;
+  :mod:`.fingerprint`: what its ranks must hold alike, checked in its all-reduce.
 - :mod:`.sequence`: :class:`SequenceLayout` — padded, packed (THD) and context-parallel sequences.
 - :mod:`.objectives`, :mod:`.rollout_correction`, :mod:`.opsm`, :mod:`.entropy`, :mod:`.kl`,
   :mod:`.mismatch`, :mod:`.aggregation`: the terms; :mod:`.clamps`: the fixed bounds.
@@ -13,7 +14,7 @@
 """
 
 from mp_grpo.loss.adaptive_entropy import AdaptiveEntropyCoefficient
-from mp_grpo.loss.global_batch import GlobalBatch, StaleGlobalBatchError
+from mp_grpo.loss.global_batch import GlobalBatch, RankDisagreementError, StaleGlobalBatchError
 from mp_grpo.loss.grpo_loss import GRPOLoss, LossBackend, fused_unsupported
 from mp_grpo.loss.metrics import reduce_metrics
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout, SumOverGroup, sum_over_group
@@ -25,6 +26,7 @@ __all__ = [
     "LossBackend",
     "PackedSequences",
     "PaddedSequences",
+    "RankDisagreementError",
     "SequenceLayout",
     "StaleGlobalBatchError",
     "SumOverGroup",

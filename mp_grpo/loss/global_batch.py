@@ -14,15 +14,21 @@ first steps only)
        (and Σd, where a sequence-level weight is normalized), so each sequence is counted once, on CP
        rank 0, and only when it has a valid token anywhere.
     3. Step-level sums: IS-weight sum and count (``normalize_weights``), Σ k3(old ‖ rollout)
-       (``mismatch.skip_threshold``).
+       (``mismatch.skip_threshold``) — over the valid tokens whose old and rollout log-probs are finite (a NaN
+       or ±inf one is left out, never summed: GRPOLoss drops that position and raises, or the step is skipped);
+       with ``nonfinite.skip_step``, the valid positions with a non-finite input given here.
     4. ONE all-reduce over ``group`` (DP, or DP×CP) of [valid tokens, valid sequences, all sequences,
-       micro-batches, positions, weight sum, weight count, k3 sum] in float64.
-    5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' entropies over ``group``
+       micro-batches, positions, weight sum, weight count, k3 sum, non-finite positions] in float64 — and, for a group of more than
+       one rank, the fingerprint of what every rank must hold alike (:mod:`mp_grpo.loss.fingerprint`: the
+       LossConfig, the step id, ``same_on_all_ranks``), checked on the reduced lanes: ranks that disagree get a
+       :class:`~mp_grpo.loss.fingerprint.RankDisagreementError` (every rank alike) and NaN counts.
+    5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' finite entropies over ``group``
        (sizes, then the padded values, fp32 — fp64 for fp64 inputs) and their exact quantile — an exact
        quantile needs the values.
     6. Only under pipeline parallelism (``pp_group``) with step-level quantities: the last stage computes
        them (3–5) and ONE broadcast over ``pp_group`` gives every stage the same values and decisions.
-A host synchronization happens only in step 5 (variable sizes); the counts stay on the device.
+A host synchronization happens only in step 5 (variable sizes; there the fingerprint's verdict is read first, so
+that ranks that disagree raise before a gather some of them would not join); the counts stay on the device.
 
 **Wrong-step protection.** A GlobalBatch knows exactly which loss masks it was built from — by
 identity, not by shape: it holds a reference to each mask (so their memory cannot be reused by other
@@ -33,7 +39,8 @@ content of one of them (a copy), compared on the device and reported through the
 (``mp_grpo.ops.checks``: at once on the CPU, at the step's next sync point on a GPU). A mask of another
 step with the same shapes is rejected.
 A batch records the caller's ``step`` id (:meth:`check_step` raises for another id), and a batch built
-for another LossConfig is rejected.
+for another LossConfig is rejected. Across the ranks of ``group``, the step's all-reduce checks that every rank
+built its batch alike (same LossConfig, step id and ``same_on_all_ranks``; see step 4).
 
 **From counts.** :meth:`GlobalBatch.from_counts` takes the counts a training framework already made
 (verl's ``global_batch_info``, NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs``, Megatron-LM's
@@ -47,7 +54,7 @@ Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +63,20 @@ from mp_grpo.collectives import (
     ProcessGroup, all_gather_stacked, all_reduce_sum, broadcast_from_last, group_size, is_last_rank,
 )
 from mp_grpo.config.loss import Aggregation, LossConfig, RatioLevel
-from mp_grpo.loss.step_counts import STEP_STATISTICS, check_counts, check_device, check_within_counts
+from mp_grpo.loss.step_counts import COUNTS, STEP_STATISTICS, check_counts, check_device, check_within_counts
 from mp_grpo.loss.clamps import COUNT_FLOOR
 from mp_grpo.loss.entropy import entropy_threshold
+from mp_grpo.loss.fingerprint import Fingerprint, RankDisagreementError, fingerprint_items
 from mp_grpo.loss.mismatch import k3
 from mp_grpo.loss.rollout_correction import level_log_ratio, token_log_ratio, truncated_weight
 from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
 from mp_grpo.ops.checks import check_errors, record_errors
+
+
+__all__ = ["GlobalBatch", "RankDisagreementError", "StaleGlobalBatchError"]
+
+_NUM_COUNTS = 9
+"""Lanes of step 4's all-reduce before the fingerprint's."""
 
 
 class StaleGlobalBatchError(ValueError):
@@ -105,7 +119,11 @@ class GlobalBatch:
     mismatch_k3: torch.Tensor | None = None
     """0-dim float64: global mean of k3(old ‖ rollout) (``mismatch.skip_threshold``)."""
     skip: torch.Tensor | None = None
-    """0-dim bool: skip this step (``mismatch_k3 > skip_threshold``)."""
+    """0-dim bool: skip this step (``mismatch_k3 > skip_threshold``, or with ``nonfinite.skip_step`` a non-finite
+    input anywhere)."""
+    nonfinite_inputs: torch.Tensor | None = None
+    """0-dim float64 (``nonfinite.skip_step``): valid positions of the step, all ranks, with a NaN / ±inf input among
+    those given to :meth:`from_rollouts` (or the count given to :meth:`from_counts`)."""
     missing_counts: tuple[str, ...] = ()
     """Counts a :meth:`from_counts` batch was not given (NaN in their fields): ``valid_sequences``,
     ``all_sequences``, ``micro_batches``, ``all_positions``. :meth:`check_config` refuses a config that needs one."""
@@ -119,14 +137,16 @@ class GlobalBatch:
         group: ProcessGroup | None = None,
         layouts: Sequence[SequenceLayout | None] | None = None,
         step: int | None = None,
+        same_on_all_ranks: Mapping[str, object] | None = None,
     ) -> GlobalBatch:
         """Counts only: valid tokens and sequences over ``group`` from this rank's micro-batch loss masks.
 
         One all-reduce over ``group`` (plus one over the CP group of ``layouts`` under context parallelism).
         Enough for a LossConfig without step-level features (IS-weight normalization, top-entropy
-        selection, mismatch skip); :meth:`from_rollouts` computes those too.
+        selection, mismatch skip); :meth:`from_rollouts` computes those too. ``same_on_all_ranks``: as in
+        :meth:`from_rollouts`.
         """
-        return cls._build(None, masks, group=group, layouts=layouts, step=step)
+        return cls._build(None, masks, group=group, layouts=layouts, step=step, same_on_all_ranks=same_on_all_ranks)
 
     @classmethod
     def from_rollouts(
@@ -141,6 +161,9 @@ class GlobalBatch:
         layouts: Sequence[SequenceLayout | None] | None = None,
         step: int | None = None,
         pp_group: ProcessGroup | None = None,
+        same_on_all_ranks: Mapping[str, object] | None = None,
+        ref_logprobs: Sequence[torch.Tensor] | None = None,
+        advantages: Sequence[torch.Tensor] | None = None,
     ) -> GlobalBatch:
         """Counts plus the step-level quantities ``config`` needs, decided identically on every rank.
 
@@ -160,11 +183,20 @@ class GlobalBatch:
                 computed (the other stages need not pass them) and then broadcast over ``pp_group``
                 (step 6), so every stage makes the same decisions (``skip_step`` above all: a stage that
                 steps its optimizer while another does not hangs in the grad-norm collective).
+            same_on_all_ranks: settings of the caller that every rank of ``group`` must hold alike, by name
+                (values: None, bool, numbers, str, enums, dataclasses or tuples of them) — the Megatron adapter
+                passes ``calculate_per_token_loss`` and the sampling temperature. Checked in step 4's all-reduce
+                with ``config`` and ``step`` (:mod:`mp_grpo.loss.fingerprint`).
+            ref_logprobs / advantages: per micro-batch (advantages per sequence ``[S]`` or per token), read only
+                with ``nonfinite.skip_step``: with it, every input given here (old, rollout and reference
+                log-probs, advantages, entropies) is checked at the valid positions, and a NaN / ±inf anywhere in
+                the group skips the step on every rank. An input not given is checked by GRPOLoss, which raises.
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
         return cls._build(config, masks, group=group, layouts=layouts, step=step, old_logprobs=old_logprobs,
-                          rollout_logprobs=rollout_logprobs, entropies=entropies, pp_group=pp_group)
+                          rollout_logprobs=rollout_logprobs, entropies=entropies, pp_group=pp_group,
+                          same_on_all_ranks=same_on_all_ranks, ref_logprobs=ref_logprobs, advantages=advantages)
 
     @classmethod
     def from_counts(
@@ -179,9 +211,13 @@ class GlobalBatch:
         weight_mean: float | torch.Tensor | None = None,
         entropy_threshold: float | torch.Tensor | None = None,
         mismatch_k3: float | torch.Tensor | None = None,
+        nonfinite_inputs: int | float | torch.Tensor | None = None,
         step: int | None = None,
+        group: ProcessGroup | None = None,
+        same_on_all_ranks: Mapping[str, object] | None = None,
     ) -> GlobalBatch:
-        """The step's account from counts a training framework already made (no collective, no mask).
+        """The step's account from counts a training framework already made (no mask; one collective with
+        ``group``).
 
         For loops that hand the loss global counts instead of the step's masks (verl's ``global_batch_info``,
         NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs``, Megatron-LM's per-token-loss counts). The
@@ -195,8 +231,8 @@ class GlobalBatch:
                 ``aggregation.count_empty_sequences``).
             all_sequences: every sequence of the step, with or without a valid token (S with
                 ``count_empty_sequences``; verl's ``global_batch_size``).
-            micro_batches: (rank, micro-batch) pairs of the step; only the ``loss`` and ``valid_tokens`` metric
-                entries use it (they reduce to NaN without it).
+            micro_batches: (rank, micro-batch) pairs of the step; only the step totals among the metric entries
+                use it — ``loss``, ``valid_tokens``, ``nonfinite_inputs`` (they reduce to NaN without it).
             config: the LossConfig the step-level statistics below were computed for; required with them.
             weight_mean: the global mean of the truncated IS weights, needed by
                 ``rollout_correction.normalize_weights`` (what :meth:`from_rollouts` computes in its step 3).
@@ -204,7 +240,16 @@ class GlobalBatch:
                 ``entropy.top_quantile < 1`` (:meth:`from_rollouts` step 5).
             mismatch_k3: the global mean over valid tokens of k3(old ‖ rollout), needed by
                 ``mismatch.skip_threshold`` (:meth:`from_rollouts` step 3); ``skip`` follows from it.
+            nonfinite_inputs: the step's valid positions, over all ranks, with a NaN / ±inf old / rollout /
+                reference log-prob, advantage or entropy, needed by ``nonfinite.skip_step`` (a step with any is
+                skipped); what :meth:`from_rollouts` counts in its step 3.
             step: an optimizer-step id to check later with :meth:`check_step`.
+            group: the group the counts are over (DP, or DP×CP). Given (more than one rank), ONE all-reduce checks
+                that every rank passed the same counts and statistics bit for bit, the same ``config``, ``step`` and
+                ``same_on_all_ranks`` (as :meth:`from_rollouts`; :mod:`mp_grpo.loss.fingerprint`):
+                :class:`~mp_grpo.loss.fingerprint.RankDisagreementError` naming what differs otherwise, on every
+                rank, and NaN counts. None: no collective, nothing compared.
+            same_on_all_ranks: as in :meth:`from_rollouts` (checked with ``group``).
 
         Each value is a Python number or a 0-dim tensor on ``device``. Python numbers are checked at once;
         tensors on the device through the deferred error ledger (see :mod:`mp_grpo.loss.step_counts`): counts
@@ -226,19 +271,30 @@ class GlobalBatch:
         values = check_counts(dict(
             valid_tokens=valid_tokens, valid_sequences=valid_sequences, all_sequences=all_sequences,
             micro_batches=micro_batches, weight_mean=weight_mean, entropy_threshold=entropy_threshold,
-            mismatch_k3=mismatch_k3), device, config)
+            mismatch_k3=mismatch_k3, nonfinite_inputs=nonfinite_inputs), device, config)
 
         # --- 2. the batch: NaN for the counts not given; skip from mismatch_k3 ---
         nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
         missing = tuple(name for name in ("valid_sequences", "all_sequences", "micro_batches") if name not in values)
+        # --- 3. with a group: one all-reduce of the fingerprint — every rank holds the same values ---
+        ranks = group_size(group)
+        if ranks > 1:
+            names = (*COUNTS, *(stat.name for stat in STEP_STATISTICS))
+            fingerprint = Fingerprint(fingerprint_items(config, LossConfig, step, same_on_all_ranks, built="counts"),
+                                      device, {name: values.get(name, nan) for name in names})
+            agree = fingerprint.verdict(all_reduce_sum(fingerprint.lanes, group), ranks)
+            values = {name: torch.where(agree, v, nan) for name, v in values.items()}
+        elif same_on_all_ranks is not None:
+            fingerprint_items(config, LossConfig, step, same_on_all_ranks)  # its types checked all the same
         mismatch = values.get("mismatch_k3")
-        skip = mismatch > config.mismatch.skip_threshold if mismatch is not None else None  # type: ignore[union-attr]
+        skip = _skip(config, mismatch, values.get("nonfinite_inputs"))
         return cls(
             valid_tokens=values["valid_tokens"], valid_sequences=values.get("valid_sequences", nan),
             all_sequences=values.get("all_sequences", nan), num_micro_batches=values.get("micro_batches", nan),
             all_positions=nan, micro_batch_shapes=(), step=step, config=config,
             weight_mean=values.get("weight_mean"), entropy_threshold=values.get("entropy_threshold"),
-            mismatch_k3=mismatch, skip=skip, missing_counts=(*missing, "all_positions"),
+            mismatch_k3=mismatch, skip=skip, nonfinite_inputs=values.get("nonfinite_inputs"),
+            missing_counts=(*missing, "all_positions"),
         )
 
     @classmethod
@@ -254,6 +310,9 @@ class GlobalBatch:
         rollout_logprobs: Sequence[torch.Tensor] | None = None,
         entropies: Sequence[torch.Tensor] | None = None,
         pp_group: ProcessGroup | None = None,
+        same_on_all_ranks: Mapping[str, object] | None = None,
+        ref_logprobs: Sequence[torch.Tensor] | None = None,
+        advantages: Sequence[torch.Tensor] | None = None,
     ) -> GlobalBatch:
         # --- 1. check the micro-batches; valid tokens of each ---
         masks = list(masks) if isinstance(masks, (list, tuple)) else _not_a_list("masks", masks)
@@ -269,14 +328,22 @@ class GlobalBatch:
             layout.check_tokens(mask.shape, f"masks[{i}]")
             shapes.append(tuple(mask.shape))
             valid.append(layout.valid_tokens(mask))
-        if step is not None and not isinstance(step, int):
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
+        ranks = group_size(group)
+        fingerprint = None
+        if ranks > 1:  # built before any collective: a bad same_on_all_ranks fails on its rank alone, at once
+            fingerprint = Fingerprint(fingerprint_items(config, LossConfig, step, same_on_all_ranks), masks[0].device)
+        elif same_on_all_ranks is not None:
+            fingerprint_items(config, LossConfig, step, same_on_all_ranks)  # its types checked all the same
         decides_here = is_last_rank(pp_group)  # the last pipeline stage decides; the others receive (step 6)
         wants_weight_mean = config is not None and config.rollout_correction.normalize_weights
         wants_skip = config is not None and config.mismatch.skip_threshold is not None
         wants_entropy = config is not None and config.entropy.top_quantile < 1.0
-        needs_weight_mean, needs_skip, needs_entropy = (
-            decides_here and wants_weight_mean, decides_here and wants_skip, decides_here and wants_entropy)
+        wants_nonfinite = config is not None and config.nonfinite.skip_step
+        needs_weight_mean, needs_skip, needs_entropy, needs_nonfinite = (
+            decides_here and wants_weight_mean, decides_here and wants_skip, decides_here and wants_entropy,
+            decides_here and wants_nonfinite)
         old = rollout = None
         if needs_weight_mean or needs_skip:
             why = "rollout_correction.normalize_weights" if needs_weight_mean else "mismatch.skip_threshold"
@@ -285,9 +352,17 @@ class GlobalBatch:
         ents = _per_micro_batch("entropies", entropies, shapes, "entropy.top_quantile < 1") if needs_entropy else None
         device = masks[0].device
         clamp = config.policy.log_ratio_clamp if config is not None else None
+        nonfinite = torch.zeros((), dtype=torch.float64, device=device)
+        if needs_nonfinite:
+            nonfinite = _nonfinite_positions(valid, resolved, shapes, old_logprobs=old_logprobs,
+                                             rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+                                             advantages=advantages, entropies=entropies)
+        # the step-level sums read old / rollout only where both are finite (never summing a NaN or inf)
+        summed = [v & torch.isfinite(o) & torch.isfinite(r) for o, r, v in zip(old, rollout, valid)] \
+            if old is not None else None
 
         # --- 2. per-sequence valid counts (and Σd), whole sequences: one all-reduce over the CP group ---
-        ds = [token_log_ratio(o, r, v, clamp) for o, r, v in zip(old, rollout, valid)] if old is not None else None
+        ds = [token_log_ratio(o, r, f, clamp) for o, r, f in zip(old, rollout, summed)] if old is not None else None
         per_seq = []
         for i, (v, layout) in enumerate(zip(valid, resolved)):
             cols = [v.to(torch.float64)] + ([ds[i].to(torch.float64)] if ds is not None else [])
@@ -305,8 +380,8 @@ class GlobalBatch:
         if needs_weight_mean:
             rc = config.rollout_correction  # type: ignore[union-attr]
             if rc.weight_level == RatioLevel.TOKEN:
-                w = [torch.where(v, truncated_weight(d.to(torch.float64), rc), zero) for d, v in zip(ds, valid)]
-                w_sum, w_count = sum(x.sum() for x in w), tokens
+                w = [torch.where(f, truncated_weight(d.to(torch.float64), rc), zero) for d, f in zip(ds, summed)]
+                w_sum, w_count = sum(x.sum() for x in w), sum(f.sum(dtype=torch.float64) for f in summed)
             else:
                 for p in per_seq:
                     count, sum_d = p[:, 0], p[:, 1]
@@ -315,44 +390,57 @@ class GlobalBatch:
                     w_sum = w_sum + owner * torch.where(has, w, zero).sum()
                     w_count = w_count + owner * has.sum(dtype=torch.float64)
         if needs_skip:
-            k3_sum = sum(torch.where(v, k3(d.to(torch.float64)), zero).sum() for d, v in zip(ds, valid))
+            k3_sum = sum(torch.where(f, k3(d.to(torch.float64)), zero).sum() for d, f in zip(ds, summed))
 
-        # --- 4. the one all-reduce over the group ---
-        totals = all_reduce_sum(torch.stack([
+        # --- 4. the one all-reduce over the group, with the fingerprint; its verdict ---
+        local = torch.stack([
             tokens, valid_seqs, all_seqs, torch.full((), float(len(masks)), dtype=torch.float64, device=device),
             torch.full((), float(sum(m.numel() for m in masks)), dtype=torch.float64, device=device),
-            w_sum, w_count, k3_sum,
-        ]).to(torch.float64), group)
-        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_sum = totals.unbind()
+            w_sum, w_count, k3_sum, nonfinite,
+        ]).to(torch.float64)
+        if fingerprint is not None:
+            local = torch.cat([local, fingerprint.lanes])
+        totals = all_reduce_sum(local, group)
+        counts = totals[:_NUM_COUNTS]
+        agree = None
+        if fingerprint is not None:
+            agree = fingerprint.verdict(totals[_NUM_COUNTS:], ranks)
+            counts = torch.where(agree, counts, torch.full((), float("nan"), dtype=torch.float64, device=device))
+        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_sum, nonfinite = counts.unbind()
         weight_mean = w_sum / w_count.clamp(min=COUNT_FLOOR) if needs_weight_mean else None
         mismatch_k3 = k3_sum / n_tokens.clamp(min=COUNT_FLOOR) if needs_skip else None
-        skip = mismatch_k3 > config.mismatch.skip_threshold if needs_skip else None  # type: ignore[union-attr]
+        nonfinite = nonfinite if needs_nonfinite else None
+        skip = _skip(config, mismatch_k3, nonfinite)
 
         # --- 5. the entropy quantile over every valid token of the group ---
         threshold = None
         if needs_entropy:
+            if agree is not None and not bool(agree):  # a sync step 5 makes anyway: raise before a gather
+                check_errors()  # that ranks built for another config would not join
             dtype = torch.float64 if any(e.dtype == torch.float64 for e in ents) else torch.float32  # type: ignore[union-attr]
-            local = torch.cat([e.detach()[v].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
+            local = torch.cat([e.detach()[v & torch.isfinite(e)].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
             threshold = entropy_threshold(_gather_varlen(local, group), config.entropy.top_quantile)  # type: ignore[union-attr]
 
         # --- 6. pipeline parallelism: the last stage's decisions on every stage (one broadcast over PP) ---
-        if group_size(pp_group) > 1 and (wants_weight_mean or wants_skip or wants_entropy):
+        if group_size(pp_group) > 1 and (wants_weight_mean or wants_skip or wants_entropy or wants_nonfinite):
             nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
             mine = torch.stack([
                 weight_mean if weight_mean is not None else nan, mismatch_k3 if mismatch_k3 is not None else nan,
                 threshold.to(torch.float64) if threshold is not None else nan,
+                nonfinite if nonfinite is not None else nan,
             ])
-            weight_mean, mismatch_k3, decided_threshold = broadcast_from_last(mine, pp_group).unbind()
+            weight_mean, mismatch_k3, decided_threshold, nonfinite = broadcast_from_last(mine, pp_group).unbind()
             weight_mean = weight_mean if wants_weight_mean else None
             mismatch_k3 = mismatch_k3 if wants_skip else None
-            skip = mismatch_k3 > config.mismatch.skip_threshold if wants_skip else None  # type: ignore[union-attr]
+            nonfinite = nonfinite if wants_nonfinite else None
+            skip = _skip(config, mismatch_k3, nonfinite)
             threshold = decided_threshold if wants_entropy else None
 
         return cls(
             valid_tokens=n_tokens, valid_sequences=n_valid_seqs, all_sequences=n_all_seqs, num_micro_batches=n_mbs,
             all_positions=n_positions, micro_batch_shapes=tuple(shapes), masks=tuple(masks), mask_versions=tuple(m._version for m in masks),
             step=step, config=config, weight_mean=weight_mean,
-            entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip,
+            entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip, nonfinite_inputs=nonfinite,
         )
 
     # ------------------------------------------------------------------------------------------ use
@@ -361,7 +449,8 @@ class GlobalBatch:
         return self.all_sequences if count_empty else self.valid_sequences
 
     def skip_step(self) -> bool:
-        """Whether the mismatch monitor skipped this step (one host read): then skip ``optimizer.step()`` too.
+        """Whether the step is skipped — by the mismatch monitor, or with ``nonfinite.skip_step`` for a non-finite
+        input (one host read): then skip ``optimizer.step()`` too (the same decision on every rank).
 
         Also raises any input error recorded on the device during the step (:func:`mp_grpo.check_errors`).
         """
@@ -460,6 +549,43 @@ class GlobalBatch:
                 f"count_empty_sequences={str(agg.count_empty_sequences).lower()}) — but this GlobalBatch was built "
                 f"from counts without {name}: pass {name}= to GlobalBatch.from_counts"
             )
+
+
+def _skip(config: LossConfig | None, mismatch_k3: torch.Tensor | None, nonfinite: torch.Tensor | None) -> torch.Tensor | None:
+    """The step's skip flag from the mismatch monitor and the non-finite count (None when the config has neither)."""
+    flags = []
+    if mismatch_k3 is not None:
+        flags.append(mismatch_k3 > config.mismatch.skip_threshold)  # type: ignore[union-attr]
+    if nonfinite is not None:
+        flags.append(nonfinite != 0)  # NaN (ranks that disagree) skips too
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else flags[0] | flags[1]
+
+
+def _nonfinite_positions(
+    valid: list[torch.Tensor], layouts: list[SequenceLayout], shapes: list[tuple[int, ...]], **inputs
+) -> torch.Tensor:
+    """0-dim float64: valid positions of this rank's micro-batches where any given input is NaN or ±inf (per-sequence
+    advantages broadcast to their tokens)."""
+    count = torch.zeros((), dtype=torch.float64, device=valid[0].device)
+    given = {name: value for name, value in inputs.items() if value is not None}
+    for name, value in given.items():
+        if not isinstance(value, (list, tuple)) or len(value) != len(shapes):
+            raise ValueError(f"{name} must be a list of one tensor per micro-batch ({len(shapes)}), got {value!r}")
+    for i, (v, layout, shape) in enumerate(zip(valid, layouts, shapes)):
+        bad = torch.zeros(shape, dtype=torch.bool, device=v.device)
+        for name, value in given.items():
+            x = value[i]
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise TypeError(f"{name}[{i}] must be a floating-point tensor")
+            if tuple(x.shape) != shape:
+                if name != "advantages" or tuple(x.shape) != (layout.num_sequences(torch.Size(shape)),):
+                    raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)}, masks[{i}] has {shape}")
+                x = layout.broadcast(x, torch.Size(shape))
+            bad = bad | ~torch.isfinite(x)
+        count = count + (v & bad).sum(dtype=torch.float64)
+    return count
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

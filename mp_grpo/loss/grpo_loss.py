@@ -47,16 +47,9 @@ from mp_grpo.config.loss import GSPOGradient, LossConfig, Objective, RatioLevel
 from mp_grpo.loss import torch_path
 from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES, covariance_selection
 from mp_grpo.loss.global_batch import GlobalBatch
-from mp_grpo.loss.input_checks import (
-    check_covariance,
-    check_float,
-    check_like,
-    check_loss_inputs,
-    check_token_inputs,
-    positive_token_mask,
-)
+from mp_grpo.loss.input_checks import check_batch, check_float, check_is_weights, check_loss_call, checked_layout
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
-from mp_grpo.loss.torch_path import StepValues
+from mp_grpo.loss.torch_path import StepValues, record_nonfinite, record_nonfinite_is_weights
 from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
 from mp_grpo.ops.checks import (
     CheckInputs,
@@ -66,8 +59,8 @@ from mp_grpo.ops.checks import (
     check_temperature,
 )
 from mp_grpo.ops.logits_grpo_loss import LogitsSpec, logits_grpo_loss
-from mp_grpo.ops.sampling_filter import SamplingFilter
-from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
+from mp_grpo.ops.sampling_filter import SamplingFilter, check_sampling_filter
+from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs_unchecked
 
 
 class LossBackend(str, Enum):
@@ -163,6 +156,8 @@ class GRPOLoss:
         positive: torch.Tensor | None = None,
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        is_weights: torch.Tensor | None = None,
+        check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
 
@@ -190,26 +185,73 @@ class GRPOLoss:
             generator: with ``policy.objective=clip_cov`` (only then): the generator of its random selection,
                 on the tokens' device; the same generator state gives the same selection (pass one seeded per
                 step and micro-batch for reproducible runs). None: the device's default generator, as verl.
+            is_weights: a per-token importance weight computed by the caller (verl's ``rollout_is_weights``:
+                its own rollout correction, truncated and normalized as it is configured), token-shaped; it
+                multiplies the policy term where the computed rollout-correction weight would (step 5b), with
+                no gradient. It takes the place of that weight: not with ``rollout_correction.weight_level``,
+                nor with vespo (whose φ holds the IS weight inside). The rollout rejection, OPSM and the other
+                selections still apply; the KL and entropy terms are not weighted. Torch path only (``AUTO``
+                takes it; ``TRITON`` refuses).
+            check_inputs: how a NaN / ±inf input at a trained position is reported (the position is dropped from
+                the loss and counted in the metric ``nonfinite_inputs`` whatever this is): ``DEFERRED`` (the
+                default; ``True``) records it for ``mp_grpo.check_errors()`` (raised at once on the CPU), ``SYNC``
+                raises at the call, ``OFF`` (``False``) records nothing.
         """
-        cfg = self.config
         # --- 1. check the inputs ---
-        layout = PaddedSequences() if layout is None else layout
-        if not isinstance(layout, SequenceLayout):
-            raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
-        check_loss_inputs(cfg, layout, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy)
-        if kl_logprobs is not None:
-            check_float("kl_logprobs", kl_logprobs)
-            check_like("kl_logprobs", kl_logprobs, logprobs.shape, logprobs.device)
-        if cfg.entropy.adaptive != (entropy_coef is not None):
-            raise ValueError("entropy_coef must be given exactly when entropy.adaptive is true (the step's coefficient "
-                             f"from AdaptiveEntropyCoefficient.applied); entropy.adaptive is {cfg.entropy.adaptive}")
-        check_covariance(cfg, layout, generator, logprobs.device)
+        layout = checked_layout(layout)
+        check_float("logprobs", logprobs)
+        positive_mask = check_loss_call(
+            self.config, layout, logprobs.shape, logprobs.device, "logprobs", old_logprobs, advantages, loss_mask,
+            rollout_logprobs, ref_logprobs, entropy, kl_logprobs=kl_logprobs, entropy_coef=entropy_coef,
+            generator=generator, positive=positive, positive_tokens=positive_tokens,
+        )
+        if is_weights is not None:
+            check_is_weights(self.config, is_weights, logprobs.shape, logprobs.device)
+        if batch is not None:
+            check_batch(self.config, batch, loss_mask)
+        return self.share_unchecked(
+            logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+            entropy=entropy, batch=batch, layout=layout, kl_logprobs=kl_logprobs, entropy_coef=entropy_coef,
+            positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator, is_weights=is_weights,
+            check_inputs=check_inputs_mode(check_inputs),
+        )
+
+    def share_unchecked(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        *,
+        layout: SequenceLayout,
+        rollout_logprobs: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+        batch: GlobalBatch | None = None,
+        kl_logprobs: torch.Tensor | None = None,
+        entropy_coef: float | torch.Tensor | None = None,
+        positive_mask: torch.Tensor | None = None,
+        positive_tokens: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        is_weights: torch.Tensor | None = None,
+        check_inputs: CheckInputs = CheckInputs.DEFERRED,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Steps 2–6 of :meth:`__call__`, for inputs its step 1 checked already — by the public entry point the
+        micro-batch entered (:meth:`__call__`, :meth:`on_logits`, ``MegatronGRPO.loss_func``: ``check_loss_call``
+        and, with a ``batch``, ``check_batch`` of :mod:`mp_grpo.loss.input_checks`). Internal: call
+        ``GRPOLoss(...)`` itself. ``positive_mask``: what ``check_loss_call`` returned;
+        ``check_inputs``: a :class:`CheckInputs` (``check_inputs_mode`` of the caller's value)."""
+        cfg = self.config
         token_shape = logprobs.shape
-        positive_mask = positive_token_mask(cfg, layout, token_shape, positive, logprobs.device)
         fused = self._use_fused(logprobs, layout)
         if kl_logprobs is not None and fused:
             if self.backend == LossBackend.TRITON:
                 raise ValueError("kl_logprobs: backend TRITON does not implement a separate KL input; use "
+                                 "LossBackend.AUTO or LossBackend.TORCH")
+            fused = False  # AUTO: the torch path
+        if is_weights is not None and fused:
+            if self.backend == LossBackend.TRITON:
+                raise ValueError("is_weights: backend TRITON does not implement a precomputed IS weight; use "
                                  "LossBackend.AUTO or LossBackend.TORCH")
             fused = False  # AUTO: the torch path
         # --- 2. the step's account ---
@@ -227,15 +269,11 @@ class GRPOLoss:
                 rollout_logprobs=None if rollout_logprobs is None else [rollout_logprobs],
                 entropies=None if entropy is None else [entropy], group=layout.cp_group, layouts=[layout],
             )
-        elif not isinstance(batch, GlobalBatch):
-            raise TypeError(f"batch must be a GlobalBatch or None, got {type(batch).__name__}")
-        else:
-            batch.check_micro_batch(loss_mask)
-            batch.check_config(cfg)
         if fused:  # steps 3–6 in the fused kernels
             return self._fused(  # type: ignore[misc]
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy,
                 self._step_tensors_of(batch, logprobs.device), _sequence_info(layout, token_shape, logprobs.device),
+                check_inputs,
             )
         valid = layout.valid_tokens(loss_mask)
         if advantages.shape != token_shape:
@@ -243,7 +281,7 @@ class GRPOLoss:
         # --- 3. token stage ---
         tokens = self._token_stage(
             logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy, kl_logprobs,
-            positive_mask,
+            positive_mask, is_weights,
         )
         if cfg.policy.objective in COVARIANCE_OBJECTIVES:  # per call = per micro-batch (verl), see .covariance
             tokens = tokens._replace(cov_selected=covariance_selection(
@@ -259,7 +297,11 @@ class GRPOLoss:
             entropy_coef=cfg.entropy.bonus_coef if entropy_coef is None else entropy_coef,
             positive_tokens=positive_tokens,
         )
-        return self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+        share, metrics = self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
+        record_nonfinite(tokens.nonfinite, batch.skip, check_inputs)  # type: ignore[arg-type]
+        if tokens.nonfinite_is_weights is not None:
+            record_nonfinite_is_weights(tokens.nonfinite_is_weights, batch.skip, check_inputs)
+        return share, metrics
 
     def on_logits(
         self,
@@ -292,7 +334,8 @@ class GRPOLoss:
 
         ``logits``, ``target``, ``tp_group``, ``temperature``, ``ignore_index``, ``inplace_backward``,
         ``check_inputs`` and ``sampling_filter`` are those of :func:`mp_grpo.vocab_parallel_logprobs` (token
-        shape = ``target.shape``); the other arguments those of :meth:`__call__`.
+        shape = ``target.shape``; ``check_inputs`` also as in :meth:`__call__`); the other arguments those of
+        :meth:`__call__`.
 
         The fused path (:mod:`mp_grpo.ops.logits_grpo_loss`: one autograd Function, the loss's backward inside
         the log-prob backward kernel) runs when the call would take the fused loss (:class:`LossBackend`), a
@@ -301,41 +344,73 @@ class GRPOLoss:
         give the same values, gradients and metrics (``tests/ops/test_logits_grpo_loss.py``).
         """
         cfg = self.config
-        layout = PaddedSequences() if layout is None else layout
-        if not isinstance(layout, SequenceLayout):
-            raise TypeError(f"layout must be a SequenceLayout or None, got {type(layout).__name__}")
-        check_logits_and_target(logits, target)  # first: _use_fused reads logits.is_cuda
-        with_entropy = bool(with_entropy) or cfg.needs_entropy
-        if batch is None or sampling_filter is not None or not self._use_fused(logits, layout):
-            out = vocab_parallel_logprobs(
-                logits, target, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
-                ignore_index=ignore_index, inplace_backward=inplace_backward, check_inputs=check_inputs,
-                sampling_filter=sampling_filter,
-            )
-            logprobs, entropy = out if with_entropy else (out, None)
-            return self(
-                logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
-                ref_logprobs=ref_logprobs, entropy=entropy, batch=batch, layout=layout, entropy_coef=entropy_coef,
-                positive=positive, positive_tokens=positive_tokens, generator=generator,
-            )
-        # --- the fused path: check what the two ops would check, then one autograd Function ---
+        layout = checked_layout(layout)
+        check_logits_and_target(logits, target)
         check_runs_here(logits, "logits")
         spec = LogitsSpec(tp_group, check_temperature(temperature), int(ignore_index), bool(inplace_backward),
                           check_inputs_mode(check_inputs))
+        if sampling_filter is not None:
+            check_sampling_filter(sampling_filter, target.shape, logits.device,
+                                  check_tensors=spec.check_inputs is not CheckInputs.OFF)
+        positive_mask = check_loss_call(
+            cfg, layout, target.shape, logits.device, "target", old_logprobs, advantages, loss_mask, rollout_logprobs,
+            ref_logprobs, None, entropy_computed=True, entropy_coef=entropy_coef, generator=generator,
+            positive=positive, positive_tokens=positive_tokens,
+        )
+        if batch is not None:
+            check_batch(cfg, batch, loss_mask)
+        return self.on_logits_unchecked(
+            logits, target, old_logprobs, advantages, loss_mask, spec=spec,
+            with_entropy=bool(with_entropy) or cfg.needs_entropy, sampling_filter=sampling_filter,
+            rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, batch=batch, layout=layout,
+            entropy_coef=entropy_coef, positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator,
+        )
+
+    def on_logits_unchecked(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        *,
+        spec: LogitsSpec,
+        with_entropy: bool,
+        layout: SequenceLayout,
+        sampling_filter: SamplingFilter | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
+        batch: GlobalBatch | None = None,
+        entropy_coef: float | torch.Tensor | None = None,
+        positive_mask: torch.Tensor | None = None,
+        positive_tokens: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`on_logits` for arguments checked already by the public entry point the micro-batch entered
+        (:meth:`on_logits`, ``MegatronGRPO.loss_func``): ``logits`` and ``target`` (and that the kernels run on
+        their device), ``spec`` built from checked values, ``sampling_filter`` checked for ``target``, the loss
+        inputs by ``check_loss_call`` (``positive_mask``: what it returned) and ``batch`` by ``check_batch``.
+        ``with_entropy`` already includes the config's need. Internal: call :meth:`on_logits` itself."""
+        if batch is None or sampling_filter is not None or not self._use_fused(logits, layout):
+            out = vocab_parallel_logprobs_unchecked(
+                logits, target, tp_group=spec.tp_group, inv_temperature=spec.inv_temperature,
+                with_entropy=with_entropy, ignore_index=spec.ignore_index, inplace_backward=spec.inplace_backward,
+                check_inputs=spec.check_inputs, sampling_filter=sampling_filter,
+            )
+            logprobs, entropy = out if with_entropy else (out, None)
+            return self.share_unchecked(
+                logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
+                ref_logprobs=ref_logprobs, entropy=entropy, batch=batch, layout=layout, entropy_coef=entropy_coef,
+                positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator,
+                check_inputs=spec.check_inputs,
+            )
+        # --- the fused path: one autograd Function (the fused kernels implement no option that reads
+        #     entropy_coef, positive or generator: check_loss_call refused them for this config) ---
         shape, device = target.shape, logits.device
-        check_token_inputs(cfg, layout, shape, device, "target", old_logprobs, advantages, loss_mask,
-                            rollout_logprobs, ref_logprobs, None, entropy_computed=True)
-        for name, value in (("entropy_coef", entropy_coef), ("positive", positive),
-                            ("positive_tokens", positive_tokens), ("generator", generator)):
-            if value is not None:  # the fused kernels implement no config that reads them
-                raise ValueError(f"{name} is not used by this config")
-        if not isinstance(batch, GlobalBatch):
-            raise TypeError(f"batch must be a GlobalBatch or None, got {type(batch).__name__}")
-        batch.check_micro_batch(loss_mask)
-        batch.check_config(cfg)
         call = self._fused.prepare(  # type: ignore[union-attr]
             device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, with_entropy,
             advantages.shape == shape, self._step_tensors_of(batch, device), _sequence_info(layout, shape, device),
+            spec.check_inputs,
         )
         return logits_grpo_loss(self._fused, logits, target, spec, call)  # type: ignore[arg-type]
 

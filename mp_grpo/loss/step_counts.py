@@ -55,6 +55,9 @@ STEP_STATISTICS = (
                   "the (1 − top_quantile) quantile of the entropies of all the step's valid tokens"),
     StepStatistic("mismatch_k3", "mismatch.skip_threshold", lambda c: c.mismatch.skip_threshold is not None,
                   "the global mean of k3(old ‖ rollout) over the step's valid tokens"),
+    StepStatistic("nonfinite_inputs", "nonfinite.skip_step", lambda c: c.nonfinite.skip_step,
+                  "the count, over all ranks, of the step's valid positions with a NaN or ±inf old / rollout / "
+                  "reference log-prob, advantage or entropy"),
 )
 """The step-level quantities (``GlobalBatch.from_rollouts`` computes them; ``from_counts`` takes them)."""
 
@@ -105,6 +108,8 @@ def check_counts(given: dict[str, object], device: torch.device, config: LossCon
         rules += statistic_rules("entropy_threshold", values["entropy_threshold"])
     if "mismatch_k3" in values:
         rules += statistic_rules("mismatch_k3", values["mismatch_k3"], non_negative=True)
+    if "nonfinite_inputs" in values:
+        rules += count_rules("nonfinite_inputs", values["nonfinite_inputs"])
     enforce(rules, values, "GlobalBatch.from_counts")
 
     # --- 4. float64 0-dim tensors on device ---

@@ -3,15 +3,19 @@ specification the fused kernels (:mod:`mp_grpo.ops.grpo_loss`) are tested agains
 
 :meth:`GRPOLoss.__call__ <mp_grpo.loss.grpo_loss.GRPOLoss.__call__>` checks the inputs and builds the step's
 account (steps 1–2), then calls, with the inputs it checked:
-    3. :func:`token_stage`: masked positions replaced by 0 *before* any arithmetic (``torch.where``, so inf /
-       NaN there never reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the
-       rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence.
+    3. :func:`token_stage`: a valid position where an input is NaN or ±inf dropped as if masked (counted per
+       input); masked positions replaced by 0 *before* any arithmetic (``torch.where``, so inf / NaN there never
+       reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the rollout-correction
+       log-ratio d, the OPSM divergence; the columns to sum per sequence.
     4. (in ``__call__``: the per-sequence sums of those columns, broadcast back to the tokens.)
-    5. :func:`combine_stage`: 5a. the objective's term; 5b. × the IS weight, the rollout rejection; 5c. zeroed
+    5. :func:`combine_stage`: 5a. the objective's term; 5b. × the IS weight (computed, or the caller's
+       ``is_weights``), the rollout rejection; 5c. zeroed
        where rejected (OPSM, top-entropy, clip_cov's selection); 5d. + coef·KL and − bonus·entropy on every
        valid token; 5e. each divided by its aggregation's global divisor, + the VAPO NLL, zero when the step is
        skipped, summed → this micro-batch's share.
-    6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`).
+    6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`), and the count of
+       dropped positions (``nonfinite_inputs``); ``__call__`` adds the per-input counts into the deferred error
+       ledger (none when the step is skipped).
 
 Both stages are pure functions of the config and tensors (no host synchronization, no collective), so that
 ``GRPOLoss(config, compile=True)`` can run them through ``torch.compile``.
@@ -34,6 +38,9 @@ from mp_grpo.loss.objectives import needs_sequence_sum, policy_term, sequence_in
 from mp_grpo.loss.opsm import opsm_divergence, opsm_keep
 from mp_grpo.loss.rollout_correction import kept, level_log_ratio, normalized_weight, token_log_ratio, weights
 from mp_grpo.loss.vespo import vespo_token_input
+from mp_grpo.ops.checks import (
+    NONFINITE_INPUTS, CheckInputs, kernel_counters, nonfinite_input_kinds, raise_on_kernel_errors, record_errors,
+)
 
 
 class Tokens(NamedTuple):
@@ -50,9 +57,17 @@ class Tokens(NamedTuple):
     """The log-probs the KL is taken of (``logprobs`` unless ``kl_logprobs`` was given)."""
     positive: torch.Tensor | None
     """Bool: valid tokens of positive examples (``nll.positive_coef`` only)."""
+    is_weights: torch.Tensor | None
+    """The caller's precomputed IS weight per token (``is_weights``), detached."""
     seq_columns: torch.Tensor
     """``[*tokens, k]``: valid count, then (per config) the objective's sequence input, d, the OPSM divergence,
     ℓ for a sequence-level KL bias correction."""
+    nonfinite: torch.Tensor | None = None
+    """int64 ``[len(NONFINITE_INPUTS)]``: per input, the valid positions where it is NaN or ±inf (dropped)."""
+    dropped: torch.Tensor | None = None
+    """0-dim: the valid positions dropped because an input is NaN or ±inf there (``valid`` excludes them)."""
+    nonfinite_is_weights: torch.Tensor | None = None
+    """0-dim int64: the valid positions where the caller's ``is_weights`` is NaN or ±inf (dropped); None without."""
     cov_selected: torch.Tensor | None = None
     """Bool: clip_cov / kl_cov's covariance selection of this call (set after the token stage)."""
 
@@ -83,9 +98,22 @@ def token_stage(
     entropy: torch.Tensor | None,
     kl_logprobs: torch.Tensor | None,
     positive: torch.Tensor | None,
+    is_weights: torch.Tensor | None = None,
 ) -> Tokens:
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    # a valid position with a NaN / ±inf input is dropped, as if masked (kl_logprobs count as logprobs)
+    inputs = dict(logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                  ref_logprobs=ref_logprobs, advantages=advantages, entropy=entropy)
+    bad = [None if x is None else valid & ~torch.isfinite(x) for x in (inputs[name] for name in NONFINITE_INPUTS)]
+    if kl_logprobs is not None:
+        bad[0] = bad[0] | (valid & ~torch.isfinite(kl_logprobs))  # type: ignore[operator]
+    bad_weights = None if is_weights is None else valid & ~torch.isfinite(is_weights)
+    given = [b for b in bad + [bad_weights] if b is not None]
+    nonfinite = torch.stack([valid.new_zeros((), dtype=torch.int64) if b is None else b.sum() for b in bad])
+    dropped_at = torch.stack(given).any(dim=0)
+    dropped = dropped_at.sum()
+    valid = valid & ~dropped_at
 
     def clean(x: torch.Tensor) -> torch.Tensor:
         return torch.where(valid, x.to(dtype), zero)
@@ -124,7 +152,9 @@ def token_stage(
         entropy=None if entropy is None else clean(entropy),
         kl_logprobs=lp if kl_logprobs is None else clean(kl_logprobs),
         positive=None if positive is None else valid & positive,
-        seq_columns=torch.stack(columns, dim=-1),
+        is_weights=None if is_weights is None else clean(is_weights).detach(),
+        seq_columns=torch.stack(columns, dim=-1), nonfinite=nonfinite, dropped=dropped,
+        nonfinite_is_weights=None if bad_weights is None else bad_weights.sum(),
     )
 
 
@@ -168,6 +198,8 @@ def combine_stage(
         if rc.normalize_weights:
             weight = normalized_weight(truncated, step.weight_mean)  # type: ignore[arg-type]
         policy = policy * weight
+    if t.is_weights is not None:  # the caller's weight in place of the computed one (never both)
+        policy = policy * t.is_weights
     if rc.reject_level is not None and not folded:
         r_log = level_log_ratio(rc.reject_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
         keep_rc = kept(r_log, rc)
@@ -235,6 +267,8 @@ def combine_stage(
             out.update(M.stats_entries("is_weight/truncated", truncated, valid))  # type: ignore[arg-type]
             if rc.normalize_weights:
                 out.update(M.stats_entries("is_weight/applied", weight, valid))
+        if t.is_weights is not None:
+            out.update(M.stats_entries("is_weight/given", t.is_weights, valid))
         for name, mask in (("rollout", keep_rc), ("opsm", keep_opsm), ("entropy", keep_ent)):
             if mask is not None:
                 out[f"rejected_frac/{name}"] = M.mean_entry((~mask).to(lp.dtype), valid)
@@ -255,4 +289,34 @@ def combine_stage(
             out["entropy"] = M.mean_entry(t.entropy, valid)
             if cfg.entropy.adaptive and keep_ent is not None:  # what the controller reads (TRL's measure)
                 out["entropy/selected"] = M.mean_entry(t.entropy, valid & keep_ent)
+        out["nonfinite_inputs"] = M.total_entry(t.dropped, step.micro_batches)  # type: ignore[arg-type]
     return share, out
+
+
+def record_nonfinite(counts: torch.Tensor, skip: torch.Tensor | None, mode: CheckInputs) -> None:
+    """The token stage's per-input counts of dropped non-finite inputs into the deferred error ledger (on the CPU
+    and with SYNC read at once; nothing with OFF), as the fused path's finalize kernel adds them: none when the
+    step is skipped."""
+    if mode is CheckInputs.OFF:
+        return
+    kinds = nonfinite_input_kinds()
+    if skip is not None:
+        counts = torch.where(skip, torch.zeros_like(counts), counts)
+    counters, deferred = kernel_counters(kinds, counts.device, mode)
+    if deferred:
+        counters.add_(counts)
+    else:
+        raise_on_kernel_errors(counts, kinds, mode)
+
+
+def record_nonfinite_is_weights(count: torch.Tensor, skip: torch.Tensor | None, mode: CheckInputs) -> None:
+    """The caller's ``is_weights`` that were NaN or ±inf at trained positions (dropped) into the deferred error
+    ledger, as :func:`record_nonfinite` does for the other inputs (none when the step is skipped)."""
+    if skip is not None:
+        count = torch.where(skip, torch.zeros_like(count), count)
+    record_errors(
+        "non-finite is_weights", count,
+        lambda n: (f"is_weights is NaN or ±inf at {n} trained position(s): they were dropped from the loss (as if "
+                   "masked); the caller's IS weights must be finite"),
+        ValueError, mode,
+    )

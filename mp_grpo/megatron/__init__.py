@@ -2,6 +2,7 @@
 
 - :mod:`.loss_func`: :class:`MegatronGRPO` — the step's GlobalBatch, ``forward_step_func`` and ``loss_func``,
   on the logits or the fused output path (:class:`~mp_grpo.config.job.OutputPath`).
+- :mod:`.output_checks`: the model output checked against the micro-batch, once (``loss_func``'s step 1).
 - :mod:`.fused_output`: GPTModel's final hidden states and output weight instead of its logits (fused path).
 - :mod:`.scaling`: :class:`MegatronScaling` — what to return so Megatron's own scaling gives the exact gradient.
 - :mod:`.rollouts`, :mod:`.micro_batch`: token-aligned rollout fields → this rank's shifted, packed, CP-split micro-batch.

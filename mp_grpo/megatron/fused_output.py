@@ -61,7 +61,8 @@ from mp_grpo.collectives import ProcessGroup, group_size
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.separable import token_separable
 from mp_grpo.loss.sequence import SequenceLayout
-from mp_grpo.ops.fused_linear_loss import LossFn, fused_linear_loss
+from mp_grpo.ops.checks import CheckInputs, check_main_grad
+from mp_grpo.ops.fused_linear_loss import LossFn, fused_linear_loss_unchecked
 from mp_grpo.ops.sampling_filter import SamplingFilter
 
 
@@ -192,21 +193,26 @@ def fused_output_loss(
     loss_fn: LossFn,
     *,
     tp_group: ProcessGroup | None,
-    temperature: float,
+    inv_temperature: float,
     with_entropy: bool,
     ignore_index: int,
-    sampling_filter: SamplingFilter | None = None,
-    check_inputs: bool = True,
+    sampling_filter: SamplingFilter | None,
+    check_inputs: CheckInputs,
 ):
     """``(share, metrics)`` of ``loss_fn`` on the fused output layer, its gradient made in forward.
 
     ``loss_fn(logprobs, entropy) -> (share, metrics)`` is GRPOLoss bound to the micro-batch and the step's
     GlobalBatch. The weight gradient goes into ``main_grad`` under the output layer's
-    gradient-accumulation fusion (as Megatron's linear layer: only when a weight gradient is computed)."""
+    gradient-accumulation fusion (as Megatron's linear layer: only when a weight gradient is computed).
+    The arguments are checked already by the caller, ``MegatronGRPO.loss_func`` (the micro-batch's boundary;
+    ``weight.main_grad`` here, where the accumulation is decided): this runs
+    :func:`~mp_grpo.ops.fused_linear_loss.fused_linear_loss_unchecked`."""
     weight = output_weight.weight
     accumulate = output_weight.accumulate_into_main_grad and weight.requires_grad
-    return fused_linear_loss(
-        hidden, weight, targets, loss_fn, tp_group=tp_group, temperature=temperature, with_entropy=with_entropy,
-        ignore_index=ignore_index, accumulate_into_main_grad=accumulate, sampling_filter=sampling_filter,
-        check_inputs=check_inputs,
+    if accumulate:
+        check_main_grad(weight)
+    return fused_linear_loss_unchecked(
+        hidden, weight, targets, loss_fn, tp_group=tp_group, inv_temperature=inv_temperature,
+        with_entropy=with_entropy, ignore_index=ignore_index, chunk_tokens=None, accumulate_into_main_grad=accumulate,
+        sampling_filter=sampling_filter, check_inputs=check_inputs,
     )

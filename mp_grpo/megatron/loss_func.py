@@ -6,7 +6,10 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    (``OutputPath.LOGITS``), or ``[*targets.shape, H]`` final hidden states and the output layer's
    ``[V_local, H]`` weight (``OutputPath.FUSED``, from :func:`~mp_grpo.megatron.fused_output.call_for_hidden_states`),
    with ``V_local · TP`` = the model's (padded) vocabulary — a TP group that does not match the
-   model's vocabulary shards fails here, before any collective.
+   model's vocabulary shards fails here, before any collective — and the micro-batch's loss inputs and
+   GlobalBatch (GRPOLoss's step 1). This is the micro-batch's one check: the ops and GRPOLoss's entries
+   called below are their unchecked ones (``*_unchecked``), which trust it; the sampling filter was checked
+   when it was set on the MicroBatch.
 2. Log-probs (and entropy) of the targets on the TP group, at the rollout's sampling temperature and,
    when the micro-batch carries one (:meth:`MicroBatch.with_sampling_filter`), under the rollout's
    sampling filter (top-k / top-p / min-p replayed: the filtered, renormalized distribution):
@@ -19,7 +22,10 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On
    the logits path without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
    autograd Function, the loss's backward inside the log-prob backward kernel (same values, fewer host
-   steps per micro-batch).
+   steps per micro-batch). On the logits path the gradient of the logits is written into the logits
+   (``inplace_backward``: Megatron's schedule never reads the model output again), and
+   :meth:`MegatronGRPO.call_model`'s batch-major output layer (:mod:`mp_grpo.megatron.logits_output`)
+   copies neither them nor their gradient: one ``[N, V_local]`` buffer is all the logits path holds.
 3. :class:`~mp_grpo.GRPOLoss` with the step's :class:`~mp_grpo.GlobalBatch` and the micro-batch's
    :class:`~mp_grpo.loss.sequence.SequenceLayout`: this micro-batch's share ℓ of the step objective.
 4. ℓ scaled so that Megatron's own scaling turns it back into the gradient of the step objective
@@ -43,14 +49,19 @@ from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.collectives import is_last_rank
 from mp_grpo.loss.grpo_loss import GRPOLoss
+from mp_grpo.loss.input_checks import check_batch, check_loss_call
 from mp_grpo.loss.metrics import reduce_metrics, total_entry
 from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states, fused_output_loss, loss_in_forward
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
+from mp_grpo.megatron.logits_output import call_for_logits
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
 from mp_grpo.megatron.moe import MoEStats, RoutedTokenAccount, check_moe_config, end_routing_replay, is_moe, replay_routing
+from mp_grpo.megatron.output_checks import checked_output
 from mp_grpo.megatron.scaling import MegatronScaling
-from mp_grpo.ops import fused_linear_logprobs, vocab_parallel_logprobs
-from mp_grpo.ops.checks import CheckInputs, check_inputs_mode
+from mp_grpo.ops.checks import CheckInputs, check_inputs_mode, check_main_grad, check_temperature
+from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs_unchecked
+from mp_grpo.ops.logits_grpo_loss import LogitsSpec
+from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs_unchecked
 
 
 class MegatronGRPO:
@@ -105,9 +116,10 @@ class MegatronGRPO:
                 kept set of the micro-batch's :attr:`~MicroBatch.sampling_filter`, raises ``ValueError`` (at
                 once on the CPU, at the next ``mp_grpo.check_errors()`` — e.g. :meth:`reduce_metrics` — on a
                 GPU). With False such a target's log-prob is NaN (outside the vocabulary) or -inf (outside
-                the filter: probability 0 under the rollout's distribution, no gradient from it; the loss
-                value may then be ±inf, its gradient stays finite), and the metric
-                ``sampling_filter/outside_tokens`` counts the trained tokens outside the filter.
+                the filter: probability 0 under the rollout's distribution); GRPOLoss drops such a position
+                from the loss (no value, no gradient) without recording it, the metric ``nonfinite_inputs``
+                counts it, and ``sampling_filter/outside_tokens`` counts the trained tokens outside the filter.
+                It is also GRPOLoss's ``check_inputs`` (its non-finite inputs).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
@@ -117,6 +129,7 @@ class MegatronGRPO:
         self.output_path = output_path
         self.loss = GRPOLoss(config)
         self.temperature = float(temperature)
+        self._inv_temperature = check_temperature(self.temperature)
         self.groups = resolve_groups(groups)
         if not isinstance(calculate_per_token_loss, bool):
             raise TypeError(f"calculate_per_token_loss must be a bool (the model config's), got {calculate_per_token_loss!r}")
@@ -142,6 +155,10 @@ class MegatronGRPO:
     ) -> GlobalBatch:
         """The step's GlobalBatch over the DP×CP group, from this rank's micro-batches (all ranks must call it).
 
+        Its one all-reduce also checks that every rank of the group has the same LossConfig, step,
+        ``calculate_per_token_loss`` and temperature (:class:`~mp_grpo.loss.fingerprint.RankDisagreementError`
+        otherwise, on every rank: at once on the CPU, at the next ``mp_grpo.check_errors()`` on a GPU).
+
         ``entropies`` (per micro-batch, from the old-log-prob pass) are needed by ``entropy.top_quantile < 1``;
         old and rollout log-probs are taken from the micro-batches when the config needs them.
         """
@@ -166,18 +183,29 @@ class MegatronGRPO:
                         "mismatch.skip_threshold decide on it before the step: set it (MicroBatch.with_logprobs, "
                         "e.g. from a no-grad pass of the model at the start of the step)"
                     )
-        if not step_level and self.config.entropy.top_quantile == 1.0:
-            return GlobalBatch.from_masks(masks, group=self.groups.dp_cp, layouts=layouts, step=step)
-        return GlobalBatch.from_rollouts(
+        # nonfinite.skip_step: the last stage checks every rollout input the micro-batches hold
+        checks_inputs = self.config.nonfinite.skip_step and is_last_rank(self.groups.pp)
+
+        def given(name: str) -> list[torch.Tensor] | None:
+            values = [getattr(mb, name) for mb in micro_batches]
+            return values if all(v is not None for v in values) else None
+
+        return GlobalBatch.from_rollouts(  # without step-level quantities: the counts only, as from_masks
             self.config,
             masks,
-            old_logprobs=[mb.old_logprobs for mb in micro_batches] if needs_logprobs else None,
-            rollout_logprobs=[mb.rollout_logprobs for mb in micro_batches] if needs_logprobs else None,
+            old_logprobs=given("old_logprobs") if needs_logprobs or checks_inputs else None,
+            rollout_logprobs=given("rollout_logprobs") if needs_logprobs or checks_inputs else None,
+            ref_logprobs=given("ref_logprobs") if checks_inputs else None,
+            advantages=given("advantages") if checks_inputs else None,
             entropies=entropies,
             group=self.groups.dp_cp,
             layouts=layouts,
             step=step,
             pp_group=self.groups.pp,
+            # checked in the batch's all-reduce with the LossConfig and the step: a rank that differs would scale
+            # its gradient (calculate_per_token_loss) or its log-probs (temperature) differently
+            same_on_all_ranks={"calculate_per_token_loss": self.calculate_per_token_loss,
+                               "temperature": self.temperature},
         )
 
     def reduce_metrics(self, losses: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
@@ -315,7 +343,9 @@ class MegatronGRPO:
     ) -> tuple[torch.Tensor, OutputWeight | None]:
         """The model's output for ``mb`` on this object's output path, and the output weight it needs.
 
-        ``OutputPath.LOGITS``: ``(logits [*targets, V_local], None)``. ``OutputPath.FUSED``: ``(hidden
+        ``OutputPath.LOGITS``: ``(logits [*targets, V_local], None)``, GPTModel's output layer computing them
+        batch-major (:func:`~mp_grpo.megatron.logits_output.call_for_logits`: no transposed copy of the logits
+        forward or backward). ``OutputPath.FUSED``: ``(hidden
         [*targets, H], OutputWeight)`` with the model's output layer skipped
         (:func:`~mp_grpo.megatron.fused_output.call_for_hidden_states`); on a pipeline stage without an
         output layer ``(activations, None)``. Either way, pass both to :meth:`token_logprobs`.
@@ -325,7 +355,7 @@ class MegatronGRPO:
             kwargs["packed_seq_params"] = mb.packed_seq_params
         if self.output_path == OutputPath.FUSED:
             return call_for_hidden_states(model, mb.input_ids, mb.position_ids, None, **kwargs)
-        return model(mb.input_ids, mb.position_ids, None, **kwargs), None
+        return call_for_logits(model, mb.input_ids, mb.position_ids, None, **kwargs), None
 
     def model_logprobs(
         self, model: torch.nn.Module, mb: MicroBatch, *, model_kwargs: Mapping[str, object] | None = None
@@ -346,66 +376,40 @@ class MegatronGRPO:
         *,
         vocab_size: int | None = None,
         output_weight: OutputWeight | None = None,
+        inplace_backward: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Steps 1–2: fp32 log-probs of ``mb.targets`` (and entropy) from the model output of :meth:`call_model`.
 
         ``OutputPath.LOGITS``: ``output_tensor`` is the vocab-parallel logits and ``output_weight`` None.
         ``OutputPath.FUSED``: ``output_tensor`` is the output layer's TP-mapped input and ``output_weight``
-        its weight.
+        its weight. ``inplace_backward`` (logits path): the logits' gradient is written into the logits
+        themselves (one ``[N, V_local]`` buffer fewer; they are overwritten in backward) — what
+        :meth:`loss_func` does with the model output, which Megatron's schedule never reads again.
         """
         # --- 1. the output must cover the micro-batch's positions and this rank's vocabulary shard ---
-        if self.output_path == OutputPath.FUSED:
-            hidden = self._checked_hidden_states(output_tensor, mb, output_weight)
-            v_local, what = output_weight.weight.shape[0], "output layer's weight holds"
-        else:
-            if output_weight is not None:
-                raise ValueError("output_weight is only used with output_path=OutputPath.FUSED; the logits path reads the logits")
-            _check_output_shape(output_tensor, mb, "vocab-parallel logits", "V_local",
-                                "GPTModel with parallel_output=True, labels=None")
-            v_local, what = output_tensor.shape[-1], "logits hold"
-        self._check_vocab_shards(v_local, what, vocab_size)
+        x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
+                           self.groups.tp_size)
         # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
-        common = dict(tp_group=self.groups.tp, temperature=self.temperature, with_entropy=self.with_entropy,
+        return self._logprobs_unchecked(x, mb, output_weight, inplace_backward)
+
+    def _logprobs_unchecked(
+        self, x: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None, inplace_backward: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step 2 on the output :func:`~mp_grpo.megatron.output_checks.checked_output` returned: the ops' unchecked
+        entries."""
+        common = dict(tp_group=self.groups.tp, inv_temperature=self._inv_temperature, with_entropy=self.with_entropy,
                       ignore_index=IGNORE_INDEX, check_inputs=self.check_inputs, sampling_filter=mb.sampling_filter)
         if self.output_path == OutputPath.FUSED:
-            weight = output_weight.weight
+            weight = output_weight.weight  # type: ignore[union-attr]
             # Megatron's linear layer, too, accumulates only when a weight gradient is computed.
             accumulate = output_weight.accumulate_into_main_grad and torch.is_grad_enabled() and weight.requires_grad
-            out = fused_linear_logprobs(hidden, weight, mb.targets, accumulate_into_main_grad=accumulate, **common)
+            if accumulate:
+                check_main_grad(weight)
+            out = fused_linear_logprobs_unchecked(x, weight, mb.targets, chunk_tokens=None, chunk_vocab=None,
+                                                  accumulate_into_main_grad=accumulate, **common)
         else:
-            out = vocab_parallel_logprobs(output_tensor, mb.targets, **common)
+            out = vocab_parallel_logprobs_unchecked(x, mb.targets, inplace_backward=inplace_backward, **common)
         return out if self.with_entropy else (out, None)
-
-    def _check_vocab_shards(self, v_local: int, what: str, vocab_size: int | None) -> None:
-        """Step 1: ``V_local · TP`` must be the model's (padded) vocabulary."""
-        vocab_size = self.vocab_size if vocab_size is None else vocab_size
-        tp = self.groups.tp_size
-        if vocab_size is not None and v_local * tp != vocab_size:
-            raise ValueError(
-                f"tp_group: the {what} {v_local} vocabulary ids on each of {tp} tensor-parallel ranks "
-                f"({v_local * tp} in all) but the model's vocabulary has {vocab_size}: the TP group does "
-                "not match the model's vocabulary shards"
-            )
-
-    def _checked_hidden_states(
-        self, output_tensor: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None
-    ) -> torch.Tensor:
-        """Step 1 of the fused path: ``output_tensor`` as ``[*targets, H]`` hidden states in the weight's dtype."""
-        if not isinstance(output_weight, OutputWeight):
-            raise ValueError(
-                "output_weight: output_path=OutputPath.FUSED needs the output layer's weight that call_model returns "
-                f"with the hidden states, got {type(output_weight).__name__} (a model without an output_layer, "
-                "e.g. not the last pipeline stage?)"
-            )
-        _check_output_shape(output_tensor, mb, "the final hidden states", "H",
-                            "GPTModel called through MegatronGRPO.call_model with output_path=fused")
-        weight = output_weight.weight
-        if output_tensor.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
-            # Float16Module upcasts the last stage's output unless called with fp32_output=False; the
-            # hidden states were computed in the weight's dtype, so casting back is exact (pass
-            # model_kwargs={"fp32_output": False} to save the two copies).
-            return output_tensor.to(weight.dtype)
-        return output_tensor
 
     def loss_func(
         self,
@@ -423,11 +427,18 @@ class MegatronGRPO:
         instead of the trained tokens, so the routers' aux / z losses get the scale of
         :mod:`mp_grpo.megatron.moe`; GRPOLoss's gradient is the same either way.
         """
+        # --- 1. the micro-batch against the model output, and its loss inputs, checked once: the layers below trust it ---
+        x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
+                           self.groups.tp_size)
+        check_loss_call(self.config, mb.sequences, mb.targets.shape, x.device, "targets", mb.old_logprobs,
+                        mb.advantages, mb.loss_mask, mb.rollout_logprobs, mb.ref_logprobs, None, entropy_computed=True)
+        check_batch(self.config, batch, mb.loss_mask)
+
         def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-            share, metrics = self.loss(
+            share, metrics = self.loss.share_unchecked(
                 logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                 rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-                batch=batch, layout=mb.sequences,
+                batch=batch, layout=mb.sequences, check_inputs=self.check_inputs,
             )
             # Trained tokens outside the rollout's sampling filter (log-prob -inf; 0 without a filter or when
             # checked, which raises instead): always present, so every micro-batch's dict has the same names.
@@ -436,31 +447,25 @@ class MegatronGRPO:
             return share, metrics
 
         if self.output_path == OutputPath.FUSED and loss_in_forward(self.config, mb.sequences):
-            # --- 1.–3. fused path, token-separable loss: log-probs and the share with its gradient in forward ---
-            hidden = self._checked_hidden_states(output_tensor, mb, output_weight)
-            self._check_vocab_shards(output_weight.weight.shape[0], "output layer's weight holds", vocab_size)
+            # --- 2.–3. fused path, token-separable loss: log-probs and the share with its gradient in forward ---
             share, metrics = fused_output_loss(
-                hidden, output_weight, mb.targets, share_of, tp_group=self.groups.tp, temperature=self.temperature,
-                with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX, sampling_filter=mb.sampling_filter,
-                check_inputs=self.check_inputs,
+                x, output_weight, mb.targets, share_of, tp_group=self.groups.tp,  # type: ignore[arg-type]
+                inv_temperature=self._inv_temperature, with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
+                sampling_filter=mb.sampling_filter, check_inputs=self.check_inputs,
             )
-        elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None and output_weight is None:
-            # --- 1.–3. logits path: log-probs and the share in one autograd Function (GRPOLoss.on_logits) ---
-            _check_output_shape(output_tensor, mb, "vocab-parallel logits", "V_local",
-                                "GPTModel with parallel_output=True, labels=None")
-            self._check_vocab_shards(output_tensor.shape[-1], "logits hold", vocab_size)
-            share, metrics = self.loss.on_logits(
-                output_tensor, mb.targets, mb.old_logprobs, mb.advantages, mb.loss_mask, tp_group=self.groups.tp,
-                temperature=self.temperature, with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
-                check_inputs=self.check_inputs, rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
-                batch=batch, layout=mb.sequences,
+        elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None:
+            # --- 2.–3. logits path: log-probs and the share in one autograd Function (GRPOLoss.on_logits) ---
+            spec = LogitsSpec(self.groups.tp, self._inv_temperature, IGNORE_INDEX, True, self.check_inputs)
+            share, metrics = self.loss.on_logits_unchecked(
+                x, mb.targets, mb.old_logprobs, mb.advantages, mb.loss_mask, spec=spec, with_entropy=self.with_entropy,
+                rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, batch=batch, layout=mb.sequences,
             )
             # No sampling filter: no trained token lies outside it (the name kept, as share_of reports it).
             outside = torch.zeros((), dtype=torch.int64, device=share.device)
             metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
         else:
-            # --- 1.–2. log-probs (and entropy) ---
-            logprobs, entropy = self.token_logprobs(output_tensor, mb, vocab_size=vocab_size, output_weight=output_weight)
+            # --- 2. log-probs (and entropy) ---
+            logprobs, entropy = self._logprobs_unchecked(x, mb, output_weight, inplace_backward=True)
             # --- 3. this micro-batch's share of the step objective ---
             share, metrics = share_of(logprobs, entropy)
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
@@ -477,6 +482,10 @@ class MegatronGRPO:
             return loss, num_tokens, metrics
         return loss, metrics
 
+    def _vocab_size(self, vocab_size: int | None) -> int | None:
+        """The model's vocabulary size: ``vocab_size`` if given, else the one this object was built with."""
+        return self.vocab_size if vocab_size is None else vocab_size
+
     def _model_vocab_size(self, model: torch.nn.Module) -> int | None:
         if self.vocab_size is not None:
             return self.vocab_size
@@ -487,9 +496,3 @@ class MegatronGRPO:
         except RuntimeError:
             return None
 
-
-def _check_output_shape(output: torch.Tensor, mb: MicroBatch, what: str, last: str, source: str) -> None:
-    """``output`` must be ``[*mb.targets.shape, last]``."""
-    if not isinstance(output, torch.Tensor) or output.dim() != mb.targets.dim() + 1 or output.shape[:-1] != mb.targets.shape:
-        got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        raise ValueError(f"model output must be {what} [{', '.join(map(str, mb.targets.shape))}, {last}] ({source}), got {got}")

@@ -99,7 +99,13 @@ class MicroBatch:
     """The rollout's sampling filter (vLLM's per-request ``top_k`` / ``top_p`` / ``min_p``), replayed by the
     log-prob op: the trainer's log-probs are then those of the filtered, renormalized distribution the
     rollout sampled from. Per-row tensors have the local shape of :attr:`targets`; set with
-    :meth:`with_sampling_filter`, which also takes per-sequence values. None: the whole vocabulary."""
+    :meth:`with_sampling_filter`, which also takes per-sequence values. None: the whole vocabulary.
+    Checked against :attr:`targets` whenever a MicroBatch is made (its boundary): ``MegatronGRPO.loss_func`` and
+    the log-prob ops it calls trust it."""
+
+    def __post_init__(self) -> None:
+        if self.sampling_filter is not None:
+            check_sampling_filter(self.sampling_filter, self.targets.shape, self.targets.device, check_tensors=True)
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on ``device``: ``packed_seq_params``' boundaries and the loss layout's
@@ -154,9 +160,7 @@ class MicroBatch:
                     raise ValueError(f"{name} has {value.shape[0]} values but the micro-batch holds "
                                      f"{self.targets.shape[0]} sequences")
             values[name] = value
-        filt = SamplingFilter(**values)
-        check_sampling_filter(filt, self.targets.shape, self.targets.device, check_tensors=True)
-        return replace(self, sampling_filter=filt)
+        return replace(self, sampling_filter=SamplingFilter(**values))  # checked by __post_init__
 
     def with_routing(self, routing) -> MicroBatch:
         """A copy that replays ``routing`` (recorded top-k indices, one tensor per MoE layer; see :attr:`routing`).

@@ -186,15 +186,22 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_logits_and_target(logits: torch.Tensor, target: torch.Tensor, *, logits_name: str = "logits") -> None:
     """Dtypes, shapes and devices of a ``[..., V_local]`` logits shard and its ``[...]`` targets."""
+    check_logits(logits, logits_name=logits_name)
+    check_target(target, expected_shape=logits.shape[:-1], device=logits.device, expected_from=f"{logits_name}.shape[:-1]")
+
+
+def check_logits(logits: torch.Tensor, *, logits_name: str = "logits") -> None:
+    """A ``[..., V_local]`` logits shard: a float32 / bfloat16 / float16 tensor with a non-empty last dimension (for
+    a caller that checks its targets' shape against it in its own terms, as ``MegatronGRPO.loss_func``)."""
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
         got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise TypeError(f"{logits_name} must be a float32, bfloat16 or float16 tensor, got {got}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"{logits_name} must have a non-empty last (vocabulary) dimension, got shape {tuple(logits.shape)}")
-    check_target(target, expected_shape=logits.shape[:-1], device=logits.device, expected_from=f"{logits_name}.shape[:-1]")
 
 
 def check_target(target: torch.Tensor, *, expected_shape: torch.Size, device: torch.device, expected_from: str) -> None:
+    """``target``: int64 / int32 token ids of ``expected_shape`` on ``device``."""
     if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
         got = target.dtype if isinstance(target, torch.Tensor) else type(target).__name__
         raise TypeError(f"target must be an int64 (or int32) tensor of token ids, got {got}")
@@ -228,10 +235,11 @@ def check_runs_here(x: torch.Tensor, name: str) -> None:
 
 def merge_error_kinds(
     *, v_global: int, ignore_index: int, gathered_stats: torch.Tensor
-) -> tuple[tuple[str, Callable[[int], str]], tuple[str, Callable[[int], str]]]:
-    """The merge kernel's two error counters, in its order: (kind, message) of unequal shards (the cause of
-    every NaN, so raised first) and of the targets outside the vocabulary (``gathered_stats``
-    ``[TP, N + 1, 4]``: row N holds each rank's V_local, read only when the error is raised)."""
+) -> tuple[tuple[str, Callable[[int], str]], ...]:
+    """The merge kernel's three error counters, in its order: (kind, message) of unequal shards (the cause of
+    every NaN, so raised first), of the targets outside the vocabulary (``gathered_stats`` ``[TP, N + 1, 4]``:
+    row N holds each rank's V_local, read only when the error is raised) and of the rows with non-finite logits
+    (``mp_grpo/kernels/logprob_merge.py``)."""
     def targets(n: int) -> str:
         return f"target has {n} token id(s) outside [0, {v_global}) that are not ignore_index ({ignore_index})"
 
@@ -240,7 +248,36 @@ def merge_error_kinds(
         return (f"logits: the vocabulary shards differ in size across the tensor-parallel group (V_local per rank: "
                 f"{sizes}); every rank must hold an equal, contiguous shard (Megatron's layout)")
 
-    return ("unequal vocabulary shards", shards), ("target id outside the vocabulary", targets)
+    def nonfinite(n: int) -> str:
+        return (f"logits: {n} row(s) whose target is not ignore_index hold a NaN or +inf logit (or are -inf "
+                "throughout): their log-prob and entropy are NaN and they get no gradient (-inf logits elsewhere "
+                "are probability 0 and allowed)")
+
+    return (("unequal vocabulary shards", shards), ("target id outside the vocabulary", targets),
+            ("non-finite logits", nonfinite))
+
+
+NONFINITE_INPUTS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "advantages", "entropy")
+"""GRPOLoss's token inputs whose NaN / ±inf values at trained positions are counted (in this order: the fused
+kernels' ``SUM_NONFINITE_*`` columns)."""
+
+
+def nonfinite_input_kinds() -> tuple[tuple[str, Callable[[int], str]], ...]:
+    """(kind, message) of each of :data:`NONFINITE_INPUTS`: trained positions of the loss where that input is NaN
+    or ±inf (GRPOLoss dropped them; both of its paths record them)."""
+    def message(name: str) -> Callable[[int], str]:
+        if name == "logprobs":
+            why = ("the policy's log-prob (from its logits: a NaN or +inf logit, or a target of probability 0 — "
+                   "a -inf logit)")
+            fix = "look for a NaN / inf in the model's output"
+        else:
+            why = "a NaN or ±inf value"
+            fix = ("fix the input, or set nonfinite.skip_step to skip such steps on every rank (GlobalBatch."
+                   "from_rollouts must be given the input)")
+        return lambda n: (f"{name}: {n} trained position(s) hold {why}; GRPOLoss dropped them from the loss (no "
+                          f"value, no gradient). {fix[0].upper()}{fix[1:]}")
+
+    return tuple((f"non-finite {name}", message(name)) for name in NONFINITE_INPUTS)
 
 
 def raise_on_kernel_errors(
@@ -254,6 +291,13 @@ def raise_on_kernel_errors(
 
 def check_hidden_weight_and_target(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> None:
     """``hidden`` ``[..., H]`` and ``weight`` ``[V_local, H]`` of one float dtype and device; ``target`` ``[...]``."""
+    check_hidden_and_weight(hidden, weight)
+    check_target(target, expected_shape=hidden.shape[:-1], device=hidden.device, expected_from="hidden.shape[:-1]")
+
+
+def check_hidden_and_weight(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """``hidden`` ``[..., H]`` and ``weight`` ``[V_local, H]`` of one float dtype and device (for a caller that
+    checks its targets' shape against ``hidden`` in its own terms, as ``MegatronGRPO.loss_func``)."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
             got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
@@ -276,7 +320,6 @@ def check_hidden_weight_and_target(hidden: torch.Tensor, weight: torch.Tensor, t
         )
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
-    check_target(target, expected_shape=hidden.shape[:-1], device=hidden.device, expected_from="hidden.shape[:-1]")
 
 
 def check_chunk_size(value: int | None, name: str) -> int | None:

@@ -402,20 +402,50 @@ def fused_linear_logprobs(
     chunk_vocab = check_chunk_size(chunk_vocab, "chunk_vocab")
     if accumulate_into_main_grad:
         check_main_grad(weight)
-    plan = plan_chunks(
-        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype,
-        chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
-    )
     check_inputs = check_inputs_mode(check_inputs)
     if sampling_filter is not None:
         check_sampling_filter(sampling_filter, target.shape, hidden.device,
                               check_tensors=check_inputs is not CheckInputs.OFF)
+    return fused_linear_logprobs_unchecked(
+        hidden, weight, target, tp_group=tp_group, inv_temperature=inv_temperature, with_entropy=bool(with_entropy),
+        ignore_index=int(ignore_index), chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+        accumulate_into_main_grad=bool(accumulate_into_main_grad), check_inputs=check_inputs,
+        sampling_filter=sampling_filter,
+    )
+
+
+def fused_linear_logprobs_unchecked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: ProcessGroup | None,
+    inv_temperature: float,
+    with_entropy: bool,
+    ignore_index: int,
+    chunk_tokens: int | None,
+    chunk_vocab: int | None,
+    accumulate_into_main_grad: bool,
+    check_inputs: CheckInputs,
+    sampling_filter: SamplingFilter | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_linear_logprobs` without its argument checks, for a caller that made them once at its own
+    boundary (``MegatronGRPO.loss_func``): ``hidden``, ``weight`` and ``target`` as
+    :func:`~mp_grpo.ops.checks.check_hidden_weight_and_target` and :func:`~mp_grpo.ops.checks.check_runs_here`
+    accept them, ``weight.main_grad`` checked when accumulating into it, ``inv_temperature`` from
+    :func:`~mp_grpo.ops.checks.check_temperature`, chunk sizes None or positive ints, ``check_inputs`` a
+    :class:`CheckInputs`, ``sampling_filter`` passed by :func:`check_sampling_filter` for ``target``."""
+    plan = plan_chunks(
+        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype,
+        chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+    )
+    if sampling_filter is not None:
         sampling_filter = sampling_filter.without_noops(weight.shape[0] * group_size(tp_group))
     if sampling_filter is not None:
         # Backward recomputes exactly forward's logits (the same GEMMs: whole-row chunks of the same rows), so
         # every column falls on the same side of its row's threshold — the k-th largest logit IS the threshold.
         plan = replace(plan, backward_rows=plan.forward_rows, backward_cols=weight.shape[0])
     return FusedLinearLogProbs.apply(
-        hidden, weight, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
-        bool(accumulate_into_main_grad), check_inputs, sampling_filter,
+        hidden, weight, target, tp_group, inv_temperature, with_entropy, ignore_index, plan,
+        accumulate_into_main_grad, check_inputs, sampling_filter,
     )

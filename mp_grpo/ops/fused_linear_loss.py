@@ -85,7 +85,7 @@ from mp_grpo.ops.sampling_filter import (
     filter_threshold,
     targets_outside_filter,
 )
-from mp_grpo.ops.scale import scale_into
+from mp_grpo.ops.scale import scale_into_unchecked
 
 LOSS_LOGITS_CHUNK_BYTES = 768 * 2**20
 """The one logits-chunk buffer of the forward pass. Larger than the per-token op's 512 MiB: every chunk
@@ -241,17 +241,19 @@ class FusedLinearLoss(torch.autograd.Function):
         g = grad_loss.float()  # 0-dim on the device; a no-op for the fp32 loss
         # One pass of kernels/scale.py per gradient; it reads g from the device (no host read, nothing zero-filled).
         # --- 1. the hidden gradient, scaled by the upstream gradient (in place) ---
+        # Forward made these buffers (contiguous, on one device) and checked main_grad: scale_into's checks are skipped.
         if grad_h is not None:
-            grad_hidden = scale_into(grad_h, g, out=grad_h).view(ctx.hidden_shape)
+            grad_hidden = scale_into_unchecked(grad_h, g, grad_h, accumulate=False).view(ctx.hidden_shape)
         # --- 2. the weight gradient: scaled (in place, or cast into weight's dtype), or added into main_grad ---
         if grad_w is not None:
             if ctx.main_grad is not None:
-                scale_into(grad_w, g, out=ctx.main_grad, accumulate=True)
+                scale_into_unchecked(grad_w, g, ctx.main_grad, accumulate=True)
                 grad_weight = main_grad_placeholder(ctx.weight, ctx.weight_dtype)
             elif grad_w.dtype == ctx.weight_dtype:
-                grad_weight = scale_into(grad_w, g, out=grad_w)
+                grad_weight = scale_into_unchecked(grad_w, g, grad_w, accumulate=False)
             else:
-                grad_weight = scale_into(grad_w, g, dtype=ctx.weight_dtype)
+                cast = torch.empty(grad_w.shape, dtype=ctx.weight_dtype, device=grad_w.device)
+                grad_weight = scale_into_unchecked(grad_w, g, cast, accumulate=False)
         return (grad_hidden, grad_weight, *not_differentiable)
 
 
@@ -295,18 +297,46 @@ def fused_linear_loss(
     chunk_tokens = check_chunk_size(chunk_tokens, "chunk_tokens")
     if accumulate_into_main_grad:
         check_main_grad(weight)
-    plan = plan_chunks(
-        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype, chunk_tokens=chunk_tokens,
-        logits_chunk_bytes=LOSS_LOGITS_CHUNK_BYTES,
-    )
     check_inputs = check_inputs_mode(check_inputs)
     if sampling_filter is not None:
         check_sampling_filter(sampling_filter, target.shape, hidden.device,
                               check_tensors=check_inputs is not CheckInputs.OFF)
+    return fused_linear_loss_unchecked(
+        hidden, weight, target, loss_fn, tp_group=tp_group, inv_temperature=inv_temperature,
+        with_entropy=bool(with_entropy), ignore_index=int(ignore_index), chunk_tokens=chunk_tokens,
+        accumulate_into_main_grad=bool(accumulate_into_main_grad), check_inputs=check_inputs,
+        sampling_filter=sampling_filter,
+    )
+
+
+def fused_linear_loss_unchecked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: LossFn,
+    *,
+    tp_group: ProcessGroup | None,
+    inv_temperature: float,
+    with_entropy: bool,
+    ignore_index: int,
+    chunk_tokens: int | None,
+    accumulate_into_main_grad: bool,
+    check_inputs: CheckInputs,
+    sampling_filter: SamplingFilter | None,
+) -> tuple[torch.Tensor, Any]:
+    """:func:`fused_linear_loss` without its argument checks, for a caller that made them once at its own boundary
+    (``MegatronGRPO.loss_func``, through :func:`mp_grpo.megatron.fused_output.fused_output_loss`): the arguments
+    as :func:`~mp_grpo.ops.fused_linear_logprobs.fused_linear_logprobs_unchecked` takes them, ``loss_fn``
+    callable."""
+    plan = plan_chunks(
+        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype, chunk_tokens=chunk_tokens,
+        logits_chunk_bytes=LOSS_LOGITS_CHUNK_BYTES,
+    )
+    if sampling_filter is not None:
         sampling_filter = sampling_filter.without_noops(weight.shape[0] * group_size(tp_group))
     aux = _Aux()
     loss = FusedLinearLoss.apply(
-        hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), plan,
-        bool(accumulate_into_main_grad), check_inputs, sampling_filter,
+        hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, with_entropy, ignore_index, plan,
+        accumulate_into_main_grad, check_inputs, sampling_filter,
     )
     return loss, aux.value

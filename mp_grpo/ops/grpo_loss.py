@@ -16,7 +16,9 @@ Forward
     3. Context parallelism only: all-reduce of the sums over the CP group (``all_reduce_sum``).
     4. ``grpo_loss_combine_kernel``: per token the share c_t / D_t and its gradient w.r.t. the log-prob
        (and the entropy); gspo / gmpo add ∂share/∂m_s per sequence; per program the metric partials.
-    5. ``grpo_loss_finalize_kernel``: the loss (0-dim) and the metric pairs and extremes; gspo / gmpo without
+    5. ``grpo_loss_finalize_kernel``: the loss (0-dim) and the metric pairs and extremes, and the per-input counts
+       of non-finite inputs at trained positions added into the deferred error ledger (on the CPU read at once:
+       ``mp_grpo.ops.checks.nonfinite_input_kinds``); gspo / gmpo without
        context parallelism: its other programs add ∂share/∂m_s · ∂m_s/∂log π_θ[t] into the per-token gradient
        (the per-sequence sums are complete only then), so that the gradient is one coefficient per token.
 Backward
@@ -33,6 +35,11 @@ Launches per call: forward 2 (no per-sequence sums: combine, finalize) to 4 (mem
 finalize), backward 1. No host synchronization; the step's counts and decisions are read by the kernels
 from the GlobalBatch's device tensors. Per-sequence sums meet through float64 atomics, so their last
 bits (far below the compute dtype's) depend on the order the programs run in.
+
+Non-finite inputs: steps 2 and 4 drop a trained position whose log-prob, entropy, old / rollout / reference
+log-prob or advantage is NaN or ±inf, as if it were masked (``grpo_loss_common.token_inputs``): no value, no
+gradient, no per-sequence sum reads it. Step 4 counts them, step 5 reports the metric ``nonfinite_inputs`` and
+adds the per-input counts into the ledger, raised by ``mp_grpo.check_errors()`` — none in a skipped step.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ from mp_grpo.kernels.grpo_loss_constants import CONSTANTS_KEY, NUM_EXTREMES, NUM
 from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
 from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
 from mp_grpo.kernels.launch_config import INTERPRETER, ceil_div
-from mp_grpo.ops.checks import check_runs_here
+from mp_grpo.ops.checks import (
+    CheckInputs, check_runs_here, kernel_counters, nonfinite_input_kinds, raise_on_kernel_errors,
+)
 from mp_grpo.ops.grpo_loss_plan import FusedLossPlan, InputsKey, build_plan, config_parameters
 from mp_grpo.ops.launcher import LaunchMeta, launch, launch_meta
 
@@ -119,6 +128,8 @@ class _Call(NamedTuple):
     ref: torch.Tensor | None
     step: StepTensors
     sequences: SequenceInfo
+    check_inputs: CheckInputs = CheckInputs.DEFERRED
+    """How the counts of non-finite inputs at trained positions are recorded (the positions are dropped always)."""
 
 
 class FusedGRPOLoss:
@@ -143,6 +154,7 @@ class FusedGRPOLoss:
         advantages_per_token: bool,
         step: StepTensors,
         sequences: SequenceInfo,
+        check_inputs: CheckInputs = CheckInputs.DEFERRED,
     ) -> _Call:
         """Everything of one call besides the differentiable inputs: the plan (cached per input combination),
         the parameter vector on ``device`` (cached), the inputs."""
@@ -154,7 +166,8 @@ class FusedGRPOLoss:
         params = self._params_on.get(device)
         if params is None:
             params = self._params_on[device] = torch.tensor(self._parameters, dtype=torch.float64, device=device)
-        return _Call(plan, params, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, step, sequences)
+        return _Call(plan, params, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, step, sequences,
+                     check_inputs)
 
     @staticmethod
     def metrics(plan: FusedLossPlan, pairs: torch.Tensor, extremes: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -173,12 +186,13 @@ class FusedGRPOLoss:
         entropy: torch.Tensor | None,
         step: StepTensors,
         sequences: SequenceInfo,
+        check_inputs: CheckInputs = CheckInputs.DEFERRED,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(this micro-batch's share, its metric dict) — the contract of :meth:`mp_grpo.GRPOLoss.__call__`;
         the inputs are already checked (shapes, dtypes, devices)."""
         check_runs_here(logprobs, "logprobs")
         call = self.prepare(logprobs.device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs,
-                            entropy is not None, advantages.shape == logprobs.shape, step, sequences)
+                            entropy is not None, advantages.shape == logprobs.shape, step, sequences, check_inputs)
         loss, pairs, extremes = FusedGRPOLossFunction.apply(logprobs, entropy, call)
         return loss, self.metrics(call.plan, pairs, extremes)
 
@@ -316,7 +330,8 @@ def loss_forward(
     pairs_flat, extremes, partials_flat, seq_sums, seq_grad = _workspace(
         (_NUM_PAIRS * 2, _NUM_EXTREMES, programs * _PARTIAL_COLS, sums_size, s if plan.seq_grad else 0),
         torch.float64, device, zeroed=plan.num_cols > 0)
-    pairs, partials = pairs_flat.view(_NUM_PAIRS, 2), partials_flat.view(programs, _PARTIAL_COLS)
+    pairs = pairs_flat[:_NUM_PAIRS * 2].view(_NUM_PAIRS, 2)  # slices are rounded up to 16 bytes
+    partials = partials_flat[:programs * _PARTIAL_COLS].view(programs, _PARTIAL_COLS)
     row_values = 3 * n if from_stats is not None else 0  # (M, log S, entropy) for the log-prob backward
     grad_lp, grad_ent, seq_factor, rows = _workspace(
         (n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0, row_values), compute, device, zeroed=False)
@@ -330,7 +345,7 @@ def loss_forward(
         # --- 2. per-sequence sums ---
         meta = _token_meta(plan, tl_compute, from_stats is not None)
         launch_meta(grpo_loss_token_kernel, (max(ceil_div(n, blocks.token_block), 1),), meta,
-            lp, old, rollout, adv, mask, stats, target, cu, call.params, seq_sums,
+            lp, old, rollout, ref, ent, adv, mask, stats, target, cu, call.params, seq_sums,
             n, row_length, s, search_steps, *stats_sizes,
         )
         # --- 3. whole sequences under context parallelism ---
@@ -356,12 +371,16 @@ def loss_forward(
     # gspo / gmpo without context parallelism: the sequence-mean path folded into grad_lp here (finalize step 4)
     fold = plan.seq_grad and group_size(seqs.cp_group) <= 1
     fold_programs = ceil_div(n, blocks.backward_block) if fold else 0
+    kinds = nonfinite_input_kinds()
+    nonfinite_errors, deferred = kernel_counters(kinds, device, call.check_inputs)
     launch_meta(grpo_loss_finalize_kernel, (1 + fold_programs,),
         _finalize_meta(plan, fold, packed),
         partials, step.micro_batches, unused if step.skip is None else step.skip, loss, pairs, extremes,
-        grad_lp, seq_grad, grad_lp if seq_factor is None else seq_factor, cu,
+        nonfinite_errors, grad_lp, seq_grad, grad_lp if seq_factor is None else seq_factor, cu,
         programs, n, row_length, s, search_steps,
     )
+    if not deferred and call.check_inputs is not CheckInputs.OFF:  # on the CPU or with SYNC: read at once
+        raise_on_kernel_errors(nonfinite_errors, kinds, call.check_inputs)
     saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad and not fold else None, seq_factor, cu,
                       (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute,
                       rows[:row_values].view(3, n) if from_stats is not None else None)

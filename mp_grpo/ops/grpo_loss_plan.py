@@ -92,6 +92,7 @@ def build_plan(cfg: LossConfig, key: InputsKey) -> FusedLossPlan:
                 num_cols += 1
     common = dict(
         PACKED=key.packed, HAS_OLD=key.has_old, HAS_ROLLOUT=key.has_rollout, BYPASS=rc.bypass,
+        HAS_REF=key.has_ref, HAS_ENTROPY=key.has_entropy,  # both kernels drop the same non-finite positions
         ADV_PER_TOKEN=key.advantages_per_token, NUM_COLS=num_cols, COL_SEQ_IN=cols["seq_in"], COL_D=cols["d"],
         COL_OPSM=cols["opsm"],
     )
@@ -100,9 +101,9 @@ def build_plan(cfg: LossConfig, key: InputsKey) -> FusedLossPlan:
     kl_ratio = K.KL_RATIO_BIAS_CORRECTION if kl.bias_correction else (
         K.KL_RATIO_SCORE_FUNCTION if kl.score_function else K.KL_RATIO_NONE)
     entropy_bonus = cfg.entropy.bonus_coef != 0.0
-    has_skip = cfg.mismatch.skip_threshold is not None
+    has_skip = cfg.mismatch.skip_threshold is not None or cfg.nonfinite.skip_step
     combine_flags = dict(
-        common, HAS_REF=key.has_ref, HAS_ENTROPY=key.has_entropy,
+        common,
         OBJECTIVE=_code(_OBJECTIVES[objective]), DUAL_CLIP=p.dual_clip_c is not None,
         AGGREGATION=_code(_AGGREGATIONS[cfg.aggregation.mode]), WEIGHT_LEVEL=_code(_LEVELS[rc.weight_level]),
         NORMALIZE_WEIGHTS=rc.normalize_weights, REJECT_LEVEL=_code(_LEVELS[rc.reject_level]),
@@ -155,12 +156,13 @@ def _metric_names(cfg: LossConfig, key: InputsKey) -> tuple[tuple[str, bool, int
         pair("mismatch/k3", K.SUM_MISMATCH_K3)
         pair("mismatch/chi2_token", K.SUM_CHI2_TOKEN)
         pair("mismatch/chi2_seq", K.PAIR_CHI2_SEQ)
-    if cfg.mismatch.skip_threshold is not None:
+    if cfg.mismatch.skip_threshold is not None or cfg.nonfinite.skip_step:
         pair("mismatch/skipped", K.PAIR_SKIPPED)
     if key.has_ref:
         pair("kl", K.SUM_KL)
     if key.has_entropy:
         pair("entropy", K.SUM_ENTROPY)
+    pair("nonfinite_inputs", K.PAIR_NONFINITE)
     return tuple(out)
 
 

@@ -1,10 +1,11 @@
 """One entry point for every Triton launch of :mod:`mp_grpo.ops`: :func:`launch`, with a cheaper host path.
 
-Why: ``kernel[grid](*args, **constexprs)`` costs the host ~100–130 µs per launch on the H100 machine's CPU
-(``docs/benchmarks/loss_host_profile_h100.txt``): Triton's ``JITFunction.run`` specializes every argument
+Why: ``kernel[grid](*args, **constexprs)`` costs the host tens of µs more per launch than launching the
+compiled kernel directly (``scripts/profile_loss_host.py`` profiles it; the *normal launch* column of
+``docs/benchmarks/logprob.md`` measures the difference): Triton's ``JITFunction.run`` specializes every argument
 (a C++ call per argument), builds its cache key as a string, builds launch metadata for the launch hooks
-and calls the (empty) hook chain. A logits → loss forward+backward makes 6–7 such launches, so at V = 18992
-the host, not the GPU, sets the step time (issue 17, item 1).
+and calls the (empty) hook chain. A logits → loss forward+backward makes several launches, so at V = 18992
+the host, not the GPU, sets the step time.
 
 Schedule of :func:`launch` (one call; CUDA, not the interpreter)
 

@@ -87,8 +87,9 @@ class Merged(NamedTuple):
     log_sum: torch.Tensor
     """[N] fp32 log S, S = sum exp(z - M); logZ = M + log S (saved for backward)."""
     errors: torch.Tensor
-    """[2] int64 counters the merge added into: (targets outside [0, V_global) other than ignore_index,
-    shard-size mismatches) — the deferred ledger's own slots, fresh zeros, or a scratch (``check_inputs``)."""
+    """[3] int64 counters the merge added into: (shard-size mismatches, targets outside [0, V_global) other than
+    ignore_index, rows with non-finite logits) — the deferred ledger's own slots, fresh zeros, or a scratch
+    (``check_inputs``)."""
 
 
 def merge_statistics(
@@ -98,7 +99,7 @@ def merge_statistics(
     v_local: int,
     ignore_index: int,
     with_entropy: bool,
-    errors: torch.Tensor,  # [2] int64 counters to add into
+    errors: torch.Tensor,  # [3] int64 counters to add into
 ) -> Merged:
     """Merge the gathered statistics of every TP shard (one small kernel)."""
     tp, rows_plus_one, _ = stats.shape
@@ -125,9 +126,9 @@ class Gathered(NamedTuple):
     stats: torch.Tensor
     """[TP, N + 1, 4] fp32."""
     errors: torch.Tensor
-    """[2] int64 counters (the deferred ledger's own slots, fresh zeros, or a scratch)."""
+    """[3] int64 counters (the deferred ledger's own slots, fresh zeros, or a scratch)."""
     kinds: tuple
-    """The two error kinds of ``errors`` (``merge_error_kinds``)."""
+    """The three error kinds of ``errors`` (``merge_error_kinds``)."""
     deferred: bool
     """The counters are the ledger's: nothing to read at the call."""
 

@@ -102,12 +102,9 @@ class SamplingFilter:
         return (("top_k", self.top_k), ("top_p", self.top_p), ("min_p", self.min_p))
 
 
-def _per_row(value, name: str, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _per_row(value, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A field as ``[N]`` values of ``dtype`` (checked already: :func:`check_sampling_filter`)."""
     if isinstance(value, torch.Tensor):
-        if value.shape != shape:
-            raise ValueError(f"sampling_filter.{name} tensor shape {tuple(value.shape)} must equal target.shape {tuple(shape)}")
-        if value.device != device:
-            raise ValueError(f"sampling_filter.{name} is on {value.device} but the logits are on {device}")
         return value.reshape(-1).to(dtype)
     return torch.full((math.prod(shape),), value, dtype=dtype, device=device)
 
@@ -124,7 +121,11 @@ def check_sampling_filter(filt: SamplingFilter, target_shape: torch.Size, device
         if value is None:
             continue
         if isinstance(value, torch.Tensor):
-            _per_row(value, name, target_shape, device, value.dtype)
+            if value.shape != target_shape:
+                raise ValueError(f"sampling_filter.{name} tensor shape {tuple(value.shape)} must equal target.shape "
+                                 f"{tuple(target_shape)}")
+            if value.device != device:
+                raise ValueError(f"sampling_filter.{name} is on {value.device} but the logits are on {device}")
             if name == "top_k" and (value.dtype.is_floating_point or value.dtype == torch.bool):
                 raise TypeError(f"sampling_filter.top_k tensor must be integer, got {value.dtype}")
             if name != "top_k" and not value.dtype.is_floating_point:
@@ -161,7 +162,8 @@ def filter_threshold(
     inv_temperature: float,
 ) -> torch.Tensor:
     """``[N]`` fp32 raw-logit threshold of the filter's kept set (``-inf``: keep all). See the module
-    docstring for the schedule and its collectives."""
+    docstring for the schedule and its collectives. ``filt`` is trusted: the op that calls this checked it
+    against ``target_shape`` (:func:`check_sampling_filter`)."""
     n, v_local = x.shape
     device = x.device
     v_global = v_local * group_size(tp_group)
@@ -177,13 +179,13 @@ def filter_threshold(
 
     # --- 2. min-p: p_j >= min_p * p_max  <=>  x_j >= x_max + T log(min_p) ---
     if filt.min_p is not None:
-        min_p = _per_row(filt.min_p, "min_p", target_shape, device, torch.float32)
+        min_p = _per_row(filt.min_p, target_shape, device, torch.float32)
         # log(0) = -inf switches the filter off for that row.
         tau = torch.maximum(tau, row_max + torch.log(min_p) / inv_temperature)
 
     # --- 3. top-k: radix select of the k-th largest key, 8 bits a pass, counts all-reduced ---
     if filt.top_k is not None:
-        k = _per_row(filt.top_k, "top_k", target_shape, device, torch.int64)
+        k = _per_row(filt.top_k, target_shape, device, torch.int64)
         budget = torch.where((k <= 0) | (k >= v_global), 0, k).to(torch.int32)  # 0: row off
         prefix = torch.zeros(n, dtype=torch.int32, device=device)
         passes = key_bits // RADIX_COUNT_BITS
@@ -198,7 +200,7 @@ def filter_threshold(
 
     # --- 4. top-p: radix select on the mass strictly above, 4 bits a pass, then the last 8 bits exactly ---
     if filt.top_p is not None:
-        top_p = _per_row(filt.top_p, "top_p", target_shape, device, torch.float32).contiguous()
+        top_p = _per_row(filt.top_p, target_shape, device, torch.float32).contiguous()
         prefix = torch.zeros(n, dtype=torch.int32, device=device)
         budget = torch.empty(n, dtype=torch.float32, device=device)
         above = torch.zeros(n, dtype=torch.float32, device=device)

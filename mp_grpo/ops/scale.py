@@ -6,7 +6,8 @@ pointer: no host synchronization, whatever its value. No intermediate buffer, no
 
 Used by the backward of :func:`mp_grpo.ops.fused_linear_loss.fused_linear_loss` (its gradients are made in
 forward; backward only scales them by the upstream gradient, casts them to the parameter's dtype and,
-under gradient-accumulation fusion, adds the weight's into ``main_grad``).
+under gradient-accumulation fusion, adds the weight's into ``main_grad``), through
+:func:`scale_into_unchecked`: its own buffers need no check.
 """
 
 from __future__ import annotations
@@ -75,13 +76,21 @@ def scale_into(
     elif dtype is not None and dtype != out.dtype:
         raise ValueError(f"dtype={dtype} disagrees with out's dtype {out.dtype} (give one of them)")
     _check(x, out, scale)
+    return scale_into_unchecked(x, scale, out, accumulate=bool(accumulate))
+
+
+def scale_into_unchecked(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, accumulate: bool) -> torch.Tensor:
+    """:func:`scale_into` without its argument checks, for a caller whose tensors are right by construction (the
+    backward of :func:`~mp_grpo.ops.fused_linear_loss.fused_linear_loss`, on the buffers its forward made):
+    ``x`` and ``out`` contiguous, of one shape, on one device the kernels run on, ``out`` is ``x`` or does not
+    overlap it, ``scale`` one float element there."""
     n = x.numel()
     if n == 0:
         return out
     launch(scale_kernel, (ceil_div(n, SCALE_BLOCK),),
         x, out, scale,
         n,
-        ACCUMULATE=bool(accumulate),
+        ACCUMULATE=accumulate,
         BLOCK=SCALE_BLOCK,
         num_warps=SCALE_WARPS,
     )

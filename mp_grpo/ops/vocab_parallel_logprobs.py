@@ -216,9 +216,35 @@ def vocab_parallel_logprobs(
         check_sampling_filter(
             sampling_filter, target.shape, logits.device, check_tensors=check_inputs is not CheckInputs.OFF
         )
+    return vocab_parallel_logprobs_unchecked(
+        logits, target, tp_group=tp_group, inv_temperature=inv_temperature, with_entropy=bool(with_entropy),
+        ignore_index=int(ignore_index), inplace_backward=bool(inplace_backward), check_inputs=check_inputs,
+        sampling_filter=sampling_filter,
+    )
+
+
+def vocab_parallel_logprobs_unchecked(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: ProcessGroup | None,
+    inv_temperature: float,
+    with_entropy: bool,
+    ignore_index: int,
+    inplace_backward: bool,
+    check_inputs: CheckInputs,
+    sampling_filter: SamplingFilter | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vocab_parallel_logprobs` without its argument checks, for a caller that made them once at its own
+    boundary (``GRPOLoss.on_logits``, ``MegatronGRPO.loss_func``): ``logits`` and ``target`` as
+    :func:`~mp_grpo.ops.checks.check_logits_and_target` and :func:`~mp_grpo.ops.checks.check_runs_here` accept
+    them, ``inv_temperature`` from :func:`~mp_grpo.ops.checks.check_temperature`, ``check_inputs`` a
+    :class:`CheckInputs`, ``sampling_filter`` passed by :func:`check_sampling_filter` for ``target``. What only
+    the device sees (``check_inputs``) is still counted here."""
+    if sampling_filter is not None:
         # Fields that keep everything (top_p = 1, top_k >= V, min_p = 0) cost nothing.
         sampling_filter = sampling_filter.without_noops(logits.shape[-1] * group_size(tp_group))
     return VocabParallelLogProbs.apply(
-        logits, target, tp_group, inv_temperature, bool(with_entropy), int(ignore_index), bool(inplace_backward),
-        check_inputs, sampling_filter,
+        logits, target, tp_group, inv_temperature, with_entropy, ignore_index, inplace_backward, check_inputs,
+        sampling_filter,
     )

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from mp_grpo.collectives import all_reduce_sum
 from mp_grpo.config.job import JobConfig, ParamsDtype
+from mp_grpo.config import ConfigError
 from mp_grpo.megatron import MegatronGRPO, ParallelGroups, Rollouts, prepare_micro_batch
 from mp_grpo.megatron.forward_only import forward_logprobs
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
@@ -76,17 +77,26 @@ def setup_distributed() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
-def check_layout(cfg: JobConfig, on_gpu: bool) -> int:
-    """DP size of the config's layout on this world; a clear error when it does not fit."""
-    world, tp, cp = dist.get_world_size(), cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
+def world_size() -> int:
+    """Processes in this job: the process group's size, or torchrun's ``WORLD_SIZE`` before it exists (1 without torchrun)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(cfg: JobConfig, world: int, on_gpu: bool) -> int:
+    """DP size of the config's layout on ``world`` processes; a :class:`ConfigError` naming the key when it does not fit."""
+    tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
     if world % (tp * cp):
-        raise ValueError(f"parallel: world size {world} is not a multiple of TP·CP = {tp}·{cp}; launch {tp * cp}·DP processes")
+        key = "parallel.tensor_model_parallel_size" if tp > 1 else "parallel.context_parallel_size"
+        raise ConfigError(f"{key}: TP·CP = {tp}·{cp} does not divide the {world} processes of this job; allowed: "
+                          f"a world of a multiple of {tp * cp} processes (torchrun --nproc_per_node), or smaller TP·CP")
     if not on_gpu and cfg.parallel.sequence_parallel:
-        raise ValueError("parallel.sequence_parallel: megatron-core's sequence-parallel mappings need CUDA; set it false on CPU")
+        raise ConfigError("parallel.sequence_parallel: got true on a CPU machine (megatron-core's sequence-parallel "
+                          "mappings need CUDA); allowed: false on CPU")
     dp = world // (tp * cp)
     n = dp * cfg.train.num_microbatches * cfg.train.micro_batch_size
     if n % cfg.rollout.group_size:
-        raise ValueError(f"rollout.group_size: {cfg.rollout.group_size} does not divide the global batch DP·M·micro_batch_size = {n}")
+        raise ConfigError(f"rollout.group_size: {cfg.rollout.group_size} does not divide the global batch DP·M·micro_batch_size "
+                          f"= {dp}·{cfg.train.num_microbatches}·{cfg.train.micro_batch_size} = {n}; allowed: a divisor of {n}")
     return dp
 
 
@@ -268,10 +278,10 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
     """
     from megatron.core import parallel_state as ps
 
-    # --- 1. distributed setup ---
+    # --- 1. distributed setup (the layout checked first: a bad one fails before any process group exists) ---
+    dp = check_layout(cfg, world_size(), torch.cuda.is_available())
     device = setup_distributed()
     on_gpu = device.type == "cuda"
-    dp = check_layout(cfg, on_gpu)
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
                                  context_parallel_size=cfg.parallel.context_parallel_size)
     try:

@@ -117,9 +117,9 @@ def test_enum_values_and_names_in_every_kind_of_source() -> None:
         ({"policy": {"objective": "ppo"}}, None,
          "policy.objective: got 'ppo'; allowed: ppo_clip | cispo | sapo | gspo | gmpo | reinforce"),
         (None, ["rollout_correction.weight_level=tok"],
-         "rollout_correction.weight_level: got 'tok'; allowed: null | token | sequence | geometric"),
-        (None, ["kl.estimator=3"], "kl.estimator: got 3; allowed: k1 | k2 | k3"),
-        ({"aggregation": {"mode": "token-mean"}}, None, "aggregation.mode: got 'token-mean'; allowed: token_mean | "),
+         "rollout_correction.weight_level: got 'tok' (did you mean token?); allowed: null | token | sequence | geometric"),
+        (None, ["kl.estimator=3"], "kl.estimator: got 3 (did you mean k3?); allowed: k1 | k2 | k3"),
+        ({"aggregation": {"mode": "token-mean"}}, None, "aggregation.mode: got 'token-mean' (did you mean token_mean?); allowed: token_mean | "),
     ],
 )
 def test_bad_enum_value_names_key_value_and_allowed_values(source, overrides, message) -> None:

@@ -51,7 +51,7 @@ def test_forward_logprobs_gpt_one_gpu(dtype: str, output_path: str) -> None:
 def test_learning_job_gpu_config_starts(tmp_path: Path) -> None:
     log = tmp_path / "log.json"
     out = _torchrun(["-m", "mp_grpo.train", "--config", "gpu", "train.steps=3", "output.progress_bar=false",
-                     f"output.json_log={log}", f"output.plot={tmp_path / 'curves.png'}"])
+                     f"output.dir={tmp_path}"])
     assert "GPU: megatron-core GPTModel" in out
     steps = json.loads(log.read_text())["steps"]
     assert len(steps) == 3 and all(0.0 <= s["reward"] <= 1.0 for s in steps)

@@ -50,7 +50,7 @@ def _compile_all() -> None:
             tokens = dict(lp_ptr=lp, old_ptr=ptr, rollout_ptr="*fp32", adv_ptr=ptr, mask_ptr="*i1",
                           cu_ptr="*i32" if packed else lp, params_ptr="*fp64", **sizes, **stats)
             if plan.num_cols:
-                compile_kernel(grpo_loss_token_kernel, dict(tokens, seq_sums_ptr="*fp64"),
+                compile_kernel(grpo_loss_token_kernel, dict(tokens, ref_ptr=ptr, ent_ptr=lp, seq_sums_ptr="*fp64"),
                                dict(plan.token_flags, FROM_STATS=from_stats, COMPUTE=compute, BLOCK=1024))
             compile_kernel(grpo_loss_combine_kernel, dict(
                 tokens, ref_ptr=ptr, ent_ptr=lp, row_out_ptr="*fp32", errors_ptr="*i64", seq_sums_ptr="*fp64",
@@ -69,9 +69,9 @@ def _compile_all() -> None:
                                      (False, "*fp32", True, False)):
         compile_kernel(grpo_loss_finalize_kernel, dict(
             partial_ptr="*fp64", micro_batches_ptr="*fp64", skip_ptr="*i1", loss_ptr=loss, pairs_ptr="*fp64",
-            extremes_ptr="*fp64", grad_lp_ptr=loss, seq_grad_ptr="*fp64",
+            extremes_ptr="*fp64", nonfinite_errors_ptr="*i64", grad_lp_ptr=loss, seq_grad_ptr="*fp64",
             seq_factor_ptr=loss, cu_ptr="*i64", P="i32", **sizes,
-        ), dict(HAS_SKIP=skip, FOLD_SEQ_GRAD=fold, PACKED=packed, COLS=32, BLOCK_P=64, BLOCK=1024,
+        ), dict(HAS_SKIP=skip, FOLD_SEQ_GRAD=fold, PACKED=packed, COLS=64, BLOCK_P=64, BLOCK=1024,
                 CONSTANTS_KEY=CONSTANTS_KEY))
     print(f"compiled {compiler.count} kernels for sm_90")
 

@@ -136,7 +136,7 @@ def test_from_rollouts_errors() -> None:
 
 def test_loss_rejects_masks_the_batch_was_not_built_from() -> None:
     """Identity, not shape: masks of another step with the same shapes, and a mask changed in place, are refused."""
-    batch = make_batch(4, LENGTHS, 6)
+    batch = make_batch(4, LENGTHS, 6, garbage=False)  # its values are read under the other step's masks too
     other = make_batch(5, [3, 1, 2, 5], 6)  # another step: same shapes, other masks
     gb = GlobalBatch.from_masks(_parts(other, "loss_mask"))
     loss_fn = GRPOLoss(LossConfig())
@@ -159,3 +159,61 @@ def test_loss_rejects_masks_the_batch_was_not_built_from() -> None:
     with pytest.raises(StaleGlobalBatchError, match="modified in place"):
         loss_fn(batch["logprobs"][2:], batch["old_logprobs"][2:], batch["advantages"][2:], batch["loss_mask"][2:],
                 batch=own)
+
+
+def test_step_level_sums_leave_out_nonfinite_inputs() -> None:
+    """A NaN / ±inf old or rollout log-prob (entropy) at a valid position is never summed into the weight mean, the
+    k3 mean or the entropy quantile (GRPOLoss drops that position; nonfinite.skip_step skips the step)."""
+    batch = make_batch(2, LENGTHS, 6)
+    valid = batch["loss_mask"]
+    old, rollout, ent = batch["old_logprobs"].clone(), batch["rollout_logprobs"].clone(), batch["entropy"].clone()
+    rollout[0, 1], old[2, 0], ent[3, 2] = float("nan"), float("inf"), float("nan")
+    cfg = load_config(None, ["rollout_correction.weight_level=token", "rollout_correction.weight_max=2.0",
+                             "rollout_correction.normalize_weights=true", "entropy.top_quantile=0.5",
+                             "mismatch.skip_threshold=0.5"])
+    gb = GlobalBatch.from_rollouts(cfg, [valid], old_logprobs=[old], rollout_logprobs=[rollout], entropies=[ent])
+    summed = valid & torch.isfinite(old) & torch.isfinite(rollout)
+    d = (old - rollout)[summed]
+    torch.testing.assert_close(gb.weight_mean, d.exp().clamp(max=2.0).mean())
+    torch.testing.assert_close(gb.mismatch_k3, k3(d).sum() / valid.sum())
+    torch.testing.assert_close(gb.entropy_threshold, torch.quantile(ent[valid & torch.isfinite(ent)], 0.5))
+    assert gb.valid_tokens.item() == valid.sum().item()
+
+
+@pytest.mark.parametrize("name", ["old_logprobs", "rollout_logprobs", "ref_logprobs", "advantages",
+                                  "token advantages", "entropies"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "+inf", "-inf"])
+def test_nonfinite_skip_step(name: str, value: float) -> None:
+    """nonfinite.skip_step: a non-finite input given to from_rollouts at a valid position skips the step (the count
+    of such positions in ``nonfinite_inputs``); at a masked position it counts nothing."""
+    per_token = name == "token advantages"
+    batch = make_batch(3, LENGTHS, 6, per_token_advantages=per_token)
+    cfg = load_config(None, ["nonfinite.skip_step=true", "kl.coef=0.1", "entropy.top_quantile=0.5"])
+    valid = batch["loss_mask"]
+    inputs = dict(old_logprobs=batch["old_logprobs"], rollout_logprobs=batch["rollout_logprobs"],
+                  ref_logprobs=batch["ref_logprobs"], advantages=batch["advantages"], entropies=batch["entropy"])
+
+    def build(**changed):
+        given = {k: [v.clone()] for k, v in {**inputs, **changed}.items()}
+        return GlobalBatch.from_rollouts(cfg, [valid], **given)
+
+    clean = build()
+    assert clean.skip.item() is False and clean.nonfinite_inputs.item() == 0 and clean.skip_step() is False
+    key = "advantages" if per_token else name
+    bad = inputs[key].clone()
+    if name == "advantages":  # per sequence: every valid token of sequence 0
+        bad[0] = value
+        expected = LENGTHS[0]
+    else:
+        bad[0, 1] = value
+        expected = 1
+    gb = build(**{key: bad})
+    assert gb.skip.item() is True and gb.nonfinite_inputs.item() == expected and gb.skip_step() is True
+    if name != "advantages":
+        masked = inputs[key].clone()
+        masked[1, 0] = value  # row 1 has no valid token
+        assert build(**{key: masked}).skip.item() is False
+    with pytest.raises(StaleGlobalBatchError, match="nonfinite.skip_step"):
+        GRPOLoss(cfg)(batch["logprobs"], batch["old_logprobs"], batch["advantages"], valid,
+                      rollout_logprobs=batch["rollout_logprobs"], ref_logprobs=batch["ref_logprobs"],
+                      entropy=batch["entropy"], batch=GlobalBatch.from_masks([valid]))

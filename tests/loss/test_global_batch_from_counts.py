@@ -150,7 +150,8 @@ def test_micro_batches_missing_leaves_only_the_step_totals_nan() -> None:
     _, metrics, _, _ = _run(load_config(None, []), batch, gb, seed=3)
     reduced = reduce_metrics(metrics)
     assert math.isnan(reduced["loss"]) and math.isnan(reduced["valid_tokens"])
-    assert all(math.isfinite(v) for k, v in reduced.items() if k not in ("loss", "valid_tokens"))
+    assert math.isnan(reduced["nonfinite_inputs"])  # a step total too
+    assert all(math.isfinite(v) for k, v in reduced.items() if k not in ("loss", "valid_tokens", "nonfinite_inputs"))
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [

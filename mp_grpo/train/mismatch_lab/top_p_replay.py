@@ -3,7 +3,7 @@
 An inference engine that samples with top-p reports log-probs of the truncated, renormalized
 distribution; a trainer that computes full-vocabulary log-probs sees every token ratio
 π_trainer / π_engine = (kept mass) < 1 — a systematic mismatch that rollout correction then has to
-absorb (issue 19; TRL #6789 measured a mean IS ratio of 0.896 at top_p = 0.8). mp_grpo's
+absorb (TRL #6789 measured a mean IS ratio of 0.896 at top_p = 0.8). mp_grpo's
 ``vocab_parallel_logprobs(..., sampling_filter=SamplingFilter(top_p=p))`` replays the filter
 vocab-parallel. This experiment measures both on the learning job's own policy and rollout engine.
 

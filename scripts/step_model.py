@@ -1,0 +1,152 @@
+"""The model and data of ``bench_step.py``: a Qwen2.5-shaped megatron-core GPTModel and synthetic micro-batches.
+
+- :class:`ModelShape` / :data:`SHAPES`: Qwen2.5-0.5B and -1.5B (GQA, SwiGLU, RMSNorm, RoPE θ = 10⁶, QKV bias,
+  tied embeddings, V = 151936) and a tiny shape for smoke tests.
+- :func:`gpt_config`: their ``TransformerConfig`` with selective or full activation recompute, bf16, no dropout.
+- :class:`Rig`: what a step needs — the DDP-wrapped model, its config, the process groups, a
+  ``forward_backward_func`` with Megatron's keyword signature, and the model-call keywords; :func:`gpu_rig`
+  builds it on the current GPU (megatron-core's local layer spec, ``Float16Module``, Megatron DDP with fp32
+  gradient buffers, ``finalize_model_grads``). The CPU tests build one from the CPU stand-ins.
+- :func:`synthetic_micro_batches`: padded micro-batches of full-length rows (a prompt, then a completion
+  trained on), random tokens, one advantage per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from mp_grpo.megatron import MicroBatch, ParallelGroups, Rollouts, prepare_micro_batch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's dimensions (Qwen2.5 layout: GQA, SwiGLU, RMSNorm, RoPE, QKV bias, tied embeddings)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    query_groups: int
+    ffn: int
+    vocab: int
+
+    def parameters(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        head_dim = self.hidden // self.heads
+        qkv = self.hidden * (self.heads + 2 * self.query_groups) * head_dim + (self.heads + 2 * self.query_groups) * head_dim
+        layer = qkv + self.heads * head_dim * self.hidden + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return self.layers * layer + self.vocab * self.hidden + self.hidden
+
+
+SHAPES = {
+    "0.5b": ModelShape("0.5b", hidden=896, layers=24, heads=14, query_groups=2, ffn=4864, vocab=151936),
+    "1.5b": ModelShape("1.5b", hidden=1536, layers=28, heads=12, query_groups=2, ffn=8960, vocab=151936),
+    "tiny": ModelShape("tiny", hidden=64, layers=2, heads=4, query_groups=2, ffn=128, vocab=1024),
+}
+
+ROPE_BASE = 1_000_000
+"""Qwen2.5's rotary base θ."""
+NORM_EPS = 1e-6
+"""Qwen2.5's RMSNorm epsilon."""
+PROMPT_FRACTION = 8
+"""A row's first S / 8 tokens are its prompt (not trained on); the rest is the completion."""
+
+
+class Recompute(str, Enum):
+    """Megatron's activation recompute."""
+
+    SELECTIVE = "selective"
+    """``recompute_granularity="selective"``: the core attention is recomputed in backward."""
+    FULL = "full"
+    """``recompute_granularity="full"``, uniform, one layer per unit: only each layer's input is kept."""
+
+
+def gpt_config(shape: ModelShape, recompute: Recompute, *, bf16: bool = True):
+    """The ``TransformerConfig`` of ``shape`` (no dropout, initialized on the GPU)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    full = recompute == Recompute.FULL
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.query_groups, ffn_hidden_size=shape.ffn, kv_channels=shape.hidden // shape.heads,
+        normalization="RMSNorm", layernorm_epsilon=NORM_EPS, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0, attention_dropout=0.0,
+        recompute_granularity=recompute.value, recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=False,
+    )
+
+
+@dataclass
+class Rig:
+    """One model ready for steps; see the module docstring."""
+
+    model: torch.nn.Module
+    """DDP-wrapped (Megatron's on GPU, the CPU stand-in's on CPU); what ``forward_backward_func`` takes."""
+    groups: ParallelGroups
+    forward_backward_func: Callable
+    """With Megatron's keyword signature (``forward_step_func=, data_iterator=, model=, num_microbatches=,
+    seq_length=, micro_batch_size=, forward_only=``)."""
+    hidden: int
+    vocab: int
+    model_kwargs: dict = field(default_factory=dict)
+    """mp_grpo's model call: ``{"fp32_output": False}`` under ``Float16Module`` (bf16 logits / hidden states)."""
+
+    def schedule(self, forward_step_func: Callable, micro: list[MicroBatch], *, forward_only: bool) -> list:
+        """One ``forward_backward_func`` over ``micro``; its ``loss_reduced`` list."""
+        return self.forward_backward_func(
+            forward_step_func=forward_step_func, data_iterator=iter(micro), model=self.model,
+            num_microbatches=len(micro), seq_length=int(micro[0].input_ids.shape[1]),
+            micro_batch_size=int(micro[0].input_ids.shape[0]), forward_only=forward_only,
+        )
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+
+
+def gpu_rig(shape: ModelShape, recompute: Recompute, *, seq_len: int, seed: int = 1234) -> Rig:
+    """``shape`` as megatron-core's GPTModel on the current GPU (``parallel_state`` initialized, TP = 1)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    config = gpt_config(shape, recompute)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    gpt = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.vocab, max_sequence_length=seq_len, parallel_output=True,
+        share_embeddings_and_output_weights=True, position_embedding_type="rope", rotary_base=ROPE_BASE,
+    ).cuda()
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return Rig(model=ddp, groups=ParallelGroups.from_parallel_state(), forward_backward_func=get_forward_backward_func(),
+               hidden=shape.hidden, vocab=shape.vocab, model_kwargs={"fp32_output": False})
+
+
+def synthetic_micro_batches(num: int, batch: int, seq_len: int, vocab: int, *, seed: int,
+                            device: torch.device | str) -> list[MicroBatch]:
+    """``num`` padded micro-batches of ``batch`` full rows of ``seq_len`` tokens (see the module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = max(seq_len // PROMPT_FRACTION, 1)
+    micro = []
+    for _ in range(num):
+        tokens = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+        loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool)
+        loss_mask[:, prompt:] = True
+        rollouts = Rollouts(tokens=tokens, lengths=torch.full((batch,), seq_len), loss_mask=loss_mask,
+                            advantages=torch.randn(batch, generator=gen))
+        micro.append(prepare_micro_batch(rollouts, seq_len=seq_len).to(device))
+    return micro

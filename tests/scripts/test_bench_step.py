@@ -1,0 +1,279 @@
+"""The building blocks of scripts/bench_step.py at tiny sizes on CPU.
+
+- The max-micro-batch search (``measure.largest_fitting``) against a fake memory limit, for every true maximum
+  and guess; ``measure.fits_in_memory`` with fake out-of-memory errors (the failed call's tensors are released,
+  other errors raised); the memory model's first guess.
+- The common path's loss (``step_paths.common_ppo_loss``, verl's vanilla PPO loss written from its description)
+  against the float64 reference of verl's loss in ``tests/reference.py``, value and gradient.
+- The row builders on the CPU stand-ins (2 gloo ranks, TP = 2, megatron-core's ``parallel_state``, tied
+  embeddings, fp32 ``main_grad``): the common, logits, logits-on-the-model's-layer and fused training passes give
+  the same gradients (one objective); the floor's pass reaches every decoder parameter and not through the
+  output layer; the forward-only passes give the float64 log-probs; a whole GRPO step feeds its forward-only
+  log-probs to the training pass and steps the optimizer.
+- The report: results saved and loaded (resume), ratios, target lines, markdown and plot.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.distributed import REPO_ROOT, torchrun, worker_main
+from tests.reference import logprobs_reference, verl_actor_loss_reference
+from tests.tolerances import assert_close
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import measure  # noqa: E402
+import step_report  # noqa: E402
+from step_paths import Path as StepPath  # noqa: E402
+from step_paths import common_ppo_loss  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------- the search
+@settings(max_examples=300, deadline=None)
+@given(true_max=st.integers(0, 70), guess=st.integers(-5, 80), limit=st.integers(1, 64),
+       known_fit=st.integers(0, 3))
+def test_largest_fitting_finds_the_true_maximum(true_max: int, guess: int, limit: int, known_fit: int) -> None:
+    known_fit = min(known_fit, true_max, limit)
+    probes = []
+
+    def fits(b: int) -> bool:
+        assert known_fit < b <= limit, f"probe {b} outside ({known_fit}, {limit}]"
+        assert b not in probes, f"probe {b} repeated"
+        probes.append(b)
+        return b <= true_max
+
+    found = measure.largest_fitting(fits, guess, limit=limit, known_fit=known_fit)
+    assert found.largest == min(true_max, limit)
+    assert found.first_failure == (true_max + 1 if true_max < limit else None)
+    assert [b for b, _ in found.probes] == probes
+
+
+def test_largest_fitting_takes_two_probes_from_a_guess_off_by_one() -> None:
+    for guess, true_max in ((40, 40), (41, 40)):
+        found = measure.largest_fitting(lambda b: b <= true_max, guess, limit=1000, known_fit=4)
+        assert found.largest == true_max and len(found.probes) == 2, found.probes
+
+
+def test_largest_fitting_respects_a_known_failure() -> None:
+    found = measure.largest_fitting(lambda b: b <= 5, 30, limit=100, known_fit=2, known_failure=8)
+    assert found.largest == 5 and found.first_failure == 6
+    assert all(2 < b < 8 for b, _ in found.probes)
+    with pytest.raises(ValueError, match="known_fit"):
+        measure.largest_fitting(lambda b: True, 3, limit=10, known_fit=5, known_failure=5)
+
+
+def test_fits_in_memory_with_fake_out_of_memory(monkeypatch) -> None:
+    monkeypatch.setattr(measure, "peak_bytes", lambda fn: (fn(), 123)[1])
+    held = []
+
+    def runs_out():
+        big = torch.empty(1000)
+        held.append(weakref.ref(big))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert measure.fits_in_memory(runs_out) == (False, None)
+    assert held[0]() is None, "the failed call's tensors were not released"
+
+    def cublas():
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
+
+    assert measure.fits_in_memory(cublas) == (False, None)
+    assert measure.fits_in_memory(lambda: None) == (True, 123)
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        measure.fits_in_memory(broken)
+
+
+def test_memory_model_guess() -> None:
+    import bench_step
+
+    gib = 2**30
+    # base 10 GiB, 2 GiB per row: peaks 18 GiB at B = 4, 26 at B = 8; 80 GiB usable -> B = 35.
+    assert bench_step.memory_model_guess(4, 18 * gib, 8, 26 * gib, usable=80 * gib, base=10 * gib) == 35
+    # One point: the line from the base through (4, 18 GiB) -> 35 as well.
+    assert bench_step.memory_model_guess(4, 18 * gib, 4, None, usable=80 * gib, base=10 * gib) == 35
+
+
+# ------------------------------------------------------------------------------------------- the common loss
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_common_ppo_loss_equals_verl_reference(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + torch.seed() % 1000)
+    shape = (4, 9)
+    old = -torch.rand(shape, generator=gen) * 5
+    lp = (old + torch.randn(shape, generator=gen) * 0.4).requires_grad_()  # ratios on both sides of the clip
+    adv = torch.randn(shape[0], generator=gen).unsqueeze(1).expand(shape)
+    mask = torch.rand(shape, generator=gen) < 0.7
+    loss = common_ppo_loss(lp, old, adv, mask, denominator=float(mask.sum()))
+    upstream = torch.randn((), generator=gen)
+    (loss * upstream).backward()
+    lp64 = lp.detach().double().requires_grad_()
+    ref = verl_actor_loss_reference(lp64, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    (ref * upstream.double()).backward()
+    assert_close(loss, ref, torch.float32, msg="loss")
+    assert_close(lp.grad, lp64.grad, torch.float32, msg="gradient")
+
+
+# ------------------------------------------------------------------------------------------- the rows on CPU
+def _cpu_rig(groups, seq: int):
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from step_model import Rig
+
+    from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
+    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
+    from mp_grpo.train.cpu_schedule import forward_backward_cpu
+
+    hidden, vocab = 16, 64
+    config = cpu_model_config(hidden_size=hidden, tensor_model_parallel_size=groups.tp_size)
+    config.finalize_model_grads_func = finalize_model_grads
+    model = CpuGPTStandIn(config, vocab_size=vocab, max_sequence_length=seq, tp_group=groups.tp,
+                          share_embeddings_and_output_weights=True)
+    model.load_full_weights(random_full_weights(config, vocab_size=vocab, max_sequence_length=seq, seed=3))
+    model.word_embeddings.weight.zero_out_wgrad = True  # as GPTModel does for the tied weight
+    ddp = CpuDistributedDataParallel(config, DistributedDataParallelConfig(), model, dp_cp_group=groups.dp_cp,
+                                     main_grad=True)
+
+    def fbf(**kwargs):
+        kwargs.pop("seq_length"), kwargs.pop("micro_batch_size")
+        return forward_backward_cpu(groups=groups, **kwargs)
+
+    return Rig(model=ddp, groups=groups, forward_backward_func=fbf, hidden=hidden, vocab=vocab), model
+
+
+def _full_grads(model) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
+    group = model.word_embeddings.tp_group
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.main_grad.clone()
+        if getattr(p, "tensor_model_parallel", False) and group.size() > 1:
+            parts = [torch.empty_like(g) for _ in range(group.size())]
+            dist.all_gather(parts, g.contiguous(), group=group)
+            g = torch.cat(parts)
+        out[name] = g
+    return out
+
+
+def case_rows(tp: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from step_model import synthetic_micro_batches
+    from step_paths import forward_pass, grpo_step, training_pass
+
+    from mp_grpo.megatron import ParallelGroups
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        groups = ParallelGroups.from_parallel_state()
+        seq = 12
+        rig, model = _cpu_rig(groups, seq)
+        micro = synthetic_micro_batches(2, 2, seq, rig.vocab, seed=5, device="cpu")
+        # --- training passes: one objective, one gradient ---
+        grads = {}
+        for path in StepPath:
+            rig.zero_grad()
+            training_pass(rig, path, micro)()
+            grads[path] = _full_grads(model)
+        ref = grads[StepPath.COMMON]
+        for path in (StepPath.LOGITS, StepPath.FUSED, StepPath.LOGITS_MODEL_LAYER):
+            for name, g in ref.items():
+                assert_close(grads[path][name], g, torch.float32, msg=f"{path.value} grad of {name}")
+        floor = grads[StepPath.FLOOR]
+        for name, g in floor.items():
+            assert torch.count_nonzero(g) > 0, f"floor: no gradient reached {name}"
+        # The floor has no output layer: the tied weight gets only the embedding's (sparse) gradient.
+        emb = floor["word_embeddings.weight"]
+        assert torch.count_nonzero(emb.abs().sum(1)) < emb.shape[0], "floor: the output layer's gradient reached the weight"
+        # --- forward-only passes: the float64 log-probs of the full logits ---
+        full_logits = []
+        with torch.no_grad():
+            for mb in micro:
+                local = model(mb.input_ids, mb.position_ids, None)
+                parts = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(parts, local.contiguous(), group=groups.tp)
+                full_logits.append(torch.cat(parts, dim=-1))
+        assert forward_pass(rig, StepPath.FLOOR, micro)() is None
+        for path in (StepPath.COMMON, StepPath.LOGITS, StepPath.FUSED, StepPath.LOGITS_MODEL_LAYER):
+            out = forward_pass(rig, path, micro)()
+            for i, (lp, logits, mb) in enumerate(zip(out, full_logits, micro)):
+                expected, _ = logprobs_reference(logits, mb.targets)
+                expected = torch.where(mb.loss_mask, expected, torch.zeros_like(expected))
+                assert not lp.requires_grad
+                assert_close(torch.where(mb.loss_mask, lp, torch.zeros_like(lp)), expected, torch.float32,
+                             msg=f"{path.value} forward-only log-probs of micro-batch {i}")
+        # --- a whole GRPO step: forward-only log-probs -> training pass on them -> optimizer step ---
+        class Optimizer:
+            """Records the gradient it steps on; SGD on the fp32 main_grad, as Megatron's optimizer reads it."""
+
+            def __init__(self) -> None:
+                self.steps, self.zeroed = [], 0
+
+            def zero_grad(self) -> None:
+                self.zeroed += 1
+
+            @torch.no_grad()
+            def step(self) -> None:
+                self.steps.append(_full_grads(model))
+                for p in model.parameters():
+                    p.sub_(0.1 * p.main_grad)
+
+        for path in (StepPath.COMMON, StepPath.LOGITS, StepPath.FUSED, StepPath.FLOOR):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            optimizer = Optimizer()
+            grpo_step(rig, path, micro, optimizer)()
+            assert len(optimizer.steps) == 1 and optimizer.zeroed == 1
+            # Old log-probs from the forward-only pass of the same weights: on-policy, the training pass's gradient.
+            for name, g in grads[path].items():
+                assert_close(optimizer.steps[0][name], g, torch.float32, msg=f"GRPO step {path.value} grad of {name}")
+            assert any(not torch.equal(before[n], p) for n, p in model.named_parameters()), "the optimizer did not step"
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(before[n])
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_row_builders_on_cpu_stand_ins(tp: int) -> None:
+    torchrun(__file__, "case_rows", nproc=tp, tp=tp)
+
+
+# ------------------------------------------------------------------------------------------- the report
+def test_results_resume_and_report(tmp_path: Path) -> None:
+    path = tmp_path / "step.json"
+    results = step_report.Results.load(path)
+    results.start(command="python scripts/bench_step.py --shape tiny")
+    rows = {"floor": (100.0, 1000), "common": (110.0, 600), "logits": (101.5, 900), "fused": (100.5, 980)}
+    for kind in ("train", "forward"):
+        for name, (ms, tokens) in rows.items():
+            key = step_report.row_key("1.5b", 2048, "selective", kind, name)
+            results.update(key, {"B": 4, "tokens": 8192, "ms": ms, "peak_bytes": 2**30, "peak_GiB": 1.0})
+            assert not results.complete(key, search=True) and results.complete(key, search=False)
+            results.update(key, {"max_B": tokens // 2048, "max_tokens": tokens, "first_failure_B": tokens // 2048 + 1})
+    step_report.write_reports(results, tmp_path, plot=True)
+    again = step_report.Results.load(path)
+    assert again.rows == results.rows and again.complete(step_report.row_key("1.5b", 2048, "selective", "train", "fused"),
+                                                         search=True)
+    text = (tmp_path / "step.md").read_text()
+    assert "| 1.5b | 2048 | selective | fused | 100.5 | 1.005 |" in text
+    targets = step_report.targets(again)
+    assert any("fused time vs floor = 1.005 (target ≤ 1.01): met" in t for t in targets)
+    assert any("logits time vs floor = 1.015 (target ≤ 1.02): met" in t for t in targets)
+    assert any("fused tokens vs floor = 0.980 (target ≥ 0.95): met" in t for t in targets)
+    assert any("logits tokens vs common = 1.500 (target ≥ 2.0): NOT MET" in t for t in targets)
+    assert (tmp_path / "step.png").stat().st_size > 10_000
+
+
+if __name__ == "__main__":
+    worker_main({"case_rows": case_rows})
