@@ -251,8 +251,10 @@ class EngineConfig:
     filtered old policy is 0) — and counted: ``outside_filter`` in each step's record is the fraction of the
     rollout's sampled tokens so dropped. A later update on the same rollout batch (``train.updates_per_rollout``
     > 1) whose filter drops a token that the old pass kept gives that token probability 0 under the current
-    policy: ratio 0 (through ``policy.log_ratio_clamp``), no gradient, still in the step's denominators, counted
-    by the metric ``sampling_filter/outside_tokens``."""
+    policy: the loss drops the position (no term, no gradient: its non-finite guard, ``docs/loss.md``), it stays
+    in the step's denominators (counted before the forward), and the metrics ``sampling_filter/outside_tokens``
+    and ``nonfinite_inputs`` count it. The ops therefore run unchecked while replaying; any other non-finite
+    input stops the step (:func:`mp_grpo.train.loop.check_replayed_step`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:

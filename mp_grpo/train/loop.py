@@ -260,6 +260,23 @@ def drop_outside_filter(mb: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
                    old_logprobs=torch.where(keep, mb.old_logprobs, torch.zeros_like(mb.old_logprobs))), outside.sum()
 
 
+def check_replayed_step(metrics: dict[str, float]) -> None:
+    """With a replayed filter the log-prob ops and the loss run with ``check_inputs`` off, since a target outside
+    the trainer's filter is expected (a later update's; :class:`~mp_grpo.config.job.EngineConfig`,
+    ``replay_filter``); any other non-finite input at a trained position — a NaN or ±inf log-prob (old, rollout,
+    reference, the policy's), advantage or entropy — is an error, raised here, before the optimizer step. It reads
+    the step's reduced metrics: ``nonfinite_inputs`` counts both kinds, ``sampling_filter/outside_tokens`` the
+    targets outside the filter."""
+    other = metrics["nonfinite_inputs"] - metrics["sampling_filter/outside_tokens"]
+    if other > 0:
+        raise ValueError(
+            f"nonfinite inputs: {other:g} trained position(s) of this step had a NaN / ±inf input other than a target "
+            "outside the replayed sampling filter (old, rollout or reference log-probs, the policy's logits, "
+            "advantages or entropies); the loop runs the ops unchecked while it replays engine.top_k / engine.top_p, "
+            "so it stops here — rerun with engine.replay_filter=false to have the ops name the input"
+        )
+
+
 # --------------------------------------------------------------------------------------------- the loop
 def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_start: Callable[[dict], None] | None = None,
         on_rollout: Callable[[list[MicroBatch]], None] | None = None) -> list[dict]:
@@ -290,9 +307,9 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
         trainer = Trainer(cfg, groups, on_gpu)
         engine = RolloutEngine(trainer.engine_model, cfg.engine, temperature=cfg.rollout.temperature, seed=cfg.train.seed,
                                tp_group=groups.tp)
-        # With a replayed filter a target outside the trainer's kept set is expected (the boundary rule), not an
-        # input error: log-prob -inf instead of a raise. The targets are the engine's samples, ids in [0, V) by
-        # construction (one out of range would still show, as a NaN log-prob).
+        # With a replayed filter a target outside the trainer's kept set is expected (EngineConfig.replay_filter's
+        # rules), not an input error: the ops run unchecked (log-prob -inf instead of a raise) and
+        # check_replayed_step checks each step's metrics instead.
         replaying = replayed_filter(cfg, engine) is not None
         grpo = MegatronGRPO(cfg.loss, temperature=cfg.rollout.temperature, num_microbatches=cfg.train.num_microbatches,
                             calculate_per_token_loss=cfg.parallel.calculate_per_token_loss, groups=groups,
@@ -323,6 +340,8 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
                 forward_only=False,
             )
             metrics = grpo.reduce_metrics(losses)  # MoE models: the routers' metrics too
+            if replaying:
+                check_replayed_step(metrics)
             skipped = batch.skip_step()
             grad_norm = math.nan if skipped else trainer.optimizer_step()
             record = dict(step=step, metrics=metrics, grad_norm=grad_norm, skipped=skipped,

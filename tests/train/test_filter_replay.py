@@ -5,8 +5,10 @@
   log-prob −inf (the old-log-prob pass's function equals the float64 filtered reference, the −inf included).
   :func:`~mp_grpo.train.loop.drop_outside_filter` takes it out of the loss mask and counts it:
   loss, gradient and metrics then equal those of the same micro-batch with that token never trained on, all
-  finite; without the rule the token's clamped log-ratio (−20) dominates vllm-kl and the mismatch skip fires.
-  A later update whose filter drops a token the old pass kept: ratio e^−20, no gradient, counted.
+  finite; without the rule the −inf old (and current) log-prob is a non-finite input: the loss drops the
+  position's term and counts it, but the position stays in the step's denominators.
+  A later update whose filter drops a token the old pass kept: the position gives no term and no gradient, stays
+  in the denominators, is counted as outside the filter, and the step goes on.
 * The loop itself under torchrun (gloo) with top-k and top-p on and a bf16 engine: TP = 1, TP = 2 and DP = 2
   give the same completions, rewards and dropped-token fractions, and loss / grad norm to fp32 reduction order
   (the micro-batch split is tested without a filter in test_trajectory_invariance.py; the filter is per row);
@@ -110,7 +112,7 @@ def test_bf16_engine_keeps_what_the_fp32_trainer_drops() -> None:
 
 
 def test_boundary_token_leaves_the_loss_as_if_never_trained_on() -> None:
-    from mp_grpo.train.loop import drop_outside_filter
+    from mp_grpo.train.loop import check_replayed_step, drop_outside_filter
 
     grpo = _grpo()
     mb, logits, (b, s), _ = _micro_batch_and_logits(loss_mask_at_boundary=True)
@@ -142,15 +144,43 @@ def test_boundary_token_leaves_the_loss_as_if_never_trained_on() -> None:
     assert not skipped and metrics["mismatch/k3"] < 1e-3 and metrics["sampling_filter/outside_tokens"] == 0
     assert metrics["valid_tokens"] == int(mb.loss_mask.sum()) - 1
 
-    # Without the rule the −inf old log-prob is clamped to −20 against the engine's: k3 ≈ 19 on that token
-    # dominates the step's vllm-kl and the mismatch skip (0.1) throws the whole step away.
-    _, raw_metrics, _, raw_skipped = _step(grpo, with_old, logits)
-    assert raw_metrics["mismatch/k3"] > 1.0 and raw_skipped
+    # Without the rule the −inf old and current log-probs are non-finite inputs at a trained position: the loss drops
+    # its term (no gradient), counts it — but it stays in the step's denominators, unlike a token never trained on.
+    _, raw_metrics, raw_grad, raw_skipped = _step(grpo, with_old, logits)
+    assert raw_metrics["nonfinite_inputs"] == 1 and raw_metrics["sampling_filter/outside_tokens"] == 1
+    n = metrics["valid_tokens"]  # the ruled step's denominator; without the rule it is n + 1 (the same terms)
+    assert raw_metrics["loss"] == pytest.approx(metrics["loss"] * n / (n + 1), rel=1e-6)
+    assert not raw_skipped
+    assert bool(torch.isfinite(raw_grad).all()) and bool((raw_grad[b, s] == 0).all())
+    check_replayed_step(raw_metrics)  # a target outside the filter: expected while replaying
+    check_replayed_step(metrics)
 
 
-def test_later_update_dropping_a_kept_token_gives_ratio_zero_and_no_gradient() -> None:
+def test_check_replayed_step_stops_on_other_nonfinite_inputs() -> None:
+    """While replaying the ops run unchecked: a non-finite input other than a target outside the filter (here a NaN
+    advantage) is counted by the loss, and the loop's check raises before the optimizer step."""
+    from mp_grpo.train.loop import check_replayed_step
+
+    grpo = _grpo()
+    mb, logits, (b, s), _ = _micro_batch_and_logits(loss_mask_at_boundary=False)
+    with torch.no_grad():
+        old, _ = grpo.token_logprobs(logits, mb)
+    advantages = mb.advantages.clone()
+    advantages[b] = float("nan")
+    mb = mb.with_logprobs(old_logprobs=old)
+    import dataclasses
+    mb = dataclasses.replace(mb, advantages=advantages)
+    _, metrics, grad, _ = _step(grpo, mb, logits)
+    bad = int(mb.loss_mask[b].sum())
+    assert bad > 0 and metrics["nonfinite_inputs"] == bad and metrics["sampling_filter/outside_tokens"] == 0
+    assert bool(torch.isfinite(grad).all())
+    with pytest.raises(ValueError, match=f"nonfinite inputs: {bad} trained position"):
+        check_replayed_step(metrics)
+
+
+def test_later_update_dropping_a_kept_token_gives_no_term_and_no_gradient() -> None:
     """Old pass on logits that keep the token (its bf16-rounded row), the update's pass on logits that drop it."""
-    from mp_grpo.train.loop import drop_outside_filter
+    from mp_grpo.train.loop import check_replayed_step, drop_outside_filter
 
     grpo = _grpo()
     mb, logits, (b, s), _ = _micro_batch_and_logits(loss_mask_at_boundary=True)
@@ -162,9 +192,11 @@ def test_later_update_dropping_a_kept_token_gives_ratio_zero_and_no_gradient() -
     assert int(dropped) == 0 and bool(mb.loss_mask[b, s]) and bool(torch.isfinite(old).all())
     loss, metrics, grad, skipped = _step(grpo, mb, logits)
     assert math.isfinite(loss) and all(math.isfinite(v) for v in metrics.values()), metrics
-    assert metrics["sampling_filter/outside_tokens"] == 1 and metrics["valid_tokens"] == int(mb.loss_mask.sum())
-    assert metrics["ratio/min"] == pytest.approx(math.exp(-20.0), rel=1e-3)  # policy.log_ratio_clamp = 20
-    assert bool((grad[b, s] == 0).all()) and bool((grad.abs().sum(-1) > 0).sum() > 1)
+    # valid_tokens counts the positions with a term: the dropped one is not among them (it stays in the denominator)
+    assert metrics["sampling_filter/outside_tokens"] == 1 and metrics["valid_tokens"] == int(mb.loss_mask.sum()) - 1
+    assert metrics["nonfinite_inputs"] == 1  # the policy's −inf log-prob: dropped from the loss, counted
+    assert bool(torch.isfinite(grad).all()) and bool((grad[b, s] == 0).all()) and bool((grad.abs().sum(-1) > 0).sum() > 1)
+    check_replayed_step(metrics)  # expected while replaying: the step goes on
 
 
 # ------------------------------------------------------------------------------------ the loop on layouts
