@@ -227,16 +227,40 @@ class EngineConfig:
     weight_lag: int = 0
     """Mismatch knob: the engine samples with the trainer's weights of ``weight_lag`` optimizer steps ago
     (off-policy staleness, as asynchronous RL)."""
+    top_k: int = 0
+    """Top-k sampling, as vLLM: the engine samples from the renormalized distribution over the tokens whose logit
+    is ≥ the k-th largest (ties at the k-th value kept), before top-p (vLLM's order: top-k, then top-p on what
+    is left). An integer ≥ 0; 0 = off (vLLM's ``top_k = 0 / -1``); k ≥ the vocabulary keeps every token."""
     top_p: float = 1.0
     """Nucleus sampling, as vLLM: the engine samples from the renormalized distribution over the tokens whose
     strictly-larger probability mass is < top_p (ties at the threshold kept; vLLM's convention,
-    :mod:`mp_grpo.ops.sampling_filter`) and reports log-probs of that filtered distribution — a systematic
-    mismatch with the trainer's full-vocabulary log-probs unless the trainer replays the filter. In (0, 1];
-    1 = off. Found vocab-parallel, without gathering the logits (:func:`mp_grpo.train.sampler.top_p_filter`)."""
+    :mod:`mp_grpo.ops.sampling_filter`) and reports log-probs of that filtered distribution. In (0, 1]; 1 = off.
+    Found vocab-parallel, without gathering the logits (:func:`mp_grpo.train.sampler.sampling_filter_keep`)."""
+    replay_filter: bool = True
+    """The trainer replays ``top_k`` / ``top_p`` (:meth:`~mp_grpo.megatron.MicroBatch.with_sampling_filter`) in
+    the old-log-prob pass and the training pass: its log-probs are those of the filtered, renormalized
+    distribution the engine sampled from, as the engine reports them. false: full-vocabulary log-probs — every
+    token ratio trainer / engine is then the kept mass of its position (< 1), a systematic mismatch
+    (``docs/mismatch.md``). Reference log-probs (the KL term) are always of the full vocabulary.
+
+    **Boundary tokens.** A bf16 engine and an fp32 trainer put the filter's threshold at slightly different
+    logits, so the engine can sample a token that the trainer's replayed filter drops (its log-prob there is
+    −inf: the trainer's filtered policy gives it probability 0). Rule: a sampled token outside the trainer's
+    filter in the old-log-prob pass is taken out of the loss mask — it enters no term, no denominator and no
+    metric of the step, as a token the trainer does not train on (its importance weight against the trainer's
+    filtered old policy is 0) — and counted: ``outside_filter`` in each step's record is the fraction of the
+    rollout's sampled tokens so dropped. A later update on the same rollout batch (``train.updates_per_rollout``
+    > 1) whose filter drops a token that the old pass kept gives that token probability 0 under the current
+    policy: the loss drops the position (no term, no gradient: its non-finite guard, ``docs/loss.md``), it stays
+    in the step's denominators (counted before the forward), and the metrics ``sampling_filter/outside_tokens``
+    and ``nonfinite_inputs`` count it. The ops therefore run unchecked while replaying; any other non-finite
+    input stops the step (:func:`mp_grpo.train.loop.check_replayed_step`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"engine.top_p: got {self.top_p!r}; allowed: a float in (0, 1] (1 = off)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"engine.top_k: got {self.top_k!r}; allowed: an integer ≥ 0 (0 = off)")
         if not self.logit_noise_std >= 0.0:
             raise ConfigError(f"engine.logit_noise_std: got {self.logit_noise_std}; allowed: a float ≥ 0")
         if not isinstance(self.weight_lag, int) or self.weight_lag < 0:

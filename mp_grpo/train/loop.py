@@ -16,9 +16,13 @@ Schedule of :func:`run`
    (N / G prompts, G completions each): prompts keyed by (seed, rollout index); the engine (weights
    synced from the trainer, possibly lagging) samples the completions — every DP replica samples the
    whole batch (keyed noise: the same tokens on every layout) and keeps its rows; exact rewards;
-   group-normalized advantages; this rank's micro-batches; old log-probs (and entropies) from the
-   trainer's forward-only pass (:func:`mp_grpo.megatron.forward_only.forward_logprobs`); reference
-   log-probs from the initial weights when the loss has a KL term.
+   group-normalized advantages; this rank's micro-batches, carrying the engine's sampling filter
+   (``engine.top_k`` / ``engine.top_p``, :meth:`~mp_grpo.megatron.MicroBatch.with_sampling_filter`) unless
+   ``engine.replay_filter`` is false; old log-probs (and entropies) from the trainer's forward-only pass
+   (:func:`mp_grpo.megatron.forward_only.forward_logprobs`), of the filtered distribution when replayed;
+   the boundary rule (:func:`drop_outside_filter`): sampled tokens outside the trainer's replayed filter
+   leave the loss mask, counted over DP×CP (one all-reduce of two numbers); reference log-probs of the
+   full vocabulary from the initial weights when the loss has a KL term.
 4. The optimizer step: the GlobalBatch, ``forward_backward_func`` with MegatronGRPO's
    ``forward_step_func``, metrics reduced over DP×CP, gradient clipping and the step (skipped when the
    mismatch monitor says so).
@@ -41,6 +45,9 @@ from mp_grpo.config.job import JobConfig, ParamsDtype
 from mp_grpo.config import ConfigError
 from mp_grpo.megatron import MegatronGRPO, ParallelGroups, Rollouts, prepare_micro_batch
 from mp_grpo.megatron.forward_only import forward_logprobs
+from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
+from mp_grpo.ops import SamplingFilter
+from mp_grpo.ops.checks import CheckInputs
 from mp_grpo.train.rollout import RolloutEngine
 from mp_grpo.train.task import group_advantages, make_prompts, successor_reward
 
@@ -212,25 +219,78 @@ def rollout_batch(cfg: JobConfig, rollout_index: int, trainer: Trainer, engine: 
     micro = [prepare_micro_batch(everything.select(slice(first + i * mbs, first + (i + 1) * mbs)),
                                  sequence_format=cfg.parallel.sequence_format, cp_group=groups.cp,
                                  sequence_parallel_size=sp).to(device) for i in range(m)]
+    filt = replayed_filter(cfg, engine)
+    if filt is not None:  # the training pass and the old-log-prob pass both read mb.sampling_filter
+        micro = [mb.with_sampling_filter(top_k=filt.top_k, top_p=filt.top_p) for mb in micro]
     old = forward_logprobs(grpo, trainer.forward_backward, trainer.model, micro, model_kwargs=trainer.model_kwargs)
     micro = [mb.with_logprobs(old_logprobs=lp, rollout_logprobs=mb.rollout_logprobs) for mb, lp in zip(micro, old.logprobs)]
-    if trainer.reference is not None:
-        ref = forward_logprobs(grpo, trainer.forward_backward, trainer.reference, micro, model_kwargs=trainer.model_kwargs)
+    sampled = sum(mb.loss_mask.sum() for mb in micro)
+    if filt is not None:  # the boundary rule
+        micro, outside = zip(*(drop_outside_filter(mb) for mb in micro))
+        micro, dropped = list(micro), sum(outside)
+    else:
+        dropped = torch.zeros_like(sampled)
+    counts = all_reduce_sum(torch.stack([dropped, sampled]).to(torch.float64), groups.dp_cp).tolist()
+    if trainer.reference is not None:  # KL(π_θ ‖ π_ref) to the reference's full-vocabulary log-probs
+        unfiltered = [replace(mb, sampling_filter=None) for mb in micro]
+        ref = forward_logprobs(grpo, trainer.forward_backward, trainer.reference, unfiltered, model_kwargs=trainer.model_kwargs)
         micro = [replace(mb, ref_logprobs=lp) for mb, lp in zip(micro, ref.logprobs)]
     stats = dict(reward=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
-                 solved=float((rewards == 1.0).float().mean()), completions=gen.tokens.cpu(), rewards=rewards.cpu())
+                 solved=float((rewards == 1.0).float().mean()),
+                 outside_filter=counts[0] / counts[1],  # counts[1] ≥ 1: every completion has a token
+                 completions=gen.tokens.cpu(), rewards=rewards.cpu())
     return micro, old.entropy, stats
 
 
+def replayed_filter(cfg: JobConfig, engine: RolloutEngine) -> SamplingFilter | None:
+    """The sampling filter the trainer replays: the engine's (``engine.top_k`` / ``engine.top_p``) unless
+    ``engine.replay_filter`` is false; None when there is nothing to replay."""
+    return engine.sampling_filter if cfg.engine.replay_filter else None
+
+
+def drop_outside_filter(mb: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
+    """The boundary rule (:class:`~mp_grpo.config.job.EngineConfig`, ``replay_filter``): the trained tokens whose
+    old log-prob is −inf — sampled by the engine, outside the trainer's replayed filter — leave the loss mask
+    (target ``IGNORE_INDEX``, old log-prob 0), so that no term, denominator or metric of the step sees them.
+    Returns the micro-batch and the count dropped (an int64 scalar on the device, no host read)."""
+    outside = torch.isneginf(mb.old_logprobs) & mb.loss_mask
+    keep = mb.loss_mask & ~outside
+    ignore = torch.full((), IGNORE_INDEX, dtype=mb.targets.dtype, device=mb.targets.device)
+    return replace(mb, loss_mask=keep, targets=torch.where(keep, mb.targets, ignore),
+                   old_logprobs=torch.where(keep, mb.old_logprobs, torch.zeros_like(mb.old_logprobs))), outside.sum()
+
+
+def check_replayed_step(metrics: dict[str, float]) -> None:
+    """With a replayed filter the log-prob ops and the loss run with ``check_inputs`` off, since a target outside
+    the trainer's filter is expected (a later update's; :class:`~mp_grpo.config.job.EngineConfig`,
+    ``replay_filter``); any other non-finite input at a trained position — a NaN or ±inf log-prob (old, rollout,
+    reference, the policy's), advantage or entropy — is an error, raised here, before the optimizer step. It reads
+    the step's reduced metrics: ``nonfinite_inputs`` counts both kinds, ``sampling_filter/outside_tokens`` the
+    targets outside the filter."""
+    other = metrics["nonfinite_inputs"] - metrics["sampling_filter/outside_tokens"]
+    if other > 0:
+        raise ValueError(
+            f"nonfinite inputs: {other:g} trained position(s) of this step had a NaN / ±inf input other than a target "
+            "outside the replayed sampling filter (old, rollout or reference log-probs, the policy's logits, "
+            "advantages or entropies); the loop runs the ops unchecked while it replays engine.top_k / engine.top_p, "
+            "so it stops here — rerun with engine.replay_filter=false to have the ops name the input"
+        )
+
+
 # --------------------------------------------------------------------------------------------- the loop
-def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_start: Callable[[dict], None] | None = None) -> list[dict]:
+def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_start: Callable[[dict], None] | None = None,
+        on_rollout: Callable[[list[MicroBatch]], None] | None = None) -> list[dict]:
     """Train ``cfg.train.steps`` GRPO steps; one record per step (see the module docstring).
 
     Record keys: ``step``, ``reward`` (mean over the rollout batch the step trained on), ``reward_std``,
     ``solved`` (fraction of completions with reward 1), ``metrics`` (MegatronGRPO's, reduced over DP×CP:
     ``loss``, ``mismatch/k3`` = vllm-kl, ``is_weight/...``, ``ratio/...``, ...), ``grad_norm`` (NaN when
     skipped), ``skipped``, ``seconds``, ``completions`` (``[N, S]`` token ids of the rollout batch, CPU),
-    ``rewards`` (``[N]``). ``on_start(info)`` gets the description and layout, ``on_step(record)`` each record.
+    ``rewards`` (``[N]``), ``outside_filter`` (fraction of the rollout batch's sampled tokens outside the
+    trainer's replayed sampling filter, dropped from the loss by the boundary rule; 0 without a filter).
+    ``on_start(info)`` gets the description and layout, ``on_step(record)`` each record, ``on_rollout(micro)``
+    this rank's micro-batches of each rollout batch as the steps train on them (old and rollout log-probs,
+    the loss mask after the boundary rule).
     Call it on every rank (torchrun) or in a plain process (a world of one).
     """
     from megatron.core import parallel_state as ps
@@ -247,9 +307,14 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
         trainer = Trainer(cfg, groups, on_gpu)
         engine = RolloutEngine(trainer.engine_model, cfg.engine, temperature=cfg.rollout.temperature, seed=cfg.train.seed,
                                tp_group=groups.tp)
+        # With a replayed filter a target outside the trainer's kept set is expected (EngineConfig.replay_filter's
+        # rules), not an input error: the ops run unchecked (log-prob -inf instead of a raise) and
+        # check_replayed_step checks each step's metrics instead.
+        replaying = replayed_filter(cfg, engine) is not None
         grpo = MegatronGRPO(cfg.loss, temperature=cfg.rollout.temperature, num_microbatches=cfg.train.num_microbatches,
                             calculate_per_token_loss=cfg.parallel.calculate_per_token_loss, groups=groups,
-                            vocab_size=cfg.model.vocab_size, output_path=cfg.model.output_path)
+                            vocab_size=cfg.model.vocab_size, output_path=cfg.model.output_path,
+                            check_inputs=CheckInputs.OFF if replaying else CheckInputs.DEFERRED)
         if on_start is not None:
             on_start(dict(description=trainer.description, layout=dict(
                 world=dist.get_world_size(), tp=groups.tp_size, cp=groups.cp_size, dp=dp, backend=dist.get_backend(),
@@ -263,6 +328,8 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
             if step % cfg.train.updates_per_rollout == 0:
                 engine.sync_weights(trainer.policy)
                 micro, entropies, stats = rollout_batch(cfg, step // cfg.train.updates_per_rollout, trainer, engine, grpo, device)
+                if on_rollout is not None:
+                    on_rollout(micro)
             # --- 4. one optimizer step ---
             batch = grpo.global_batch(micro, step=step, entropies=entropies)
             trainer.zero_grad()
@@ -273,6 +340,8 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
                 forward_only=False,
             )
             metrics = grpo.reduce_metrics(losses)  # MoE models: the routers' metrics too
+            if replaying:
+                check_replayed_step(metrics)
             skipped = batch.skip_step()
             grad_norm = math.nan if skipped else trainer.optimizer_step()
             record = dict(step=step, metrics=metrics, grad_norm=grad_norm, skipped=skipped,

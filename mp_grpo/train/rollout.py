@@ -3,7 +3,7 @@
 It stands in for vLLM / SGLang: its own copy of the weights in its own dtype (bf16 by default, while
 the trainer is fp32 on CPU), its own log-prob arithmetic (plain torch, not mp_grpo's kernel), and
 knobs that widen the gap (:class:`~mp_grpo.config.job.EngineConfig`): noise on its logits, weights
-that lag the trainer's by some optimizer steps, top-p sampling (whose filtered log-probs the trainer
+that lag the trainer's by some optimizer steps, top-k / top-p sampling (whose filtered log-probs the trainer
 matches only by replaying the filter). The log-probs it returns are the ``rollout_logprobs``
 that mp_grpo's rollout correction, OPSM and mismatch monitor consume. With ``dtype = fp32`` and every
 knob at 0 they equal the trainer's to fp32 reduction order.
@@ -14,10 +14,11 @@ Schedule of :meth:`RolloutEngine.generate` (every TP rank of a replica calls it 
 2. For each of the L completion tokens (full recompute, no KV cache — fine at these sizes): the engine
    model's vocab-parallel logits of the whole buffer; at each row's last filled position, fp32 logits
    (+ keyed N(0, std²) noise) / temperature = z.
-3. With ``top_p < 1``: z = −inf outside each row's nucleus (:func:`~mp_grpo.train.sampler.top_p_filter`,
-   vLLM's convention, found without gathering the logits). Sample from softmax(z) with
+3. With ``top_k > 0`` or ``top_p < 1``: z = −inf outside each row's kept set (top-k, then top-p on what is
+   left: :func:`~mp_grpo.train.sampler.sampling_filter_keep`, vLLM's convention and order, found without
+   gathering the logits). Sample from softmax(z) with
    :func:`~mp_grpo.train.sampler.gumbel_max_sample` (one all-reduce over TP), write the token.
-4. Its log-prob log softmax(z)[token] over the sharded vocabulary — with top-p, of the filtered,
+4. Its log-prob log softmax(z)[token] over the sharded vocabulary — with a filter, of the filtered,
    renormalized distribution, as vLLM reports it: all-reduce MAX of the shard maxima, all-reduce SUM of
    the shards' sums of exp, all-reduce SUM of the owning shard's z[token].
 """
@@ -32,7 +33,8 @@ import torch
 
 from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum, group_rank
 from mp_grpo.config.job import EngineConfig, EngineDtype
-from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, top_p_filter
+from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, sampling_filter_keep
 
 _DTYPES = {EngineDtype.BF16: torch.bfloat16, EngineDtype.FP32: torch.float32}
 
@@ -48,8 +50,8 @@ class Generation:
     completion_mask: torch.Tensor
     """``[N, S]`` bool: the sampled tokens."""
     rollout_logprobs: torch.Tensor
-    """``[N, S]`` float32: the engine's log-prob of each sampled token (0 elsewhere); with ``top_p < 1`` that of
-    the filtered, renormalized distribution."""
+    """``[N, S]`` float32: the engine's log-prob of each sampled token (0 elsewhere); with a sampling filter
+    (``top_k`` / ``top_p``) that of the filtered, renormalized distribution."""
 
 
 class RolloutEngine:
@@ -85,6 +87,15 @@ class RolloutEngine:
         self.tp_group = tp_group
         self.forward = forward or (lambda m, ids, pos: m(ids, pos, None))
         self._history: deque[dict[str, torch.Tensor]] = deque(maxlen=config.weight_lag + 1)
+
+    @property
+    def sampling_filter(self) -> SamplingFilter | None:
+        """The engine's sampling filter as the trainer replays it (``top_k`` 0 → None, ``top_p`` 1 → None), or None
+        when the engine samples from the whole vocabulary."""
+        if self.config.top_k == 0 and self.config.top_p >= 1.0:
+            return None
+        top_p = None if self.config.top_p >= 1.0 else float(self.config.top_p)
+        return SamplingFilter(top_k=self.config.top_k or None, top_p=top_p)
 
     @torch.no_grad()
     def sync_weights(self, trainer_model: torch.nn.Module) -> None:
@@ -122,9 +133,10 @@ class RolloutEngine:
                 noise = keyed_normal(self.seed, step, sequence_ids.unsqueeze(1), pos.unsqueeze(1), ids)
                 logits = logits + (self.config.logit_noise_std * noise).float()
             z = logits / self.temperature
-            # --- 3. sample (from the nucleus with top-p) ---
-            if self.config.top_p < 1.0:
-                z = torch.where(top_p_filter(z, self.config.top_p, self.tp_group), z, torch.full_like(z, float("-inf")))
+            # --- 3. sample (from the kept set with top-k / top-p) ---
+            if self.sampling_filter is not None:
+                keep = sampling_filter_keep(z, top_k=self.config.top_k, top_p=self.config.top_p, tp_group=self.tp_group)
+                z = torch.where(keep, z, torch.full_like(z, float("-inf")))
             token = gumbel_max_sample(z, vocab_start=vocab_start, seed=self.seed, step=step, sequence=sequence_ids,
                                       position=pos, tp_group=self.tp_group)
             tokens[rows, pos] = token

@@ -16,20 +16,21 @@ Schedule of :func:`gumbel_max_sample` (one decoding position of N sequences, on 
    (score, id) words): the id with the largest score over the whole vocabulary. The logits are never
    gathered. ``argmax(z + g)`` is a sample of ``softmax(z)`` (the Gumbel-max trick).
 
-Top-p (:func:`top_p_filter`): the engine first masks the logits outside the nucleus to −inf, then samples
-as above — a sample of the renormalized top-p distribution. The per-row keep set is a raw-logit threshold
-found by mp_grpo's own replay machinery (:func:`mp_grpo.ops.sampling_filter.filter_threshold`, vLLM's
-convention): one all-reduce (max) of ``[N]`` and 8 all-reduces (sum) of ``[N, 16]`` fp32 bin masses for
-fp32 logits, never the logits themselves. The same function is what the trainer runs when it replays the
-filter (``vocab_parallel_logprobs(..., sampling_filter=SamplingFilter(top_p=p))``), so with equal logits
-the engine's and the trainer's kept sets are the same.
+Top-k / top-p (:func:`sampling_filter_keep`): the engine first masks the logits outside the kept set to −inf,
+then samples as above — a sample of the renormalized filtered distribution. The per-row kept set is a
+raw-logit threshold found by mp_grpo's own replay machinery (:func:`mp_grpo.ops.sampling_filter.filter_threshold`,
+vLLM's convention): all-reduces of per-row histograms (counts for top-k, bin masses for top-p), never the
+logits themselves. The same function is what the trainer runs when it replays the filter
+(``vocab_parallel_logprobs(..., sampling_filter=SamplingFilter(top_k=k, top_p=p))``), so with equal logits the
+engine's and the trainer's kept sets are the same; with a bf16 engine and an fp32 trainer they can differ at
+the boundary (the rule the learning loop applies: :class:`~mp_grpo.config.job.EngineConfig`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, all_reduce_argmax
+from mp_grpo.collectives import ProcessGroup, all_reduce_argmax, group_size
 from mp_grpo.ops.sampling_filter import SamplingFilter, filter_threshold
 
 _MASK32 = 0xFFFFFFFF
@@ -106,31 +107,36 @@ def keyed_normal(seed: int, step: int, sequence: torch.Tensor, position: torch.T
     return torch.special.ndtri(keyed_uniform(seed + NOISE_SALT, step, sequence, position, token))
 
 
-def top_p_filter(z: torch.Tensor, top_p: float, tp_group: ProcessGroup | None) -> torch.Tensor:
-    """``[N, V_local]`` bool: this shard's tokens in each row's top-p nucleus of ``softmax(z)`` (sharded vocabulary).
+def sampling_filter_keep(z: torch.Tensor, *, top_k: int, top_p: float, tp_group: ProcessGroup | None) -> torch.Tensor:
+    """``[N, V_local]`` bool: this shard's tokens in each row's kept set of top-k then top-p (sharded vocabulary).
 
-    vLLM's convention: token j is kept iff the probability mass of the tokens with a strictly larger
-    logit is < ``top_p`` (ties at the threshold kept; the largest logit always). Schedule:
+    vLLM's convention and order: top-k keeps the tokens whose logit is ≥ the k-th largest (ties kept); top-p,
+    on the distribution top-k leaves, keeps token j iff the probability mass of the kept tokens with a strictly
+    larger logit is < ``top_p`` (ties at the threshold kept; the largest logit always). Schedule:
 
     1. :func:`~mp_grpo.ops.sampling_filter.filter_threshold` on fp32 ``z`` (already divided by the
        temperature, so ``inv_temperature = 1``): a per-row threshold τ from a radix search over the
-       logits' order-preserving keys — one all-reduce (max) of ``[N]`` and, for fp32, 8 rounds of one
-       all-reduce (sum) of ``[N, 16]`` bin masses over ``tp_group``; the logits are never gathered.
+       logits' order-preserving keys, each round one all-reduce (sum) of per-row histograms over
+       ``tp_group`` (counts for top-k, bin masses for top-p; the rounds and sizes are listed there); the
+       logits are never gathered.
     2. Keep ``z ≥ τ`` (no collective).
 
     Args:
         z: ``[N, V_local]`` fp32 logits shard / temperature (every rank of ``tp_group`` passes its shard).
+        top_k: an int ≥ 0; 0 (or ≥ the vocabulary) keeps every token.
         top_p: in (0, 1]; 1 keeps every token.
         tp_group: the group the vocabulary is split over (None: the whole vocabulary is here).
     """
     if z.dim() != 2 or z.dtype != torch.float32:
         raise ValueError(f"z must be a [N, V_local] float32 tensor, got {tuple(z.shape)} {z.dtype}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int ≥ 0 (0 = off), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be a float in (0, 1], got {top_p!r}")
-    if top_p >= 1.0:
+    filt = SamplingFilter(top_k=top_k or None, top_p=float(top_p)).without_noops(z.shape[1] * group_size(tp_group))
+    if filt is None:
         return torch.ones_like(z, dtype=torch.bool)
     # --- 1. the per-row threshold, vocab-parallel ---
-    threshold = filter_threshold(z.contiguous(), SamplingFilter(top_p=float(top_p)), z.shape[:1], tp_group=tp_group,
-                                 inv_temperature=1.0)
+    threshold = filter_threshold(z.contiguous(), filt, z.shape[:1], tp_group=tp_group, inv_temperature=1.0)
     # --- 2. the keep set ---
     return z >= threshold.unsqueeze(1)

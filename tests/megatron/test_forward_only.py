@@ -3,8 +3,9 @@
 2 gloo ranks. ``case_tp``: TP = 2 with the CPU stand-in under Megatron DDP and megatron-core's own
 ``forward_step`` (``mp_grpo.train.cpu_schedule`` with ``forward_only=True``), padded and packed, logits
 and fused output paths: equal to :meth:`MegatronGRPO.model_logprobs` and to the float64 reference on the
-unsharded logits. ``case_pp``: a PP group of 2 whose first stage gets nothing from the schedule (as on a
-non-last stage) receives the last stage's log-probs.
+unsharded logits; with the rollout's sampling filter (top-k and top-p) on the micro-batches, equal to the
+float64 reference of the filtered distribution (the kept sets exactly). ``case_pp``: a PP group of 2 whose
+first stage gets nothing from the schedule (as on a non-last stage) receives the last stage's log-probs.
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
 from mp_grpo.megatron.forward_only import forward_logprobs
 from tests.distributed import torchrun, worker_main
 from tests.megatron import helpers as H
-from tests.reference import logprobs_reference
+from tests.reference import filtered_logprobs_reference, logprobs_reference
 from tests.tolerances import assert_close
+
+
+FILTER_TOP_K, FILTER_TOP_P = 24, 0.9
+"""The sampling filter of the filtered pass (top-k, then top-p, vLLM's convention; V = 64)."""
+FILTERED_CASES = ((SequenceFormat.PADDED, OutputPath.LOGITS), (SequenceFormat.PACKED, OutputPath.FUSED))
+"""The (format, path) pairs the filtered pass runs on: each format and each path once (the Triton interpreter's
+threshold search is slow; the formats × paths grid with a filter is tests/megatron/test_sampling_filter.py's)."""
 
 
 def case_tp() -> None:
@@ -66,6 +74,26 @@ def case_tp() -> None:
                     assert_close(lp, ref_lp, torch.float32, msg=f"log-probs vs float64 {where}")
                     assert_close(ent, ref_ent, torch.float32, msg=f"entropy vs float64 {where}")
                     assert torch.all(torch.where(mb.loss_mask, torch.zeros_like(lp), lp) == 0), f"untrained positions {where}"
+                if (fmt, path) not in FILTERED_CASES:
+                    continue
+                # The rollout's sampling filter replayed (what the learning loop's old-log-prob pass does): the
+                # log-probs of the filtered distribution; a synthetic target outside it gets -inf (checks off).
+                filtered = [mb.with_sampling_filter(top_k=FILTER_TOP_K, top_p=FILTER_TOP_P) for mb in micro]
+                grpo_f = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=3,
+                                      calculate_per_token_loss=False, groups=groups, output_path=path, check_inputs=False)
+                out_f = forward_logprobs(grpo_f, fbf, ddp, filtered)
+                outside = 0
+                for mb, lp, ent in zip(filtered, out_f.logprobs, out_f.entropy):
+                    with torch.no_grad():
+                        ref_lp, ref_ent = filtered_logprobs_reference(full(mb.input_ids, mb.position_ids), mb.targets,
+                                                                      top_k=FILTER_TOP_K, top_p=FILTER_TOP_P,
+                                                                      temperature=H.TEMPERATURE)
+                    assert torch.equal(torch.isneginf(lp), torch.isneginf(ref_lp)), f"kept sets differ {where}"
+                    finite = torch.isfinite(ref_lp)
+                    assert_close(lp[finite], ref_lp[finite], torch.float32, msg=f"filtered log-probs vs float64 {where}")
+                    assert_close(ent, ref_ent, torch.float32, msg=f"filtered entropy vs float64 {where}")
+                    outside += int(torch.isneginf(lp).sum())
+                assert 0 < outside < sum(int(mb.loss_mask.sum()) for mb in micro), f"filter keeps all or nothing {where}"
     finally:
         ps.destroy_model_parallel()
 

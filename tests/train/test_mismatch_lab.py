@@ -10,7 +10,7 @@ import torch
 
 from mp_grpo.train.mismatch_lab import __main__ as lab_cli
 from mp_grpo.config import load_config
-from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, top_p_replay, training
+from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, top_p_loop, top_p_replay, training
 from mp_grpo.train.mismatch_lab.policy import PolicyShape, RolloutEngine, TinyPolicy, make_rollouts
 from tests.tolerances import tolerance
 
@@ -149,6 +149,24 @@ def test_top_p_replay_removes_the_filter_mismatch(world_of_one):
     assert abs(replay["token_is_mean"] - 1) < 1e-5 and abs(replay["sequence_is_mean"] - 1) < 1e-5
     assert replay["vllm_kl_k3"] < 1e-9 and replay["vllm_kl_k3_inside"] == replay["vllm_kl_k3"]
     assert "| fp32 | 0.8 |" in top_p_replay.table({"rows": list(rows.values())})
+
+
+def test_top_p_loop_replay_restores_the_is_mean(world_of_one):
+    """(f) at test size: the loop without replay has IS means below 1 and vllm-kl of the filter's size; with replay
+    they are at the bf16 level; the lab's statistics (from the loop's micro-batches) agree with the loop's metric."""
+    setup = top_p_loop.TopPLoopSetup(steps=1, variants=("top_p 0.8, no replay", "top_p 0.8, replay"),
+                                     extra_overrides=("parallel.tensor_model_parallel_size=1",
+                                                      "parallel.sequence_format=padded", *TINY_JOB))
+    result = top_p_loop.run(setup)
+    (plain,), (replay,) = (result["runs"][v]["steps"] for v in setup.variants)
+    assert plain["tokens"] == 24 and replay["tokens"] + round(replay["outside_filter"] * 24) == 24
+    assert plain["sequence_is_mean"] < plain["token_is_mean"] < 0.95 and plain["vllm_kl_k3"] > 1e-3
+    assert abs(replay["token_is_mean"] - 1) < 0.01 and abs(replay["sequence_is_mean"] - 1) < 0.03
+    assert replay["vllm_kl_k3"] < 1e-3
+    for s in (plain, replay):  # the lab's float64 statistics and the loop's own mismatch/k3, on the same tokens
+        assert s["vllm_kl_k3"] == pytest.approx(s["vllm_kl_loop"], rel=1e-4, abs=1e-9)
+    report = top_p_loop.report(result)
+    assert "| top_p 0.8, replay |" in report and "Sequence IS mean per step:" in report
 
 
 def test_mismatch_statistics_match_explicit_formulas():

@@ -84,22 +84,28 @@ def test_bf16_engine_and_knobs_move_the_logprobs() -> None:
     assert not torch.equal(noisy.tokens, fp32.tokens)
 
 
-def test_top_p_engine_samples_the_nucleus_and_reports_its_logprobs() -> None:
-    """fp32 engine, top_p = 0.8: every sampled token is in the float64 nucleus and the engine's log-probs are
-    those of the filtered, renormalized softmax (as vLLM reports them) — above the full-vocabulary ones."""
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.8), (5, 0.9)])
+def test_filtered_engine_samples_the_kept_set_and_reports_its_logprobs(top_k: int, top_p: float) -> None:
+    """fp32 engine with top-p (and top-k): every sampled token is in the float64 kept set and the engine's
+    log-probs are those of the filtered, renormalized softmax (as vLLM reports them) — above the full-vocabulary
+    ones; the filter the trainer replays is the engine's."""
     trainer = _model()
-    gen, _ = _generate(EngineConfig(dtype=EngineDtype.FP32, top_p=0.8), trainer)
+    config = EngineConfig(dtype=EngineDtype.FP32, top_k=top_k, top_p=top_p)
+    gen, _ = _generate(config, trainer)
     with torch.no_grad():
         logits = trainer(gen.tokens, torch.arange(gen.tokens.shape[1]).expand_as(gen.tokens))
     target = torch.where(gen.completion_mask[:, 1:], gen.tokens[:, 1:], torch.full_like(gen.tokens[:, 1:], -100))
-    ref, _ = filtered_logprobs_reference(logits[:, :-1], target, top_p=0.8, temperature=T)
+    ref, _ = filtered_logprobs_reference(logits[:, :-1], target, top_k=top_k or None, top_p=top_p, temperature=T)
     ref = torch.cat([torch.zeros(ref.shape[0], 1, dtype=ref.dtype), ref], dim=1)
     mask = gen.completion_mask
-    assert bool(torch.isfinite(ref[mask]).all()), "a sampled token lies outside the float64 nucleus"
-    assert_close(gen.rollout_logprobs, ref, torch.float32, msg="top-p engine vs float64 filtered reference")
+    assert bool(torch.isfinite(ref[mask]).all()), "a sampled token lies outside the float64 kept set"
+    assert_close(gen.rollout_logprobs, ref, torch.float32, msg=f"top_k={top_k}, top_p={top_p} engine vs float64 filtered reference")
     full = _reference_logprobs(trainer, gen)
     assert bool((gen.rollout_logprobs[mask] >= full[mask].float() - 1e-6).all())
-    assert float((gen.rollout_logprobs - full)[mask].mean()) > 0.05  # the nucleus drops real mass at T = 0.8
+    assert float((gen.rollout_logprobs - full)[mask].mean()) > 0.05  # the filter drops real mass at T = 0.8
+    filt = RolloutEngine(_model(), config, temperature=T, seed=5, tp_group=None).sampling_filter
+    assert (filt.top_k, filt.top_p, filt.min_p) == (top_k or None, top_p, None)
+    assert RolloutEngine(_model(), EngineConfig(), temperature=T, seed=5, tp_group=None).sampling_filter is None
 
 
 def test_lagging_weights() -> None:
@@ -130,3 +136,19 @@ def test_engine_config_errors_name_the_key() -> None:
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ConfigError, match="engine.top_p"):
             EngineConfig(top_p=bad)
+    for bad in (-1, True):
+        with pytest.raises(ConfigError, match="engine.top_k"):
+            EngineConfig(top_k=bad)
+
+
+def test_engine_filter_keys_checked_at_load_time() -> None:
+    """Typed keys: a top_k that is not an integer, a negative one, a misspelt replay key all fail at load time."""
+    from mp_grpo.config import ConfigError
+    from mp_grpo.config.job import load_job_config
+    from mp_grpo.train.__main__ import config_path
+
+    assert load_job_config(config_path("cpu"), ["engine.top_k=20", "engine.top_p=0.9"]).engine.top_k == 20
+    for override, key in (("engine.top_k=-1", "engine.top_k"), ("engine.top_k=2.5", "engine.top_k"),
+                          ("engine.replay_filtr=false", "engine.replay_filtr")):
+        with pytest.raises(ConfigError, match=key):
+            load_job_config(config_path("cpu"), [override])

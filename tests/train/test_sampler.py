@@ -2,8 +2,8 @@
 
 Draws are a function of (seed, step, sequence, position, token id) only: the same on any slicing of
 the vocabulary or the batch; the sample follows softmax(logits); TP = 2 (gloo) samples exactly the
-tokens TP = 1 samples, through one all-reduce of packed (score, id) words. Top-p: the keep set equals
-a float64 reference that filters the full-vocabulary softmax (vLLM's convention, ties kept), samples
+tokens TP = 1 samples, through one all-reduce of packed (score, id) words. Top-k / top-p: the keep set equals
+a float64 reference that filters the full-vocabulary softmax (vLLM's convention and order, ties kept), samples
 follow the filtered softmax, and TP = 2 keeps and samples exactly what TP = 1 does.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mp_grpo.collectives import all_reduce_argmax
-from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, keyed_uniform, top_p_filter
+from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, keyed_uniform, sampling_filter_keep
 from tests.distributed import torchrun, worker_main
 from tests.reference import sampling_filter_keep_reference
 
@@ -68,7 +68,7 @@ def _top_p_logits(n: int, v: int, seed: int) -> torch.Tensor:
 def test_top_p_keep_set_matches_float64_reference() -> None:
     z = _top_p_logits(64, 48, seed=3)  # 64 rows: the bin-mass kernel runs under Triton's CPU interpreter
     for p in (0.3, 0.8, 0.95, 1.0):
-        keep = top_p_filter(z, p, None)
+        keep = sampling_filter_keep(z, top_k=0, top_p=p, tp_group=None)
         ref = sampling_filter_keep_reference(z, top_p=p)
         assert torch.equal(keep, ref), f"top_p={p}: {int((keep != ref).sum())} entries differ"
         assert bool(keep.any(dim=1).all())  # the largest logit is always kept
@@ -78,10 +78,20 @@ def test_top_p_keep_set_matches_float64_reference() -> None:
             assert bool(((prob * keep).sum(1) >= p - 1e-6).all())
 
 
+def test_top_k_and_top_p_keep_set_matches_float64_reference() -> None:
+    z = _top_p_logits(32, 48, seed=6)  # ties at the k-th value too (the quantized rows)
+    for k, p in ((5, 1.0), (1, 1.0), (12, 0.8), (48, 0.9), (0, 0.7)):
+        keep = sampling_filter_keep(z, top_k=k, top_p=p, tp_group=None)
+        ref = sampling_filter_keep_reference(z, top_k=k if k else None, top_p=p)
+        assert torch.equal(keep, ref), f"top_k={k}, top_p={p}: {int((keep != ref).sum())} entries differ"
+        if 0 < k < 48 and p == 1.0:  # at least k kept (more on a tie at the k-th value), never the whole row
+            assert bool((keep.sum(1) >= k).all()) and bool((keep.sum(1) < 48).all())
+
+
 def test_top_p_samples_follow_the_filtered_softmax() -> None:
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 3.0, 0.5])
     n, p = 40000, 0.8
-    keep = top_p_filter(logits.unsqueeze(0), p, None)  # one row (the interpreter's time goes per row)
+    keep = sampling_filter_keep(logits.unsqueeze(0), top_k=0, top_p=p, tp_group=None)  # one row (the interpreter's time goes per row)
     filtered = torch.where(keep, logits, torch.full_like(logits, float("-inf"))).expand(n, -1).contiguous()
     tokens = gumbel_max_sample(filtered, vocab_start=0, seed=2, step=0, sequence=torch.arange(n),
                                position=torch.zeros(n, dtype=torch.int64), tp_group=None)
@@ -97,9 +107,11 @@ def test_top_p_bad_arguments_are_named() -> None:
     import pytest
 
     with pytest.raises(ValueError, match="top_p must be"):
-        top_p_filter(torch.zeros(2, 4), 0.0, None)
+        sampling_filter_keep(torch.zeros(2, 4), top_k=0, top_p=0.0, tp_group=None)
+    with pytest.raises(ValueError, match="top_k must be"):
+        sampling_filter_keep(torch.zeros(2, 4), top_k=-1, top_p=1.0, tp_group=None)
     with pytest.raises(ValueError, match="z must be"):
-        top_p_filter(torch.zeros(2, 4, dtype=torch.float64), 0.9, None)
+        sampling_filter_keep(torch.zeros(2, 4, dtype=torch.float64), top_k=0, top_p=0.9, tp_group=None)
 
 
 def test_bad_shapes_are_named() -> None:
@@ -133,9 +145,9 @@ def case_tp2() -> None:
     z = _top_p_logits(64, v, seed=4)
     seq, pos = seq[:64], pos[:64]
     for p in (0.5, 0.9):
-        keep_full = top_p_filter(z, p, None)
+        keep_full = sampling_filter_keep(z, top_k=0, top_p=p, tp_group=None)
         z_shard = z[:, rank * shard:(rank + 1) * shard].contiguous()
-        keep_split = top_p_filter(z_shard, p, dist.group.WORLD)
+        keep_split = sampling_filter_keep(z_shard, top_k=0, top_p=p, tp_group=dist.group.WORLD)
         assert torch.equal(keep_split, keep_full[:, rank * shard:(rank + 1) * shard]), f"top_p={p}: keep sets differ"
         neg = torch.tensor(float("-inf"))
         full = gumbel_max_sample(torch.where(keep_full, z, neg), vocab_start=0, seed=3, step=5, sequence=seq,

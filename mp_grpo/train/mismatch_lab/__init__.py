@@ -1,6 +1,6 @@
 """The training–inference mismatch lab: the failure modes of the seeds, reproduced and measured against mp_grpo.
 
-``python -m mp_grpo.train.mismatch_lab [--experiments a b c d e] [--full] [--out docs/mismatch]`` runs, on CPU:
+``python -m mp_grpo.train.mismatch_lab [--experiments a b c d e f] [--full] [--out docs/mismatch]`` runs, on CPU:
 
 - (a) :mod:`.is_correction`: the same batch's gradient with the rollout IS correction applied vs omitted
   (the Liger-Kernel #1082 ~100× grad norm), over a range of rollout mismatch;
@@ -10,9 +10,11 @@
 - (d) :mod:`.training`: GRPO runs of :mod:`mp_grpo.train` with the rollout engine's mismatch knob rising,
   with and without rollout correction and the mismatch skip;
 - (e) :mod:`.top_p_replay`: the rollout engine sampling with top-p — vllm-kl and the IS-ratio mean between
-  its log-probs and the trainer's, without and with the filter replayed (``SamplingFilter(top_p=p)``).
+  its log-probs and the trainer's, without and with the filter replayed (``SamplingFilter(top_p=p)``);
+- (f) :mod:`.top_p_loop`: (e)'s top-p row through the learning loop itself — GRPO runs with ``engine.top_p``,
+  the trainer replaying the filter (``engine.replay_filter``) or not: IS means, vllm-kl, reward.
 
-(d) and (e) run quick sizes by default; ``--full`` runs the sizes ``docs/mismatch.md`` reports.
+(d), (e) and (f) run quick sizes by default; ``--full`` runs the sizes ``docs/mismatch.md`` reports.
 
 :mod:`.policy` is the tiny policy and noisy bf16 rollout engine of (a)–(c); :mod:`.report` writes the
 JSON, markdown tables and PNGs that ``docs/mismatch.md`` shows.

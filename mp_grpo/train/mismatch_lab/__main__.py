@@ -3,7 +3,7 @@
 Schedule
     1. Parse the experiments to run and the output folder.
     2. For each experiment: run it, print its markdown table, write ``<out>/<name>.json``, ``<out>/<name>.md``
-       and (a, b, d) ``<out>/<name>.png``. (d) and (e) run quick sizes unless ``--full``.
+       and (a, b, d, f) ``<out>/<name>.png``. (d), (e) and (f) run quick sizes unless ``--full``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,17 @@ def _run_e(args: argparse.Namespace) -> tuple[dict, str]:
     return result, top_p_replay.table(result)
 
 
+def _run_f(args: argparse.Namespace) -> tuple[dict, str]:
+    from mp_grpo.train.mismatch_lab import top_p_loop
+    result = top_p_loop.run(top_p_loop.TopPLoopSetup() if args.full else top_p_loop.QUICK)
+    return result, top_p_loop.report(result)
+
+
+def _plot_f(result: dict, path: Path) -> None:
+    from mp_grpo.train.mismatch_lab import top_p_loop
+    top_p_loop.plot(result, path)
+
+
 def _plot_d(result: dict, path: Path) -> None:
     from mp_grpo.train.mismatch_lab import training
     training.plot(result, path)
@@ -61,7 +72,8 @@ EXPERIMENTS = {"a": ("is_correction", _run_a, report.plot_is_correction),
                "b": ("normalizer", _run_b, report.plot_normalizer),
                "c": ("nan_guard", _run_c, None),
                "d": ("training", _run_d, _plot_d),
-               "e": ("top_p_replay", _run_e, None)}
+               "e": ("top_p_replay", _run_e, None),
+               "f": ("top_p_loop", _run_f, _plot_f)}
 """Letter → (output name, runner, plotter or None)."""
 
 
@@ -72,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which experiments to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("docs/mismatch"), help="output folder")
     parser.add_argument("--full", action="store_true",
-                        help="(d), (e): the documented sizes (default: quick runs of a few minutes)")
+                        help="(d), (e), (f): the documented sizes (default: quick runs of a few minutes)")
     parser.add_argument("--training-steps", type=int, default=None, help="(d): optimizer steps per run")
     parser.add_argument("--training-variants", nargs="+", default=None, help="(d): variant names (default: all)")
     args = parser.parse_args(argv)
