@@ -444,6 +444,13 @@ def grpo_metrics_reference(
                                           magnitude=True, **args)
     out: dict[str, tuple[float, float]] = {"loss": (float(j), float(j_size)),
                                            "valid_tokens": (float(step.n_tokens), float(step.n_tokens))}
+    # trained positions where any input is NaN / ±inf (the loss drops them; per-sequence advantages broadcast)
+    bad = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    for x in (logprobs, old_logprobs, advantages, rollout_logprobs, ref_logprobs, entropy):
+        if x is not None:
+            bad = bad | ~torch.isfinite(x.detach() if x.shape == loss_mask.shape else x.detach()[:, None])
+    dropped = float((bad & (loss_mask != 0)).sum())
+    out["nonfinite_inputs"] = (dropped, dropped)
 
     def cat(name, where=None):
         values = [row[name].detach().double().expand(row.n) if where is None else
