@@ -172,7 +172,9 @@ def _policy_term_reference(p, lp: torch.Tensor, lr: torch.Tensor, adv: torch.Ten
         return -_clamp_range(torch.exp(lr), lo, hi).detach() * adv * lp
     if objective == "sapo":
         tau = torch.where(adv > 0, torch.full_like(adv, p.sapo_tau_pos), torch.full_like(adv, p.sapo_tau_neg))
-        return -(4.0 / tau) * torch.sigmoid(tau * (torch.exp(lr) - 1.0)) * adv
+        # sigmoid as exp(−softplus(−x)): its autograd derivative sigmoid(x)·sigmoid(−x) keeps the tail (e^−x) that
+        # torch.sigmoid's y·(1 − y) loses to cancellation once y is near 1, even in float64
+        return -(4.0 / tau) * torch.exp(-torch.nn.functional.softplus(-(tau * (torch.exp(lr) - 1.0)))) * adv
     if objective == "gmpo":
         upper = _clamp_range(lr, None, p.eps_high)
         lower = _clamp_range(lr, None if p.eps_low is None else -p.eps_low, None)

@@ -120,9 +120,14 @@ def sapo(ratio, adv, tau_pos, tau_neg):
     """SAPO's soft gate: ``(term, ∂term/∂ratio)``; term = −(4/τ)·sigmoid(τ·(r − 1))·A, τ = tau_pos where A > 0,
     else tau_neg (0-dim tensors of the compute dtype on the torch path, as the kernel's loaded parameters)."""
     tau = tl.where(adv > 0, tau_pos, tau_neg)
-    gate = tl.sigmoid(tau * (ratio - 1.0))
+    x = tau * (ratio - 1.0)
+    # The gate sigmoid(x) from e = e^−|x| ∈ (0, 1]: 1/(1 + e) for x ≥ 0, e/(1 + e) below. Its derivative
+    # e/(1 + e)² keeps the tails' e^−|x| — also autograd's on the torch path — where sigmoid's y·(1 − y) rounds to 0
+    # once y rounds to 1 (x > 17 in float32); no exponent overflows on either side.
+    e = tl.exp(tl.where(x >= 0, -x, x))
+    gate = tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     term = -(4.0 / tau) * gate * adv
-    d_term = -(4.0 / tau) * (gate * (1.0 - gate)) * tau * adv
+    d_term = -(4.0 / tau) * (e / ((1.0 + e) * (1.0 + e))) * tau * adv
     return term, d_term
 
 

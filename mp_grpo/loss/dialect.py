@@ -12,6 +12,7 @@ aggregation, KL, mismatch).
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from functools import cache
@@ -77,11 +78,27 @@ TORCH_HELPERS: dict[str, Callable] = {"expm1": torch.expm1, "stop_gradient": tor
 def torch_formula(formula) -> Callable:
     """``formula`` (a ``@triton.jit`` function of ``token_math``) as a plain function of torch tensors; its
     ``tl.constexpr`` arguments become plain Python values (pass the codes of :data:`CODES`). The formulas it
-    calls run as their torch versions too."""
+    calls run as their torch versions too. Its globals are a module of their own (:func:`_torch_module`)."""
     raw = formula.fn
-    namespace = dict(raw.__globals__, tl=TorchLanguage, K=CODES, **TORCH_HELPERS)
+    namespace = _torch_module(raw.__globals__).__dict__
     for name in raw.__code__.co_names:
-        value = namespace.get(name)
+        value = raw.__globals__.get(name)
         if isinstance(value, type(formula)) and name not in TORCH_HELPERS:  # another formula
             namespace[name] = torch_formula(value)
     return types.FunctionType(raw.__code__, namespace, raw.__name__, raw.__defaults__, raw.__closure__)
+
+
+def _torch_module(source: dict) -> types.ModuleType:
+    """The globals of a formula module's torch versions: a module registered in ``sys.modules`` under its own name
+    (``mp_grpo.loss.dialect.torch_token_math``) holding the source module's names with ``tl``, ``K`` and the helpers
+    rebound. A module of its own, not a copy of the source's dict under the source's ``__name__``: torch.compile
+    guards a function's globals through the module its ``__name__`` names, and the source module's ``tl`` is
+    ``triton.language``."""
+    name = f"{__name__}.torch_{source['__name__'].rsplit('.', 1)[-1]}"
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        module.__dict__.update({k: v for k, v in source.items() if not k.startswith("__")}, __builtins__=source["__builtins__"])
+        module.__dict__.update(tl=TorchLanguage, K=CODES, **TORCH_HELPERS)
+        sys.modules[name] = module
+    return module

@@ -362,7 +362,10 @@ class GlobalBatch:
             if old is not None else None
 
         # --- 2. per-sequence valid counts (and Σd), whole sequences: one all-reduce over the CP group ---
-        ds = [token_log_ratio(*_at_least_float32(o, r), f, clamp) for o, r, f in zip(old, rollout, summed)] \
+        # d = old − rollout in float64, whatever the inputs' dtype: the weight mean and the mismatch k3 are then the
+        # float64 values of the weights the loss applies in its compute dtype (bf16 d itself rounds: −0.453 − 0.385 =
+        # −0.838 → −0.836, and the normalized weights' mean missed 1; float32 d missed it by 1e-9 in a float64 loss).
+        ds = [token_log_ratio(o.double(), r.double(), f, clamp) for o, r, f in zip(old, rollout, summed)] \
             if old is not None else None
         per_seq = []
         for i, (v, layout) in enumerate(zip(valid, resolved)):
@@ -587,14 +590,6 @@ def _nonfinite_positions(
             bad = bad | ~torch.isfinite(x)
         count = count + (v & bad).sum(dtype=torch.float64)
     return count
-
-
-def _at_least_float32(old: torch.Tensor, rollout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both in their common dtype, at least float32: d = old − rollout as GRPOLoss computes it (bf16 / fp16 inputs in
-    float32), so that the weight mean and the mismatch k3 are those of the weights and d the loss applies (d in
-    bfloat16 itself rounds: −0.453 − 0.385 = −0.838 → −0.836, and the normalized weights' mean missed 1)."""
-    dtype = torch.promote_types(torch.promote_types(old.dtype, rollout.dtype), torch.float32)
-    return old.to(dtype), rollout.to(dtype)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -218,8 +218,10 @@ def _workspace(sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous 1-D tensor (a view when it already is contiguous)."""
-    return x.reshape(-1)
+    """``x`` as a contiguous 1-D tensor (a view when it already is contiguous). ``reshape`` alone is not enough:
+    it returns a strided view wherever one exists — ``x[:, :1]`` of a ``[B, T]`` tensor flattens to stride T —,
+    and the kernels read their token inputs densely."""
+    return x.reshape(-1).contiguous()
 
 
 class FromStats(NamedTuple):

@@ -63,7 +63,7 @@ def _compile_all() -> None:
         compile_kernel(grpo_loss_backward_kernel, dict(
             grad_out_ptr="*fp32", grad_lp_fwd_ptr="*fp32", grad_ent_fwd_ptr="*fp32", seq_grad_ptr="*fp64",
             seq_factor_ptr="*fp32", cu_ptr="*i64", grad_lp_ptr="*bf16", grad_ent_ptr="*fp32", **sizes,
-        ), dict(PACKED=packed, ENTROPY_GRAD=packed, SEQ_GRAD=seq_grad, SEQ_GRAD_SCALED=scaled, COMPUTE=tl.float32,
+        ), dict(PACKED=packed, ENTROPY_GRAD=packed, ENTROPY_16BIT=scaled and packed, SEQ_GRAD=seq_grad, SEQ_GRAD_SCALED=scaled, COMPUTE=tl.float32,
                 BLOCK=1024))
     for skip, loss, fold, packed in ((False, "*fp32", False, False), (True, "*fp64", True, True),
                                      (False, "*fp32", True, False)):

@@ -312,3 +312,19 @@ def test_weighted_kl_partial_derivatives(mode: int, estimator: KLEstimator, stra
         _close(torch.zeros_like(x) if grad is None else grad / g, derivative)
     base, _ = torch_formula(kl_estimator)(x, CODE[estimator], straight_through)
     _close(value, base * log_ratio.exp() if mode == CODES.KL_RATIO_BIAS_CORRECTION else base)
+
+
+def test_torch_formulas_globals_are_a_module_of_their_own() -> None:
+    """torch.compile guards a function's globals through ``sys.modules[f.__globals__['__name__']]``: that module must
+    be the torch formulas' own, whose ``tl`` is the torch dialect (a copy of token_math's dict under token_math's name
+    made dynamo guard ``triton.language`` as if it were the dialect class, failing every compile of the torch path)."""
+    import sys
+
+    from mp_grpo.kernels import token_math
+    from mp_grpo.loss.dialect import TorchLanguage, torch_formula
+
+    f = torch_formula(token_math.sapo)
+    module = sys.modules[f.__globals__["__name__"]]
+    assert module.__dict__ is f.__globals__ and module is not token_math
+    assert module.tl is TorchLanguage and token_math.tl is not TorchLanguage
+    assert f.__globals__["__builtins__"] is not None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mp_grpo.config import load_config
-from mp_grpo.loss import GRPOLoss, LossBackend
+from mp_grpo.loss import GlobalBatch, GRPOLoss, LossBackend
 
 BACKENDS = [LossBackend.TORCH, LossBackend.TRITON]
 
@@ -57,7 +57,7 @@ def test_kl_output_clamp_gives_zero_gradient_where_the_estimate_overflows(
 def test_normalized_weights_average_one_with_bfloat16_inputs(backend: LossBackend) -> None:
     """bf16 log-probs: the GlobalBatch took d = old − rollout in bf16 (−0.453125 − 0.384765625 rounds to
     −0.8359375) while the loss takes it in float32, so one token's normalized IS weight came out 0.998, not 1.
-    The step's weight mean is now of the weights the loss applies (d in float32)."""
+    The step's weight mean is now of d in float64."""
     cfg = load_config(None, ["rollout_correction.weight_level=token", "rollout_correction.weight_max=1.05",
                              "rollout_correction.normalize_weights=true"])
     lp = torch.tensor([[-0.453125, -0.1]], dtype=torch.bfloat16, requires_grad=True)
@@ -86,3 +86,73 @@ def test_entropy_gradient_of_a_16bit_entropy_with_float64_logprobs(entropy_dtype
     for grad in grads:
         assert grad.dtype == entropy_dtype
         torch.testing.assert_close(grad.double(), torch.full((1, 2), -0.025, dtype=torch.float64), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_sapo_gradient_keeps_the_gate_tail(backend: LossBackend) -> None:
+    """SAPO with τ·(r − 1) = 19 in float32: the gate's derivative sigmoid(x)·(1 − sigmoid(x)) rounded to 0 (the
+    gate rounds to 1), while the float64 reference's gradient is ≈ 4·A·e^−19·r/N ≈ 1e-6; now taken as
+    sigmoid(x)·sigmoid(−x)."""
+    tau = 0.125
+    cfg = load_config(None, ["policy.objective=sapo", f"policy.sapo_tau_pos={tau}", f"policy.sapo_tau_neg={tau}"])
+    ratio = 1.0 + 19.0 / tau
+    old = torch.tensor([[-3.0]])
+    lp = (old + torch.log(torch.tensor(ratio))).requires_grad_(True)
+    loss, _ = GRPOLoss(cfg, backend=backend)(lp, old, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool))
+    loss.backward()
+    lp64, old64 = lp.detach().double().requires_grad_(True), old.double()
+    x = tau * (torch.exp(lp64 - old64) - 1.0)
+    (-(4.0 / tau) * torch.sigmoid(x)).sum().backward()  # the float64 reference: A = 1, one token
+    assert lp64.grad.item() > 0 or lp64.grad.item() < 0
+    torch.testing.assert_close(lp.grad.double(), lp64.grad, rtol=1e-4, atol=0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+@pytest.mark.parametrize("name", ["logprobs", "old_logprobs", "rollout_logprobs", "loss_mask", "advantages"])
+def test_strided_token_inputs_read_as_given(backend: LossBackend, name: str) -> None:
+    """A micro-batch cut as ``x[:, :1]`` of a ``[B, T]`` tensor: ``reshape(-1)`` flattens it to a strided view (stride
+    T), which the fused kernels read as if dense — the Triton path took the wrong mask (loss 0, nothing counted) or
+    the wrong log-probs. Each token input strided alone gives the result of the dense inputs, value and gradient."""
+    cfg = load_config(None, ["rollout_correction.weight_level=token", "rollout_correction.weight_max=2"])
+    g = torch.Generator().manual_seed(0)
+    wide = {n: torch.randn(3, 8, generator=g, dtype=torch.float64) - 1.0
+            for n in ("logprobs", "old_logprobs", "rollout_logprobs", "advantages")}
+    wide["loss_mask"] = torch.rand(3, 8, generator=g) < 0.6
+    wide["loss_mask"][:, 0] = torch.tensor([False, True, True])
+
+    def run(strided: str | None):
+        inputs = {n: (v[:, :1] if n == strided else v[:, :1].contiguous()) for n, v in wide.items()}
+        lp = inputs.pop("logprobs")
+        lp = lp.detach().requires_grad_(True) if strided != "logprobs" else wide["logprobs"].clone().requires_grad_(True)
+        x = lp[:, :1] if strided == "logprobs" else lp
+        batch = GlobalBatch.from_masks([inputs["loss_mask"]])
+        loss, _ = GRPOLoss(cfg, backend=backend)(x, inputs["old_logprobs"], inputs["advantages"], inputs["loss_mask"],
+                                                 rollout_logprobs=inputs["rollout_logprobs"], batch=batch)
+        loss.backward()
+        return loss.detach(), lp.grad[:, :1]
+
+    dense_loss, dense_grad = run(None)
+    loss, grad = run(name)
+    assert dense_loss != 0
+    torch.testing.assert_close(loss, dense_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad, dense_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_normalized_weights_average_one_in_a_float64_loss(backend: LossBackend) -> None:
+    """float64 log-probs with float32 old / rollout log-probs: the loss computes d = old − rollout in float64, the
+    GlobalBatch took it in float32 — the applied weights' mean missed 1 by 1e-9 (a float64 loss, rtol 1e-10). The
+    GlobalBatch now takes d in float64 whatever the inputs' dtype."""
+    cfg = load_config(None, ["rollout_correction.weight_level=token", "rollout_correction.normalize_weights=true",
+                             "rollout_correction.weight_max=1e6"])
+    g = torch.Generator().manual_seed(3)
+    old = (torch.randn(2, 5, generator=g) * 0.3 - 1.0).float()
+    # opposite signs: old − rollout is a sum of magnitudes, inexact in float32 (a difference of close values is exact)
+    rollout = (-0.85 * old.double() + torch.randn(2, 5, generator=g, dtype=torch.float64) * 0.01).float()
+    lp = old.double().requires_grad_(True)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    batch = GlobalBatch.from_rollouts(cfg, [mask], old_logprobs=[old], rollout_logprobs=[rollout])
+    _, metrics = GRPOLoss(cfg, backend=backend)(lp, old, torch.tensor([1.0, -0.5], dtype=torch.float64), mask,
+                                                rollout_logprobs=rollout, batch=batch)
+    applied_sum, count = metrics["is_weight/applied/mean"].tolist()
+    assert count == 10.0 and applied_sum == pytest.approx(10.0, rel=1e-13, abs=0)
