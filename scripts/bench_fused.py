@@ -23,7 +23,7 @@ Single GPU (default)::
 
   Before timing, both fused ops are checked against the float64 reference of ``tests/reference.py`` at
   a small size (the with-loss op also into an fp32 ``main_grad``). Results: ``fused.json``, ``fused.md``
-  (table + one line per target of issue 18: met or not, by how much) and ``fused.png``, rewritten after
+  (table + one line per target: met or not, by how much) and ``fused.png``, rewritten after
   every row; the Liger rows (seconds each, plus torch.compile) run after all others. With ``--profile``
   also ``fused_profile_<V>.txt`` (kernel times of one forward+backward of the with-loss op).
 
@@ -82,7 +82,7 @@ FUSED = "mp_grpo fused_linear_logprobs"
 WITH_LOSS = "mp_grpo fused_linear_loss + GRPOLoss (loss in forward)"
 LIGER = "Liger LigerFusedLinearGRPOLoss (chunked, compiled)"
 GSPO = f"{FUSED} + GSPO GRPOLoss (sequence-level: recompute path)"
-TARGET_TIME_RATIO = 1.10  # fwd+bwd of the fused output layer + loss vs. the bare matmuls (issue 18)
+TARGET_TIME_RATIO = 1.10  # fwd+bwd of the fused output layer + loss vs. the bare matmuls (the target)
 TARGET_EXTRA_GiB = 1.0
 TARGET_LIGER_SPEEDUP = 3.0
 ROWS_PER_SEQUENCE = 2048
@@ -565,7 +565,7 @@ def write_single_gpu_report(result: dict, out: Path, plot: bool = True) -> None:
             )
         else:
             lines.append(f"| {r['case']} | {r['V']} | — | — | — | — | {r.get('skipped') or r.get('error')} |")
-    lines += ["", "Targets (issue 18: the fused output layer + loss, one GPU), one line each:", *_targets(result)]
+    lines += ["", "Targets (the fused output layer + loss, one GPU), one line each:", *_targets(result)]
     (out / "fused.md").write_text("\n".join(lines) + "\n")
     if plot:
         plot_single_gpu(result, out / "fused.png")

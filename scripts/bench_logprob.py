@@ -20,7 +20,7 @@ Single GPU (default)::
   CUDA-graph replay of the same forward+backward (captured with default arguments). Our rows run with
   ``mp_grpo.ops.launcher``'s fast launch on (the default on CUDA) and again with it off (Triton's
   ``kernel[grid]`` path: columns *normal launch*), same inputs, same run. ``--only`` keeps the cases whose
-  name contains one of the given strings. The report ends with one met / not-met line per target of issue 17.
+  name contains one of the given strings. The report ends with one met / not-met line per target (memory floor, speed-ups over the baselines, extra memory).
 
 Tensor parallel (any number of ranks, 1 included)::
 
@@ -327,7 +327,7 @@ CHECK_COST_TARGET = 0.03
 
 
 def targets_summary(result: dict) -> list[str]:
-    """One met / not-met line per target of issue 17, from this run's rows."""
+    """One met / not-met line per target, from this run's rows."""
 
     def floor_fb(r: dict) -> float:
         return r["fwd_bwd_floor_frac"] * r["fwd_bwd_ms"]  # the floor in ms

@@ -1,4 +1,4 @@
-"""Where the host time of logits → loss goes, on one CUDA GPU (issue 17, item 1).
+"""Where the host time of logits → loss goes, on one CUDA GPU.
 
     python scripts/profile_logits_host.py [--vocab 18992] [--config dapo|gspo|everything] [--calls 200]
 

@@ -50,7 +50,7 @@ TARGET_LOGITS_TIME = 1.02
 TARGET_FORWARD_TOKENS_VS_COMMON = 2.0
 
 # (shape, seq, kind, path, metric) -> predicted value, both recompute modes unless the key names one.
-# Written before the first run from the independent harness's table (issue 27) and the change's arithmetic:
+# Written before the first run from the independent harness's table and the change's arithmetic:
 # the batch-major layer removes three [N, V] bf16 copies (3 × 2.32 GiB read + written ≈ 5 ms of ~450 ms at
 # 8192 tokens) and one [N, V] buffer at the peak (2.32 GiB); the fused path holds the tied weight's [V, H]
 # gradient (0.43 GiB) through backward, which the floor has not.

@@ -1,4 +1,4 @@
-"""Per-token formulas of the GRPO loss, written once for the fused kernels and the torch path (issue 17, item 3).
+"""Per-token formulas of the GRPO loss, written once for the fused kernels and the torch path.
 
 Each formula is a ``@triton.jit`` function in a restricted dialect, so that :mod:`mp_grpo.loss.dialect` can run
 the very same source on torch tensors (it rebinds ``tl``, ``K``, the helpers below and the other formulas of

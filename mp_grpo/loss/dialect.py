@@ -1,4 +1,4 @@
-"""The torch path of the per-token formulas written once in :mod:`mp_grpo.kernels.token_math` (issue 17, item 3).
+"""The torch path of the per-token formulas written once in :mod:`mp_grpo.kernels.token_math`.
 
 :func:`torch_formula` takes one of those ``@triton.jit`` functions and returns its Python source compiled
 against torch instead of Triton: the same code object, with ``tl`` bound to :class:`TorchLanguage` (the

@@ -6,7 +6,7 @@ micro-batch — one autograd node instead of two, and no launch of its own for t
 loss writes its per-token gradient coefficients d share / d log π and d share / d H in forward, and the
 log-prob backward kernel reads them, scaled on the device by the loss's upstream gradient
 (``HAS_GRAD_SCALE``). At V_local = 18992 the host, not the GPU, sets the time of logits → loss
-(``docs/benchmarks/README.md``, issue 17), so each host step saved is time saved.
+(``docs/benchmarks/logprob.md``), so each host step saved is time saved.
 
 Schedule of :class:`LogitsGRPOLossFunction` (N rows, V_local columns on each of TP ranks)
 
