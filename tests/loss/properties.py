@@ -210,9 +210,13 @@ def reference(step: Step) -> tuple[Result, float, dict]:
 
 def representable(step: Step, ref: tuple[Result, float, dict]) -> bool:
     """Whether the reference's loss terms and gradients fit the dtypes the loss computes and returns them in with
-    room to spare (else the step is out of the range of its dtypes: overflow to inf there is no bug)."""
+    room to spare (else the step is out of the range of its dtypes: overflow to inf there is no bug), and no trained
+    token's KL input sits within the compute dtype's rounding of ``kl.input_clamp`` (a knife edge: the compute dtype's
+    rounding of ref − log π decides which side of the clamp it falls, e.g. 20.0 − (−5.8e-7) is 20 in float32)."""
     compute = step.compute_dtype()
     if not ref[1] < torch.finfo(compute).max * 1e-6:
+        return False
+    if _kl_input_at_its_clamp(step):
         return False
     for n, g in ref[0].grads.items():
         if g is not None:
@@ -221,6 +225,17 @@ def representable(step: Step, ref: tuple[Result, float, dict]) -> bool:
             if not float(g.abs().max()) < limit:
                 return False
     return True
+
+
+def _kl_input_at_its_clamp(step: Step) -> bool:
+    cfg, d = step.cfg, step.data
+    if cfg.kl.coef == 0 or cfg.kl.input_clamp is None or "ref_logprobs" not in d:
+        return False
+    lp, ref = d["logprobs"].double(), d["ref_logprobs"].double()
+    x, bound = (ref - lp).abs(), float(cfg.kl.input_clamp)
+    eps = torch.finfo(step.compute_dtype()).eps
+    near = ((x - bound).abs() <= 4 * eps * (ref.abs() + lp.abs() + bound)) & (x != bound)  # exact ties: inclusive
+    return bool((near & (d["loss_mask"] != 0)).any())
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -240,15 +255,15 @@ def assert_loss_close(got: torch.Tensor, want: torch.Tensor, scale: float, dtype
 
 
 def assert_grad_close(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype, what: str,
-                      rtol: float | None = None) -> None:
-    """Element-wise |got − want| ≤ rtol · (|want| + max |want|); exactly 0 at masked positions; all finite."""
+                      rtol: float | None = None, atol: torch.Tensor | float = 0.0) -> None:
+    """Element-wise |got − want| ≤ rtol · (|want| + max |want|) + atol; exactly 0 at masked positions; all finite."""
     rtol = _rtol(dtype) if rtol is None else rtol
     g, w = got.detach().double(), want.detach().double()
     assert torch.isfinite(g).all(), f"{what}: non-finite gradient {g}"
     assert (g[~mask] == 0).all(), f"{what}: nonzero gradient at a masked position: {g[~mask][g[~mask] != 0]}"
     top = float(w.abs().max()) if w.numel() else 0.0
     err = (g - w).abs()
-    allowed = rtol * (w.abs() + top) + torch.finfo(got.dtype).tiny
+    allowed = rtol * (w.abs() + top) + torch.finfo(got.dtype).tiny + atol
     if not bool((err <= allowed).all()):
         i = int(torch.argmax(err - allowed))
         raise AssertionError(f"{what}: gradient differs at flat index {i}: {g.reshape(-1)[i].item()!r} vs "
