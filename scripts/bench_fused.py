@@ -69,6 +69,7 @@ from tests.tolerances import tolerance  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import GiB, extra_peak_bytes, timed_ms  # noqa: E402
 from measure import median_ms as _median_ms  # noqa: E402
+from fused_report import BARE, FUSED, GSPO, LIGER, WITH_LOSS, print_compact, write_single_gpu_report, write_tp_report  # noqa: E402
 
 
 def median_ms(fn) -> float:
@@ -77,14 +78,6 @@ def median_ms(fn) -> float:
 
 
 DEVICE = "cuda"
-BARE = "bare matmul h@Wᵀ + 2 backward GEMMs (no softmax)"
-FUSED = "mp_grpo fused_linear_logprobs"
-WITH_LOSS = "mp_grpo fused_linear_loss + GRPOLoss (loss in forward)"
-LIGER = "Liger LigerFusedLinearGRPOLoss (chunked, compiled)"
-GSPO = f"{FUSED} + GSPO GRPOLoss (sequence-level: recompute path)"
-TARGET_TIME_RATIO = 1.10  # fwd+bwd of the fused output layer + loss vs. the bare matmuls (the target)
-TARGET_EXTRA_GiB = 1.0
-TARGET_LIGER_SPEEDUP = 3.0
 ROWS_PER_SEQUENCE = 2048
 """The loss rows see the N tokens as padded rows of this length (N = 16384: 8 sequences)."""
 
@@ -491,156 +484,6 @@ def run_tensor_parallel(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- reports
-def _verdict(value: float, limit: float, unit: str, at_most: bool = True) -> str:
-    """``met (by x)`` / ``NOT MET (by x)`` for ``value`` against ``limit`` (an upper bound, or a lower one)."""
-    margin = limit - value if at_most else value - limit
-    return f"{'met' if margin >= 0 else 'NOT MET'} (by {abs(margin):.2f}{unit})"
-
-
-def _targets(result: dict) -> list[str]:
-    """One line per target and vocabulary size (met or not, and by how much), then the sequence-level case."""
-    lines = []
-    for v in sorted({r["V"] for r in result["rows"]}, reverse=True):
-        rows = {r["key"]: r for r in result["rows"] if r["V"] == v}
-        ours, bare, liger = rows.get("loss", {}), rows.get("bare", {}), rows.get("liger", {})
-        if "fwd_bwd_ms" not in ours:
-            lines.append(f"- V = {v}: {WITH_LOSS} not measured ({ours.get('error', 'row not run')})")
-            continue
-        if "fwd_bwd_vs_bare" in ours:
-            ratio = ours["fwd_bwd_vs_bare"]
-            lines.append(
-                f"- V = {v}, time: {WITH_LOSS} fwd+bwd {ours['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the bare matmuls "
-                f"({bare['fwd_bwd_ms']:.2f} ms); target ≤ {TARGET_TIME_RATIO:.2f}x: "
-                f"{_verdict(ratio, TARGET_TIME_RATIO, 'x')[:-1]} = "
-                f"{abs(TARGET_TIME_RATIO * bare['fwd_bwd_ms'] - ours['fwd_bwd_ms']):.2f} ms)"
-            )
-        else:
-            lines.append(f"- V = {v}, time: the bare matmul row did not run, no ratio")
-        lines.append(
-            f"- V = {v}, memory: extra peak {ours['extra_peak_GiB']:.2f} GiB; target ≤ {TARGET_EXTRA_GiB:.1f} GiB: "
-            f"{_verdict(ours['extra_peak_GiB'], TARGET_EXTRA_GiB, ' GiB')}"
-        )
-        if "liger_fwd_bwd_over_this" in ours and "fwd_bwd_ms" in liger:
-            speedup = ours["liger_fwd_bwd_over_this"]
-            lines.append(
-                f"- V = {v}, vs Liger: {speedup:.1f}x faster than {LIGER} ({liger['fwd_bwd_ms']:.1f} ms); target ≥ "
-                f"{TARGET_LIGER_SPEEDUP:.1f}x: {_verdict(speedup, TARGET_LIGER_SPEEDUP, 'x', at_most=False)}"
-            )
-        else:
-            why = liger.get("skipped") or liger.get("error") or "row not run"
-            lines.append(f"- V = {v}, vs Liger: not measured ({why})")
-        gspo = rows.get("gspo", {})
-        if "fwd_bwd_vs_bare" in gspo:
-            lines.append(
-                f"- V = {v}, sequence-level objective (GSPO; no target, the recompute path): "
-                f"{gspo['fwd_bwd_ms']:.2f} ms "
-                f"= {gspo['fwd_bwd_vs_bare']:.3f}x the bare matmuls, extra peak {gspo['extra_peak_GiB']:.2f} GiB"
-            )
-    return lines
-
-
-def write_single_gpu_report(result: dict, out: Path, plot: bool = True) -> None:
-    (out / "fused.json").write_text(json.dumps(result, indent=1))
-    lines = [
-        f"# Output layer + token log-probs, fused vs. unfused — {result['device']}",
-        "",
-        f"N = {result['tokens']} tokens, H = {result['hidden']}, bf16, one GPU (torch {result['torch']}). "
-        "Median of triton.testing.do_bench. Extra peak: peak of one forward+backward beyond the memory allocated "
-        "before it (inputs and the previous step's gradients, which each step frees and allocates again). "
-        "mp_grpo rows run with `check_inputs=False`. Liger and `fused_linear_loss` compute the loss's gradients in "
-        "forward: their forward and forward+backward are therefore alike. Loss rows: GRPOLoss (PPO clip, or GSPO) on "
-        "8 padded sequences, on-policy (every token has a gradient). Command: "
-        f"`{result.get('command', 'python scripts/bench_fused.py --profile --out docs/benchmarks')}`.",
-        "",
-        "| implementation | V | fwd ms | fwd+bwd ms | fwd+bwd / bare matmul | extra peak GiB | Liger fwd+bwd / this |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        if "fwd_bwd_ms" in r:
-            vs_bare = f"{r['fwd_bwd_vs_bare']:.2f}" if "fwd_bwd_vs_bare" in r else "—"
-            vs_liger = f"{r['liger_fwd_bwd_over_this']:.1f}" if "liger_fwd_bwd_over_this" in r else "—"
-            lines.append(
-                f"| {r['case']} | {r['V']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {vs_bare} | "
-                f"{r['extra_peak_GiB']:.2f} | {vs_liger} |"
-            )
-        else:
-            lines.append(f"| {r['case']} | {r['V']} | — | — | — | — | {r.get('skipped') or r.get('error')} |")
-    lines += ["", "Targets (the fused output layer + loss, one GPU), one line each:", *_targets(result)]
-    (out / "fused.md").write_text("\n".join(lines) + "\n")
-    if plot:
-        plot_single_gpu(result, out / "fused.png")
-
-
-def plot_single_gpu(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    vocabs = sorted({r["V"] for r in result["rows"]}, reverse=True)
-    fig, axes = plt.subplots(2, len(vocabs), figsize=(7 * len(vocabs), 8), squeeze=False)
-    for col, v in enumerate(vocabs):
-        rows = [r for r in result["rows"] if r["V"] == v and "fwd_bwd_ms" in r]
-        names = [r["case"].replace(" + ", "\n+ ").replace(": ", ":\n") for r in rows]
-        colors = ["tab:green" if r["case"].startswith(WITH_LOSS) else "tab:olive" if r["case"].startswith(FUSED)
-                  else "tab:gray" for r in rows]
-        time_ax, mem_ax = axes[0][col], axes[1][col]
-        time_ax.barh(names, [r["fwd_bwd_ms"] for r in rows], color=colors)
-        bare = next((r for r in rows if r["case"] == BARE), None)
-        if bare is not None:
-            limit = TARGET_TIME_RATIO * bare["fwd_bwd_ms"]
-            time_ax.axvline(limit, color="tab:red", linestyle="--", label=f"{TARGET_TIME_RATIO}x bare matmul = {limit:.1f} ms")
-            time_ax.legend(loc="lower right", fontsize=8)
-        time_ax.set_xlabel("forward + backward, median ms")
-        time_ax.set_title(f"N = {result['tokens']}, H = {result['hidden']}, V = {v}, bf16 ({result['device']})", fontsize=9)
-        mem_ax.barh(names, [r["extra_peak_GiB"] for r in rows], color=colors)
-        mem_ax.axvline(TARGET_EXTRA_GiB, color="tab:red", linestyle="--", label=f"{TARGET_EXTRA_GiB} GiB")
-        mem_ax.legend(loc="lower right", fontsize=8)
-        mem_ax.set_xlabel("extra peak memory, GiB")
-        for ax in (time_ax, mem_ax):
-            ax.invert_yaxis()
-            ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def write_tp_report(result: dict, out: Path) -> None:
-    tp = result["tp"]
-    (out / f"fused_tp{tp}.json").write_text(json.dumps(result, indent=1))
-    lines = [
-        f"# Fused output layer + log-probs, TP = {tp} — {result['device']}",
-        "",
-        f"N = {result['tokens']}, H = {result['hidden']}, bf16; W's rows split over {tp} ranks (NCCL), the full hidden "
-        f"states on every rank. Median of {result['iters']} iterations timed with CUDA events after a barrier. The "
-        "all-reduce of the hidden gradient is what Megatron's mapping adds after any column-parallel output layer "
-        "(the op leaves it to the mapping); it is not in the op's times. Command: "
-        f"`torchrun --nproc_per_node {tp} scripts/bench_fused.py --tp {tp} --out docs/benchmarks`.",
-        "",
-        "| V | V_local | rank | fused fwd ms | fused fwd+bwd ms | bare matmul fwd / fwd+bwd ms | fused / bare fwd+bwd | "
-        "stats all-gather ms (% of fused fwd) | grad-hidden all-reduce ms | fused extra peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for entry in result["rows"]:
-        for rank, r in enumerate(entry["per_rank"]):
-            lines.append(
-                f"| {r['V']} | {r['V_local']} | {rank} | {r['fused_fwd_ms']:.2f} | {r['fused_fwd_bwd_ms']:.2f} | "
-                f"{r['bare_fwd_ms']:.2f} / {r['bare_fwd_bwd_ms']:.2f} | {r['fused_fwd_bwd_vs_bare']:.2f} | "
-                f"{r['stats_all_gather_ms']:.3f} ({100 * r['all_gather_frac_of_fused_fwd']:.1f} %) | "
-                f"{r['grad_hidden_all_reduce_ms']:.2f} | {r['fused_extra_peak_GiB']:.2f} |"
-            )
-    (out / f"fused_tp{tp}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-def print_compact(result: dict) -> None:
-    print(f"\n{'implementation':<58} {'V':>7} {'fwd ms':>8} {'fwd+bwd':>8} {'x bare':>7} {'GiB':>6}")
-    for r in result["rows"]:
-        if "fwd_bwd_ms" in r:
-            ratio = f"{r['fwd_bwd_vs_bare']:.2f}" if "fwd_bwd_vs_bare" in r else "—"
-            print(f"{r['case'][:58]:<58} {r['V']:>7} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {ratio:>7} {r['extra_peak_GiB']:>6.2f}")
-        else:
-            print(f"{r['case'][:58]:<58} {r['V']:>7} {(r.get('skipped') or r.get('error'))[:60]}")
-    print("\n".join(_targets(result)))
 
 
 def main() -> None:
