@@ -115,7 +115,7 @@ def write_report(result: dict, out: Path) -> None:
         f"Bitwise check (rows alone vs inside N = {result['tokens']}, log-prob, entropy and gradient): "
         f"{result['bitwise']}.",
         "Cost = fixed configuration (V_local only) / best of the sweep (block x warps of the statistics and "
-        "backward kernels) at that N − 1, forward + backward. **eager**: `do_bench` of the Python call, host launch "
+        "backward kernels) − 1, at that N, forward + backward. **eager**: `do_bench` of the Python call, host launch "
         "overhead included (~1 ms, the same for every configuration: at small N it is most of the time); "
         "**graph**: replays of a CUDA graph of the call, GPU time only. The fixed configuration is also in the "
         "sweep, so a cost within a few % is the noise of picking a minimum.",

@@ -10,12 +10,21 @@ the code they ran before), so "before" runs the code of before.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mp_grpo.ops.filter_launch import RADIX_COUNT_BITS, RADIX_MASS_BITS, key_bits, radix_histogram, radix_select
 from mp_grpo.ops.logprob_launch import new_stats_buffer, shard_statistics
-from mp_grpo.ops.sampling_filter import SamplingFilter, _per_row
+from mp_grpo.ops.sampling_filter import SamplingFilter
 from mp_grpo.ops.vocab_parallel_logprobs import VocabParallelLogProbs
+
+
+def _per_row(value, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A filter field as ``[N]`` values of ``dtype`` (the filter checked by the caller)."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).to(dtype)
+    return torch.full((math.prod(shape),), value, dtype=dtype, device=device)
 
 
 def threshold_before(x: torch.Tensor, filt: SamplingFilter, target_shape: torch.Size, *,
@@ -33,11 +42,11 @@ def threshold_before(x: torch.Tensor, filt: SamplingFilter, target_shape: torch.
         row_max = x.amax(dim=-1).float()
     # --- 2. min-p ---
     if filt.min_p is not None:
-        min_p = _per_row(filt.min_p, "min_p", target_shape, device, torch.float32)
+        min_p = _per_row(filt.min_p, target_shape, device, torch.float32)
         tau = torch.maximum(tau, row_max + torch.log(min_p) / inv_temperature)
     # --- 3. top-k: 8 bits a counting pass ---
     if filt.top_k is not None:
-        k = _per_row(filt.top_k, "top_k", target_shape, device, torch.int64)
+        k = _per_row(filt.top_k, target_shape, device, torch.int64)
         budget = torch.where((k <= 0) | (k >= v_local), 0, k).to(torch.int32)
         prefix = torch.zeros(n, dtype=torch.int32, device=device)
         passes = bits // RADIX_COUNT_BITS
@@ -50,7 +59,7 @@ def threshold_before(x: torch.Tensor, filt: SamplingFilter, target_shape: torch.
             radix_select(hist, x, prefix, budget, tau, digit_bits=RADIX_COUNT_BITS, first=i == 0, last=i == passes - 1)
     # --- 4. top-p: 4 bits a mass pass, then the last 8 bits exactly ---
     if filt.top_p is not None:
-        top_p = _per_row(filt.top_p, "top_p", target_shape, device, torch.float32).contiguous()
+        top_p = _per_row(filt.top_p, target_shape, device, torch.float32).contiguous()
         prefix = torch.zeros(n, dtype=torch.int32, device=device)
         budget = torch.empty(n, dtype=torch.float32, device=device)
         above = torch.zeros(n, dtype=torch.float32, device=device)

@@ -7,7 +7,8 @@
 #   bash scripts/gpu_checks.sh loss OUT_DIR        # bench_loss (one GPU) + the compiled / fused loss vs. eager on CUDA
 #   bash scripts/gpu_checks.sh learn OUT_DIR       # forward-only log-probs on GPTModel + the learning job on one GPU
 #
-# Needs megatron-core, omegaconf (and liger-kernel for the single-GPU baselines) importable.
+# Needs megatron-core, omegaconf, hypothesis (the test suite's conftest loads its profiles) and liger-kernel (the
+# single-GPU baselines) importable.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

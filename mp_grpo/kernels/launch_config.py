@@ -96,8 +96,8 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         backward_block_v=block,
         backward_warps=warps,
         merge_block_n=256,
-        # The radix fallback's passes (H100, N = 16384 bf16, V = 151936 and 18992, a sweep of the pass kernels alone
-        # before the candidates existed): counting 4096 x 4 warps (8.68 / 1.16 ms; the best of 2048-8192 x 4-8);
+        # The radix fallback's passes (H100, N = 16384 bf16, V = 151936 and 18992, a sweep of the pass kernels alone,
+        # every row searched): counting 4096 x 4 warps (8.68 / 1.16 ms; the best of 2048-8192 x 4-8);
         # masses on a [16, 512] tile, 512 x 4 warps (7.66 / 1.01 ms: fastest at V = 18992, within 0.3 % of
         # 1024 x 4 at 151936; 64 fp32 accumulators a thread).
         filter_count_block_v=min(triton.next_power_of_2(v_local), 4096),

@@ -156,7 +156,9 @@ def logprob_group_max_kernel(
         cols = start + tile
         x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf"))
         xf = x.to(tl.float32)
-        group_max = tl.max(xf, axis=1)
+        # A NaN logit counts as +inf in the maxima (tl.max skips NaN on the GPU, propagates it in the interpreter):
+        # the row's maximum is then +inf on both, and the merge reports the row as it reports an unfiltered one.
+        group_max = tl.max(tl.where(xf == xf, xf, float("inf")), axis=1)
         m_new = tl.maximum(m, tl.max(group_max, axis=0))
         if HAS_SUM:
             s = s * tl.exp2((m - m_new) * scale) + _total(tl.exp2((xf - m_new) * scale))

@@ -17,6 +17,9 @@ from mp_grpo.kernels.logprob_candidates import (
     logprob_group_max_kernel,
 )
 from mp_grpo.kernels.logprob_filter import (
+    MODE_COUNT,
+    MODE_EXACT,
+    MODE_MASS,
     logprob_radix_hist_kernel,
     logprob_radix_search_kernel,
     logprob_radix_select_kernel,
@@ -27,7 +30,6 @@ RADIX_COUNT_BITS = 8
 """Key bits per counting pass of the fallback (256 digits: ``tl.histogram``)."""
 RADIX_MASS_BITS = 4
 """Key bits per mass pass of the fallback (16 digits: a weighted one-hot sum, ~3 instructions per element per digit)."""
-_MODE_COUNT, _MODE_MASS, _MODE_EXACT = 0, 1, 2
 HEAD_WIDTH = 4
 """int32 words of a candidate row's head: (raw row max, sum-exp, candidates kept or -1, theta key)."""
 
@@ -207,7 +209,7 @@ def radix_histogram(
         v_local, logits.stride(0), hist.stride(0), inv_temperature, shift,
         KEY_BITS=key_bits(logits.dtype),
         DIGIT_BITS=digit_bits,
-        MODE=_MODE_EXACT if exact else (_MODE_MASS if mass else _MODE_COUNT),
+        MODE=(MODE_EXACT if exact else (MODE_MASS if mass else MODE_COUNT)).value,
         HAS_PREFIX=not first,
         HAS_ROW_MAX_OUT=row_max_out is not None,
         HAS_SKIP=skip is not None,

@@ -34,7 +34,8 @@ Backward
        columns below the threshold get no gradient, and neither do targets outside the kept set (d share / d log π
        set to 0 first, as the log-prob op's backward does).
 
-Launches: forward 3 (stats, combine, finalize; + memset and token kernel with per-sequence sums), backward 1
+Launches: forward 3 (stats, combine, finalize; + memset and token kernel with per-sequence sums; a sampling filter
+adds its own: group maxima, candidates, select, the fallback's passes and a statistics pass: ops/sampling_filter.py), backward 1
 (gspo / gmpo under context parallelism: 2) — against 4–6 and 2 for the log-prob op and the loss apart (stats, merge; combine, finalize
 (+ memset, token); two backward kernels).
 """
@@ -100,17 +101,17 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
         gathered = gather_statistics(stats, tp_group=spec.tp_group, v_local=v_local, ignore_index=spec.ignore_index,
                                      check_inputs=spec.check_inputs)
         # --- 3. the fused loss on the merged log-probs: shares, per-token gradient coefficients, loss, metrics ---
+        outside = None
+        if threshold is not None:
+            # --- 4. targets outside the kept set: their logit summed over the shards is -inf (the statistics' marker;
+            #        the merge's log-prob is -inf exactly there), recorded as vocab_parallel_logprobs records them —
+            #        before the loss, whose non-finite guard would otherwise report them first; no gradient from
+            #        their log-prob in backward ---
+            outside = targets_outside_filter(gathered.stats[:, :n, 3].sum(0), t, spec.ignore_index, spec.check_inputs)
         from_stats = FromStats(gathered.stats, t, gathered.errors, gathered.stats.shape[0] * v_local,
                                spec.ignore_index)
         loss, pairs, extremes, saved = loss_forward(None, None, call, from_stats)
         raise_on_merge_errors(gathered, spec.check_inputs)
-        outside = None
-        if threshold is not None:
-            # --- 4. targets outside the kept set: log-prob -inf (z_t = -inf), recorded as vocab_parallel_logprobs
-            #        records them; no gradient from their log-prob in backward ---
-            row_max, log_sum = saved.rows[0], saved.rows[1]
-            logprobs = (gathered.stats[:, :n, 3].sum(0) - row_max) - log_sum  # -inf exactly where the merge's is
-            outside = targets_outside_filter(logprobs, t, spec.ignore_index, spec.check_inputs)
 
         ctx.mark_non_differentiable(pairs, extremes)
         ctx.save_for_backward(x, t)  # the inputs; the forward's own buffers are kept on ctx (as autograd allows)

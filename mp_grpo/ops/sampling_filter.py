@@ -27,7 +27,7 @@ the candidates of all TP ranks and writes the row's filtered statistics. It fini
 k <= 128 (more where the candidates hold more), min-p when its threshold lies among the candidates, and
 top-p when the candidates hold >= p of the kept mass — a trained policy's row, where a few tokens hold
 almost all of it. The other rows (flat rows under top-p, large k, ties beyond the candidate kernel's
-capacity) take the exact radix select of before on the whole shard, flagged rows only: top-k counts tokens
+capacity) take the exact radix select on the whole shard (the fallback), flagged rows only: top-k counts tokens
 (256-digit passes, 8 key bits each), top-p sums probability mass (16-digit passes, 4 key bits each, then one
 256-digit pass over the last 8 bits, whose digits are single logit values: count x weight, exact). Both
 paths are exact: the result is the key of the k-th largest logit, or of the smallest logit whose
@@ -193,6 +193,8 @@ class ThresholdSearch(NamedTuple):
     """[n] fp32 raw-logit threshold of the kept set (-inf: keep all)."""
     finished: torch.Tensor
     """[n] int8: 1 where the candidates gave the threshold (steps 1-3), 0 where the fallback did."""
+    row_max: torch.Tensor
+    """[n] fp32 raw row maximum over the whole vocabulary; +inf where a logit is NaN or +inf."""
 
 
 def filter_threshold(
@@ -232,6 +234,11 @@ def filtered_statistics(
     shard_statistics(x, target, stats, row_start=row_start, vocab_start=group_rank(tp_group) * x.shape[1],
                      inv_temperature=inv_temperature, with_entropy=with_entropy, threshold=search.tau,
                      skip=search.finished)
+    # --- 7. rows with a NaN / +inf logit anywhere (their maximum is +inf: the group maxima count a NaN as +inf) or
+    #        none above -inf: the sum-exp is NaN, so the merge reports them as it reports an unfiltered row — the
+    #        kept set alone would hide a NaN outside it ---
+    rows = stats[row_start : row_start + x.shape[0], 1]
+    rows.masked_fill_(~torch.isfinite(search.row_max), float("nan"))
     return search.tau
 
 
@@ -251,7 +258,8 @@ def threshold_search(
     v_global = v_local * tp
     if n == 0:
         return ThresholdSearch(torch.empty(0, dtype=torch.float32, device=device),
-                               torch.empty(0, dtype=torch.int8, device=device))
+                               torch.empty(0, dtype=torch.int8, device=device),
+                               torch.empty(0, dtype=torch.float32, device=device))
     top_k = min_p = top_p = None
     if filt.top_k is not None:  # int32 k, 0: off (k <= 0 or k >= V keeps all)
         if isinstance(filt.top_k, int):
@@ -283,7 +291,7 @@ def threshold_search(
     if tp == 1:
         # --- 4.–5. TP = 1: the fallback's whole search in one launch (no histogram meets other ranks') ---
         radix_search(x, tau, selected.row_max, top_k=top_k, top_p=top_p, skip=skip, inv_temperature=inv_temperature)
-        return ThresholdSearch(tau, skip)
+        return ThresholdSearch(tau, skip, selected.row_max)
 
     # --- 4. fallback top-k: radix select of the k-th largest key, 8 bits a pass, counts all-reduced ---
     if top_k is not None:
@@ -308,7 +316,7 @@ def threshold_search(
                                    inv_temperature=inv_temperature, first=i == 0, skip=skip)
             radix_select(all_reduce_sum(hist, tp_group), x, prefix, budget, tau, digit_bits=width, first=i == 0,
                          last=i == len(widths) - 1, above=above, top_p=top_p, skip=skip)
-    return ThresholdSearch(tau, skip)
+    return ThresholdSearch(tau, skip, selected.row_max)
 
 
 def count_outside_filter(logprobs: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -320,7 +328,8 @@ def targets_outside_filter(
     logprobs: torch.Tensor, target: torch.Tensor, ignore_index: int, mode: CheckInputs
 ) -> torch.Tensor:
     """Bool mask of the rows whose target lies outside the filter's kept set (the op gave them log-prob -inf;
-    ``ignore_index`` rows excluded). Unless ``mode`` is OFF their count goes through the deferred error ledger
+    ``ignore_index`` rows excluded). ``logprobs``: the op's log-probs, or any per-row value that is -inf exactly where
+    they are (the fused logits op passes the targets' logits summed over the shards). Unless ``mode`` is OFF their count goes through the deferred error ledger
     (``mp_grpo.ops.checks.record_errors``): raised at once on the CPU or with ``SYNC``, at the next
     ``mp_grpo.check_errors()`` on a GPU — no host read here."""
     outside = torch.isneginf(logprobs) & (target != ignore_index)

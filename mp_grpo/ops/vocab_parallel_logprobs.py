@@ -5,11 +5,12 @@ Schedule of :class:`VocabParallelLogProbs` (``N`` rows, ``V_local`` columns on e
 Forward
     0. Only with a ``sampling_filter`` (``ops/sampling_filter.py``, ``filtered_statistics``): the filter is
        reduced to one raw-logit threshold per row, and steps 1–3 and backward count only the kept columns
-       (logit >= threshold): the filtered, renormalized distribution. Step 1's read of the shard also keeps
-       each row's largest logits (the candidates); one all-gather of them over ``tp_group`` and a small
-       kernel give the threshold and the statistics of the rows they decide (a trained policy's rows: all of
-       top-k <= 128, top-p where the candidates hold >= p of the mass); the other rows take the exact radix
-       passes (one read of the shard and one all-reduce each) and one more statistics pass.
+       (logit >= threshold): the filtered, renormalized distribution. A read of the shard keeps each group's
+       maximum, a small kernel a row re-reads the chosen groups for the row's largest logits (the candidates);
+       one all-gather of them over ``tp_group`` and a select kernel give the threshold and the statistics of
+       the rows they decide (a trained policy's rows: all of top-k <= 128, top-p where the candidates hold >= p
+       of the mass); the other rows take the exact radix passes (one read of the shard and one all-reduce each)
+       and step 1 with the threshold, for those rows only.
     1. ``logprob_stats_kernel``: one pass over this rank's shard writes per-row (max, sum-exp,
        sum-exp·z, target logit) — 16 bytes a row; the logits are read once.
     2. One collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped

@@ -39,6 +39,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from mp_grpo.collectives import all_reduce_sum
 from mp_grpo.config.job import JobConfig, ParamsDtype
@@ -245,7 +246,9 @@ def rollout_batch(cfg: JobConfig, rollout_index: int, trainer: Trainer, engine: 
 def replayed_filter(cfg: JobConfig, engine: RolloutEngine) -> SamplingFilter | None:
     """The sampling filter the trainer replays: the engine's (``engine.top_k`` / ``engine.top_p``) unless
     ``engine.replay_filter`` is false; None when there is nothing to replay."""
-    return engine.sampling_filter if cfg.engine.replay_filter else None
+    if not cfg.engine.replay_filter or engine.sampling_filter is None:
+        return None
+    return engine.sampling_filter.without_noops(cfg.model.vocab_size)  # e.g. top_k >= V: nothing to replay
 
 
 def drop_outside_filter(mb: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
@@ -256,24 +259,39 @@ def drop_outside_filter(mb: MicroBatch) -> tuple[MicroBatch, torch.Tensor]:
     outside = torch.isneginf(mb.old_logprobs) & mb.loss_mask
     keep = mb.loss_mask & ~outside
     ignore = torch.full((), IGNORE_INDEX, dtype=mb.targets.dtype, device=mb.targets.device)
-    return replace(mb, loss_mask=keep, targets=torch.where(keep, mb.targets, ignore),
-                   old_logprobs=torch.where(keep, mb.old_logprobs, torch.zeros_like(mb.old_logprobs))), outside.sum()
+    return replace(mb, loss_mask=keep, targets=torch.where(outside, ignore, mb.targets),
+                   old_logprobs=torch.where(outside, torch.zeros_like(mb.old_logprobs), mb.old_logprobs)), outside.sum()
 
 
-def check_replayed_step(metrics: dict[str, float]) -> None:
+def check_replayed_step(metrics: dict[str, float], micro: list[MicroBatch], group: ProcessGroup | None) -> None:
     """With a replayed filter the log-prob ops and the loss run with ``check_inputs`` off, since a target outside
     the trainer's filter is expected (a later update's; :class:`~mp_grpo.config.job.EngineConfig`,
-    ``replay_filter``); any other non-finite input at a trained position — a NaN or ±inf log-prob (old, rollout,
-    reference, the policy's), advantage or entropy — is an error, raised here, before the optimizer step. It reads
-    the step's reduced metrics: ``nonfinite_inputs`` counts both kinds, ``sampling_filter/outside_tokens`` the
-    targets outside the filter."""
-    other = metrics["nonfinite_inputs"] - metrics["sampling_filter/outside_tokens"]
-    if other > 0:
+    ``replay_filter``); any other non-finite input at a trained position is an error, raised here, before the
+    optimizer step, on every rank alike:
+
+    1. the given inputs — old, rollout and reference log-probs, advantages — read directly (summed over ``group``,
+       the data-parallel × context-parallel ranks);
+    2. the policy's log-probs from the step's reduced metrics: ``nonfinite_inputs`` counts the trained positions with
+       any non-finite input, ``sampling_filter/outside_tokens`` those whose log-prob is −inf (a target outside the
+       filter, or of probability 0); with step 1's inputs finite, the difference is the NaN log-probs (a NaN or
+       +inf logit in the row)."""
+    # --- 1. the given inputs ---
+    bad = torch.zeros((), dtype=torch.float64, device=micro[0].loss_mask.device)
+    for mb in micro:
+        for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "advantages"):
+            x = getattr(mb, name)
+            if x is not None:
+                x = x if x.shape == mb.loss_mask.shape else mb.sequences.broadcast(x, mb.loss_mask.shape)
+                bad = bad + (~torch.isfinite(x) & mb.loss_mask).sum(dtype=torch.float64)
+    given = float(all_reduce_sum(bad, group))
+    # --- 2. the policy's log-probs ---
+    policy = metrics["nonfinite_inputs"] - metrics["sampling_filter/outside_tokens"]
+    if given > 0 or policy > 0:
         raise ValueError(
-            f"nonfinite inputs: {other:g} trained position(s) of this step had a NaN / ±inf input other than a target "
-            "outside the replayed sampling filter (old, rollout or reference log-probs, the policy's logits, "
-            "advantages or entropies); the loop runs the ops unchecked while it replays engine.top_k / engine.top_p, "
-            "so it stops here — rerun with engine.replay_filter=false to have the ops name the input"
+            f"nonfinite inputs: {given:g} trained position(s) with a NaN / ±inf old, rollout or reference log-prob or "
+            f"advantage, {max(policy, 0.0):g} with a NaN policy log-prob (a NaN or +inf logit) this step; the loop "
+            "runs the ops unchecked while it replays engine.top_k / engine.top_p, so it stops here — rerun with "
+            "engine.replay_filter=false to have the ops name the input"
         )
 
 
@@ -341,7 +359,7 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
             )
             metrics = grpo.reduce_metrics(losses)  # MoE models: the routers' metrics too
             if replaying:
-                check_replayed_step(metrics)
+                check_replayed_step(metrics, micro, groups.dp_cp)
             skipped = batch.skip_step()
             grad_norm = math.nan if skipped else trainer.optimizer_step()
             record = dict(step=step, metrics=metrics, grad_norm=grad_norm, skipped=skipped,

@@ -19,8 +19,9 @@ Schedule of :func:`gumbel_max_sample` (one decoding position of N sequences, on 
 Top-k / top-p (:func:`sampling_filter_keep`): the engine first masks the logits outside the kept set to −inf,
 then samples as above — a sample of the renormalized filtered distribution. The per-row kept set is a
 raw-logit threshold found by mp_grpo's own replay machinery (:func:`mp_grpo.ops.sampling_filter.filter_threshold`,
-vLLM's convention): all-reduces of per-row histograms (counts for top-k, bin masses for top-p), never the
-logits themselves. The same function is what the trainer runs when it replays the filter
+vLLM's convention): one all-gather of each rank's largest logits of a row (its candidates, ≤ 512), then, for the
+rows they do not settle, all-reduces of per-row histograms (counts for top-k, bin masses for top-p); the whole
+logits are never gathered. The same function is what the trainer runs when it replays the filter
 (``vocab_parallel_logprobs(..., sampling_filter=SamplingFilter(top_k=k, top_p=p))``), so with equal logits the
 engine's and the trainer's kept sets are the same; with a bf16 engine and an fp32 trainer they can differ at
 the boundary (the rule the learning loop applies: :class:`~mp_grpo.config.job.EngineConfig`).
@@ -115,10 +116,10 @@ def sampling_filter_keep(z: torch.Tensor, *, top_k: int, top_p: float, tp_group:
     larger logit is < ``top_p`` (ties at the threshold kept; the largest logit always). Schedule:
 
     1. :func:`~mp_grpo.ops.sampling_filter.filter_threshold` on fp32 ``z`` (already divided by the
-       temperature, so ``inv_temperature = 1``): a per-row threshold τ from a radix search over the
-       logits' order-preserving keys, each round one all-reduce (sum) of per-row histograms over
-       ``tp_group`` (counts for top-k, bin masses for top-p; the rounds and sizes are listed there); the
-       logits are never gathered.
+       temperature, so ``inv_temperature = 1``): a per-row threshold τ from each rank's candidates (its
+       largest logits of the row, one all-gather over ``tp_group``) and, for the rows they do not settle, a
+       radix search over the logits' order-preserving keys, each round one all-reduce (sum) of per-row
+       histograms (the rounds and sizes are listed there); the whole logits are never gathered.
     2. Keep ``z ≥ τ`` (no collective).
 
     Args:

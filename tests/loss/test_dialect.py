@@ -327,4 +327,4 @@ def test_torch_formulas_globals_are_a_module_of_their_own() -> None:
     module = sys.modules[f.__globals__["__name__"]]
     assert module.__dict__ is f.__globals__ and module is not token_math
     assert module.tl is TorchLanguage and token_math.tl is not TorchLanguage
-    assert f.__globals__["__builtins__"] is not None
+    assert "__builtins__" in f.__globals__  # dynamo reads the builtins from a function's globals

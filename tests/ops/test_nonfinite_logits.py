@@ -118,3 +118,29 @@ def test_fused_output_op_counts_rows_of_nan_hidden_states() -> None:
             mp_grpo.check_errors()
     assert torch.isnan(lp[BAD_ROW]) and torch.isfinite(lp[torch.arange(ROWS) != BAD_ROW]).all()
     assert torch.isfinite(h.grad).all() and (h.grad[BAD_ROW] == 0).all()
+
+
+@pytest.mark.parametrize("filt", [dict(top_k=5), dict(top_p=0.9), dict(top_k=50, top_p=0.95), dict(min_p=0.1)],
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "+inf"])
+def test_a_sampling_filter_does_not_hide_a_nonfinite_logit(filt: dict, value: float) -> None:
+    """With a sampling filter the statistics come from the kept set, which a NaN outside it never enters (the GPU's
+    max skips NaN): the row must still be reported, its log-prob NaN, its gradient 0, as without a filter. The
+    target is the row's largest finite logit, kept by every filter."""
+    from mp_grpo.ops import SamplingFilter
+    from tests.reference import filtered_logprobs_reference
+
+    logits, _, upstream, _ = _case(11)
+    target = logits.argmax(-1)
+    logits[BAD_ROW, (int(target[BAD_ROW]) + 17) % VOCAB] = value
+    x = logits.clone().requires_grad_(True)
+    with deferred_checks():
+        lp = vocab_parallel_logprobs(x, target, sampling_filter=SamplingFilter(**filt))
+        with pytest.raises(ValueError, match=r"logits: 1 row\(s\) .* NaN or \+inf logit"):
+            mp_grpo.check_errors()
+    (lp * upstream).sum().backward()
+    assert bool(torch.isnan(lp[BAD_ROW])) and bool((x.grad[BAD_ROW] == 0).all())
+    good = torch.arange(ROWS) != BAD_ROW
+    ref, _ = filtered_logprobs_reference(logits[good].double(), target[good], **filt)
+    assert_close(lp[good], ref, torch.float32, msg="other rows vs float64")
+    assert bool(torch.isfinite(x.grad).all())

@@ -152,30 +152,38 @@ def test_boundary_token_leaves_the_loss_as_if_never_trained_on() -> None:
     assert raw_metrics["loss"] == pytest.approx(metrics["loss"] * n / (n + 1), rel=1e-6)
     assert not raw_skipped
     assert bool(torch.isfinite(raw_grad).all()) and bool((raw_grad[b, s] == 0).all())
-    check_replayed_step(raw_metrics)  # a target outside the filter: expected while replaying
-    check_replayed_step(metrics)
+    # The loop always applies the rule: an old log-prob −inf reaching the step is a given input gone wrong, so its check
+    # stops the step; with the rule nothing is left to report.
+    with pytest.raises(ValueError, match=r"nonfinite inputs: 1 trained position\(s\) with a NaN / ±inf old"):
+        check_replayed_step(raw_metrics, [with_old], None)
+    check_replayed_step(metrics, [ruled], None)
 
 
-def test_check_replayed_step_stops_on_other_nonfinite_inputs() -> None:
-    """While replaying the ops run unchecked: a non-finite input other than a target outside the filter (here a NaN
-    advantage) is counted by the loss, and the loop's check raises before the optimizer step."""
+@pytest.mark.parametrize("at_outside_target", [False, True], ids=["elsewhere", "at an outside target"])
+def test_check_replayed_step_stops_on_other_nonfinite_inputs(at_outside_target: bool) -> None:
+    """While replaying the ops run unchecked: a non-finite input other than the policy's −inf log-prob of a target
+    outside the filter (here a NaN advantage) stops the step before the optimizer — also when it sits at the very
+    position whose target is outside the filter (the loss counts such a position once)."""
+    import dataclasses
+
     from mp_grpo.train.loop import check_replayed_step
 
     grpo = _grpo()
-    mb, logits, (b, s), _ = _micro_batch_and_logits(loss_mask_at_boundary=False)
+    mb, logits, (b, s), _ = _micro_batch_and_logits(loss_mask_at_boundary=at_outside_target)
+    old_logits = logits.clone()
+    old_logits[b, s] = logits[b, s].bfloat16().float()  # the old pass keeps the boundary token (a later update's case)
     with torch.no_grad():
-        old, _ = grpo.token_logprobs(logits, mb)
+        old, _ = grpo.token_logprobs(old_logits, mb)
     advantages = mb.advantages.clone()
     advantages[b] = float("nan")
-    mb = mb.with_logprobs(old_logprobs=old)
-    import dataclasses
-    mb = dataclasses.replace(mb, advantages=advantages)
+    mb = dataclasses.replace(mb.with_logprobs(old_logprobs=old), advantages=advantages)
     _, metrics, grad, _ = _step(grpo, mb, logits)
     bad = int(mb.loss_mask[b].sum())
-    assert bad > 0 and metrics["nonfinite_inputs"] == bad and metrics["sampling_filter/outside_tokens"] == 0
+    assert bad > 0 and metrics["nonfinite_inputs"] == bad
+    assert metrics["sampling_filter/outside_tokens"] == (1 if at_outside_target else 0)
     assert bool(torch.isfinite(grad).all())
     with pytest.raises(ValueError, match=f"nonfinite inputs: {bad} trained position"):
-        check_replayed_step(metrics)
+        check_replayed_step(metrics, [mb], None)
 
 
 def test_later_update_dropping_a_kept_token_gives_no_term_and_no_gradient() -> None:
@@ -196,7 +204,7 @@ def test_later_update_dropping_a_kept_token_gives_no_term_and_no_gradient() -> N
     assert metrics["sampling_filter/outside_tokens"] == 1 and metrics["valid_tokens"] == int(mb.loss_mask.sum()) - 1
     assert metrics["nonfinite_inputs"] == 1  # the policy's −inf log-prob: dropped from the loss, counted
     assert bool(torch.isfinite(grad).all()) and bool((grad[b, s] == 0).all()) and bool((grad.abs().sum(-1) > 0).sum() > 1)
-    check_replayed_step(metrics)  # expected while replaying: the step goes on
+    check_replayed_step(metrics, [mb], None)  # expected while replaying: the step goes on
 
 
 # ------------------------------------------------------------------------------------ the loop on layouts
@@ -257,6 +265,7 @@ def test_loop_replays_the_filter_on_every_layout(tmp_path: Path) -> None:
     base = results["tp1_m1"]
     assert len(base) == STEPS
     for name, runs in results.items():
+        assert len(runs) == STEPS, f"{name}: {len(runs)} steps recorded"
         for step, (a, b) in enumerate(zip(base, runs)):
             where = f"{name} step {step}"
             assert b["replayed"] and all(f == [6, TOP_P] for f in b["replayed"]), f"filter not replayed: {where}"
