@@ -90,10 +90,10 @@ def torch_formula(formula) -> Callable:
 
 def _torch_module(source: dict) -> types.ModuleType:
     """The globals of a formula module's torch versions: a module registered in ``sys.modules`` under its own name
-    (``mp_grpo.loss.dialect.torch.`` + the source module's full name) holding the source module's names with ``tl``,
-    ``K`` and the helpers rebound. A module of its own, not a copy of the source's dict under the source's ``__name__``: torch.compile
-    guards a function's globals through the module its ``__name__`` names, and the source module's ``tl`` is
-    ``triton.language``."""
+    (``mp_grpo.loss.dialect.torch.`` + the source module's full name) holding the source module's names with
+    ``tl``, ``K`` and the helpers rebound. A module of its own, not a copy of the source's dict under the source's
+    ``__name__``: torch.compile guards a function's globals through the module its ``__name__`` names, and the
+    source module's ``tl`` is ``triton.language``."""
     name = f"{__name__}.torch.{source['__name__']}"
     module = sys.modules.get(name)
     if module is None:

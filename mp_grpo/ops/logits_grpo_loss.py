@@ -35,9 +35,9 @@ Backward
        set to 0 first, as the log-prob op's backward does).
 
 Launches: forward 3 (stats, combine, finalize; + memset and token kernel with per-sequence sums; a sampling filter
-adds its own: group maxima, candidates, select, the fallback's passes and a statistics pass: ops/sampling_filter.py), backward 1
-(gspo / gmpo under context parallelism: 2) — against 4–6 and 2 for the log-prob op and the loss apart (stats, merge; combine, finalize
-(+ memset, token); two backward kernels).
+adds its own: group maxima, candidates, select, the fallback's passes and a statistics pass, ops/sampling_filter.py),
+backward 1 (gspo / gmpo under context parallelism: 2) — against 4–6 and 2 for the log-prob op and the loss apart
+(stats, merge; combine, finalize (+ memset, token); two backward kernels).
 """
 
 from __future__ import annotations

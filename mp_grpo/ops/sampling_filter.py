@@ -328,10 +328,10 @@ def targets_outside_filter(
     logprobs: torch.Tensor, target: torch.Tensor, ignore_index: int, mode: CheckInputs
 ) -> torch.Tensor:
     """Bool mask of the rows whose target lies outside the filter's kept set (the op gave them log-prob -inf;
-    ``ignore_index`` rows excluded). ``logprobs``: the op's log-probs, or any per-row value that is -inf exactly where
-    they are (the fused logits op passes the targets' logits summed over the shards). Unless ``mode`` is OFF their count goes through the deferred error ledger
-    (``mp_grpo.ops.checks.record_errors``): raised at once on the CPU or with ``SYNC``, at the next
-    ``mp_grpo.check_errors()`` on a GPU — no host read here."""
+    ``ignore_index`` rows excluded). ``logprobs``: the op's log-probs, or any per-row value that is -inf exactly
+    where they are (the fused logits op passes the targets' logits summed over the shards). Unless ``mode`` is OFF
+    their count goes through the deferred error ledger (``mp_grpo.ops.checks.record_errors``): raised at once on
+    the CPU or with ``SYNC``, at the next ``mp_grpo.check_errors()`` on a GPU — no host read here."""
     outside = torch.isneginf(logprobs) & (target != ignore_index)
     if mode is CheckInputs.OFF:
         return outside

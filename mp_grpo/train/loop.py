@@ -278,20 +278,27 @@ def check_replayed_step(metrics: dict[str, float], micro: list[MicroBatch], grou
     # --- 1. the given inputs ---
     bad = torch.zeros((), dtype=torch.float64, device=micro[0].loss_mask.device)
     for mb in micro:
+        nonfinite = torch.zeros_like(mb.loss_mask)
         for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "advantages"):
             x = getattr(mb, name)
             if x is not None:
                 x = x if x.shape == mb.loss_mask.shape else mb.sequences.broadcast(x, mb.loss_mask.shape)
-                bad = bad + (~torch.isfinite(x) & mb.loss_mask).sum(dtype=torch.float64)
+                nonfinite = nonfinite | ~torch.isfinite(x)
+        bad = bad + (nonfinite & mb.loss_mask).sum(dtype=torch.float64)
     given = float(all_reduce_sum(bad, group))
-    # --- 2. the policy's log-probs ---
-    policy = metrics["nonfinite_inputs"] - metrics["sampling_filter/outside_tokens"]
-    if given > 0 or policy > 0:
+    if given > 0:
         raise ValueError(
             f"nonfinite inputs: {given:g} trained position(s) with a NaN / ±inf old, rollout or reference log-prob or "
-            f"advantage, {max(policy, 0.0):g} with a NaN policy log-prob (a NaN or +inf logit) this step; the loop "
-            "runs the ops unchecked while it replays engine.top_k / engine.top_p, so it stops here — rerun with "
-            "engine.replay_filter=false to have the ops name the input"
+            "advantage this step; the loop runs the ops unchecked while it replays engine.top_k / engine.top_p, so it "
+            "stops here — rerun with engine.replay_filter=false to have the ops name the input"
+        )
+    # --- 2. the policy's log-probs ---
+    policy = metrics["nonfinite_inputs"] - metrics["sampling_filter/outside_tokens"]
+    if policy > 0:
+        raise ValueError(
+            f"nonfinite inputs: {policy:g} trained position(s) with a NaN policy log-prob (a NaN or +inf logit in the "
+            "row) this step; the loop runs the ops unchecked while it replays engine.top_k / engine.top_p, so it stops "
+            "here — rerun with engine.replay_filter=false to have the ops name the input"
         )
 
 
