@@ -262,7 +262,7 @@ def step_row(rig, path: Path, seq: int, optimizer, args) -> dict:
     b0 = max(1, TIMING_TOKENS // seq)
     micro = synthetic_micro_batches(args.step_micro_batches, b0, seq, rig.vocab, seed=17, device=DEVICE)
     run = grpo_step(rig, path, micro, optimizer)
-    row = {"B": b0, "micro_batches": len(micro), "tokens": b0 * seq * len(micro),
+    row = {"B": b0, "micro_batches": len(micro), "tokens": b0 * seq * len(micro), "resting_GiB": resting_gib(),
            "ms": timed_ms(run, args.iters, warmup=args.warmup)}
     row["peak_bytes"] = peak_bytes(run)
     row["peak_GiB"] = row["peak_bytes"] / GiB

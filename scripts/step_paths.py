@@ -182,6 +182,7 @@ def forward_pass(rig, path: Path, micro: list[MicroBatch]) -> Callable[[], list[
     """The forward-only log-prob pass (old / reference policy) over ``micro`` on ``path``, under ``no_grad``:
     the log-probs per micro-batch (the floor: None — the decoder alone, no output layer)."""
     path = Path(path)
+    grpo = None if path in (Path.FLOOR, Path.COMMON) else _grpo(rig, path, micro)  # once, as a training loop does
 
     def run():
         with torch.no_grad():
@@ -191,7 +192,6 @@ def forward_pass(rig, path: Path, micro: list[MicroBatch]) -> Callable[[], list[
             if path == Path.COMMON:
                 return [d["logprobs"] for d in rig.schedule(_common_step(micro, forward_only=True), micro,
                                                             forward_only=True)]
-            grpo = _grpo(rig, path, micro)
             if path == Path.LOGITS_MODEL_LAYER:
                 def step(data_iterator, model):
                     mb = next(data_iterator)

@@ -1,9 +1,10 @@
 """Results and reports of ``bench_step.py``: ``step.json`` (resumable), ``step.md`` (tables, targets, predictions
 beside the measurements) and ``step.png``.
 
-The targets: on every configuration the fused path's training pass takes ≤ 1.01× the floor's time and fits
-≥ 0.95× its tokens, the logits path's ≤ 1.02× the floor's time, and the forward-only pass on the logits path
-fits ≥ 2× the common path's tokens. The predictions were written before the run that measured the rows.
+The targets, on every configuration: in the training and the forward-only passes the fused path takes ≤ 1.01×
+the floor's time and fits ≥ 0.95× its tokens and the logits path takes ≤ 1.02× the floor's time; the whole step
+is held to the same time targets; the forward-only pass on the logits path fits ≥ 2× the common path's tokens.
+The predictions were written before the runs that measured the rows.
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ PREDICTIONS = {
     ("1.5b", 2048, "step", "common", "time_vs_floor"): 1.06,
     ("1.5b", 2048, "step", "logits", "time_vs_floor"): 1.01,
     ("1.5b", 2048, "step", "fused", "time_vs_floor"): 1.005,
+}
+
+# Predictions for the last change, written before the run that measured it: (1) both output paths add the output
+# weight's gradient into DDP's main_grad (mp_grpo/megatron/main_grad.py), so the tied weight's 0.43 GiB [V, H]
+# gradient is no longer held through the decoder's backward — at B = 10 the floor peaks at 75.81 GiB and the
+# first run's fused path would have needed ~76.2, over what fits; (2) the forward-only rows build MegatronGRPO
+# once, outside the timed pass (the first run built it, its config loaded, in every pass); what remains over the
+# floor is the log-prob kernel's one read of the bf16 logits (2.3 GiB at ~3 TB/s ≈ 0.8 ms).
+CHANGE_PREDICTIONS = {
+    ("1.5b", 2048, "train", "fused", "tokens_vs_floor"): 1.00,
+    ("1.5b", 2048, "train", "logits", "tokens_vs_floor"): 1.00,
+    ("1.5b", 2048, "forward", "logits", "time_vs_floor"): 1.006,
+    ("1.5b", 2048, "forward", "fused", "time_vs_floor"): 1.01,
+    ("0.5b", 2048, "forward", "logits", "time_vs_floor"): 1.008,
+    ("0.5b", 2048, "forward", "fused", "time_vs_floor"): 1.01,
+    ("1.5b", 2048, "step", "logits", "time_vs_floor"): 1.005,
+    ("1.5b", 2048, "step", "fused", "time_vs_floor"): 1.007,
 }
 
 
@@ -178,10 +196,9 @@ def targets(results: Results) -> list[str]:
     for (shape, seq, rec, kind), rows in results.groups().items():
         r = ratios(rows)
         where = f"{shape} @ {seq}, {rec}"
-        checks = []
-        if kind == "train":
-            checks += [("fused", "time_vs_floor", TARGET_FUSED_TIME, True), ("fused", "tokens_vs_floor", TARGET_FUSED_TOKENS, False),
-                       ("logits", "time_vs_floor", TARGET_LOGITS_TIME, True)]
+        checks = [("fused", "time_vs_floor", TARGET_FUSED_TIME, True), ("logits", "time_vs_floor", TARGET_LOGITS_TIME, True)]
+        if kind in ("train", "forward"):
+            checks.insert(1, ("fused", "tokens_vs_floor", TARGET_FUSED_TOKENS, False))
         if kind == "forward":
             checks.append(("logits", "tokens_vs_common", TARGET_FORWARD_TOKENS_VS_COMMON, False))
         for path, metric, limit, at_most in checks:
@@ -190,8 +207,12 @@ def targets(results: Results) -> list[str]:
                 lines.append(f"- {where}, {kind}, {path} {metric}: not measured")
                 continue
             met = value <= limit if at_most else value >= limit
-            lines.append(f"- {where}, {kind}, {path} {metric.replace('_', ' ')} = {value:.3f} "
-                         f"(target {'≤' if at_most else '≥'} {limit}): {'met' if met else 'NOT MET'}")
+            why = ""
+            if not met and metric == "tokens_vs_common" and r.get("common", {}).get("tokens_vs_floor", 0) >= 1:
+                why = (" — the common path already fits the floor's own largest micro-batch: the decoder (the local "
+                       "spec's S × S attention scores), not the loss, bounds every path")
+            lines.append(f"- {where}, {kind}, {path} {metric.replace('_', ' ')} = {value:.4f} "
+                         f"(target {'≤' if at_most else '≥'} {limit}): {'met' if met else 'NOT MET'}{why}")
     return lines
 
 
@@ -270,16 +291,25 @@ def markdown(results: Results) -> str:
                 lines.append(f"| {shape} | {seq} | {rec} | {name} | {ms} | {time_ratio} | {r['peak_GiB']:.2f} | "
                              f"{r.get('max_B', '—')} | {_fmt_tokens(r)} | {tok_f} | {tok_c} |")
         lines.append("")
-    lines += ["## Targets", "", *targets(results), "", "## Predictions (written before the run) and measurements", "",
-              "| model | S | row | path | metric | predicted | measured (selective / full) |", "|---|---|---|---|---|---|---|"]
+    lines += ["## Targets", "", *targets(results), ""]
+    lines += _predictions("Predictions (written before the first run) and measurements", PREDICTIONS, results)
+    lines += _predictions("Predictions for the last change (the output weight's gradient into `main_grad`; the "
+                          "forward-only rows' MegatronGRPO built once), written before the run that measured it",
+                          CHANGE_PREDICTIONS, results)
+    return "\n".join(lines)
+
+
+def _predictions(title: str, predictions: dict, results: Results) -> list[str]:
+    lines = [f"## {title}", "", "| model | S | row | path | metric | predicted | measured (selective / full) |",
+             "|---|---|---|---|---|---|---|"]
     groups = results.groups()
-    for (shape, seq, kind, path, metric), predicted in PREDICTIONS.items():
+    for (shape, seq, kind, path, metric), predicted in predictions.items():
         measured = []
         for rec in ("selective", "full"):
             value = ratios(groups.get((shape, seq, rec, kind), {})).get(path, {}).get(metric)
             measured.append("—" if value is None else f"{value:.3f}")
         lines.append(f"| {shape} | {seq} | {kind} | {path} | {metric.replace('_', ' ')} | {predicted} | {' / '.join(measured)} |")
-    return "\n".join(lines) + "\n"
+    return lines + [""]
 
 
 def plot_results(results: Results, path: FilePath) -> None:

@@ -4,6 +4,8 @@
   on the logits or the fused output path (:class:`~mp_grpo.config.job.OutputPath`).
 - :mod:`.output_checks`: the model output checked against the micro-batch, once (``loss_func``'s step 1).
 - :mod:`.fused_output`: GPTModel's final hidden states and output weight instead of its logits (fused path).
+- :mod:`.logits_output`: GPTModel's logits written batch-major (logits path).
+- :mod:`.main_grad`: whether those paths add the output weight's gradient straight into DDP's ``main_grad``.
 - :mod:`.scaling`: :class:`MegatronScaling` — what to return so Megatron's own scaling gives the exact gradient.
 - :mod:`.rollouts`, :mod:`.micro_batch`: token-aligned rollout fields → this rank's shifted, packed, CP-split micro-batch.
 - :mod:`.context_parallel`, :mod:`.packed`: Megatron's 2·CP chunk layout and THD packing.

@@ -61,6 +61,7 @@ from mp_grpo.collectives import ProcessGroup, group_size
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.separable import token_separable
 from mp_grpo.loss.sequence import SequenceLayout
+from mp_grpo.megatron.main_grad import accumulates_into_main_grad
 from mp_grpo.ops.checks import CheckInputs, check_main_grad
 from mp_grpo.ops.fused_linear_loss import LossFn, fused_linear_loss_unchecked
 from mp_grpo.ops.sampling_filter import SamplingFilter
@@ -74,7 +75,8 @@ class OutputWeight:
     """``[V_local, H]``: the weight the output layer was called with — its own, or the word-embedding
     weight GPTModel passes under ``share_embeddings_and_output_weights``."""
     accumulate_into_main_grad: bool
-    """The output layer's ``gradient_accumulation_fusion``: its weight gradient goes into ``weight.main_grad``."""
+    """The weight gradient goes into ``weight.main_grad`` (:func:`~mp_grpo.megatron.main_grad.accumulates_into_main_grad`:
+    the layer's gradient-accumulation fusion, or a weight under Megatron DDP)."""
 
 
 def call_for_hidden_states(model: torch.nn.Module, *args, **kwargs) -> tuple[torch.Tensor, OutputWeight | None]:
@@ -105,7 +107,8 @@ def call_for_hidden_states(model: torch.nn.Module, *args, **kwargs) -> tuple[tor
                 "output_path=fused: the model called its output layer more than once in one forward pass "
                 "(multi-token prediction?); the fused output path supports one output-layer call"
             )
-        calls.append(OutputWeight(layer.weight if weight is None else weight, bool(layer.gradient_accumulation_fusion)))
+        w = layer.weight if weight is None else weight
+        calls.append(OutputWeight(w, accumulates_into_main_grad(layer, w)))
         return _input_mapping(layer, input_), None
 
     with _forward_replaced(layer, returns_its_input):
@@ -202,8 +205,8 @@ def fused_output_loss(
     """``(share, metrics)`` of ``loss_fn`` on the fused output layer, its gradient made in forward.
 
     ``loss_fn(logprobs, entropy) -> (share, metrics)`` is GRPOLoss bound to the micro-batch and the step's
-    GlobalBatch. The weight gradient goes into ``main_grad`` under the output layer's
-    gradient-accumulation fusion (as Megatron's linear layer: only when a weight gradient is computed).
+    GlobalBatch. The weight gradient goes into ``main_grad`` when ``output_weight`` says so
+    (:mod:`mp_grpo.megatron.main_grad`; only when a weight gradient is computed).
     The arguments are checked already by the caller, ``MegatronGRPO.loss_func`` (the micro-batch's boundary;
     ``weight.main_grad`` here, where the accumulation is decided): this runs
     :func:`~mp_grpo.ops.fused_linear_loss.fused_linear_loss_unchecked`."""

@@ -12,8 +12,9 @@ The replacement is the one :mod:`mp_grpo.megatron.fused_output` makes for the fu
 attribute for the duration of the call, removed afterwards, also on an exception), with the layer's
 input mapping reproduced the same way (TP all-reduce of the input gradient, or the sequence-parallel
 all-gather / reduce-scatter), and the weight the model passes (tied embeddings) or the layer's own.
-Gradient-accumulation fusion: the weight gradient is added into ``weight.main_grad`` as Megatron's layer
-adds it.
+The weight gradient is added into ``weight.main_grad`` under the layer's gradient-accumulation fusion, as
+Megatron's layer adds it, and also for a weight under Megatron DDP without it (:mod:`.main_grad`: a tied
+weight's gradient is not held to the end of backward).
 
 Schedule of :func:`call_for_logits`
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from mp_grpo.megatron.fused_output import _forward_replaced, _input_mapping
+from mp_grpo.megatron.main_grad import accumulates_into_main_grad
 from mp_grpo.ops.batch_major_linear import batch_major_linear
 
 
@@ -63,9 +65,8 @@ def call_for_logits(model: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
                              "(GPTModel with parallel_output=True)")
         calls.append(True)
         w = layer.weight if weight is None else weight
-        accumulate = (bool(layer.gradient_accumulation_fusion) and hasattr(w, "main_grad") and torch.is_grad_enabled()
-                      and w.requires_grad)
-        logits = batch_major_linear(_input_mapping(layer, input_), w, accumulate_into_main_grad=accumulate)
+        logits = batch_major_linear(_input_mapping(layer, input_), w,
+                                    accumulate_into_main_grad=accumulates_into_main_grad(layer, w))
         return logits, None
 
     with _forward_replaced(layer, batch_major_forward):

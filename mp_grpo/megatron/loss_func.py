@@ -15,8 +15,8 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    sampling filter (top-k / top-p / min-p replayed: the filtered, renormalized distribution):
    :func:`mp_grpo.vocab_parallel_logprobs` of the logits, or :func:`mp_grpo.fused_linear_logprobs` of
    the hidden states and the weight (the output layer's GEMM fused with the log-probs, chunk by chunk,
-   never holding the logits; into ``weight.main_grad`` with gradient-accumulation fusion). This is the
-   one place that reads the model output; both paths give the same log-probs and gradients. On the
+   never holding the logits; into ``weight.main_grad`` as :mod:`mp_grpo.megatron.main_grad` decides). This is
+   the one place that reads the model output; both paths give the same log-probs and gradients. On the
    fused path with a token-separable loss (:func:`~mp_grpo.megatron.fused_output.loss_in_forward`)
    steps 2–3 run together in :func:`~mp_grpo.megatron.fused_output.fused_output_loss`: the loss's
    gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On

@@ -7,7 +7,8 @@ hidden states and output weight: the reduced losses, the no-grad (old-log-prob) 
 gradient (embedding, hidden block, output weight; gathered over TP) must be equal within fp32 tolerance.
 Variants: padded / packed, ``calculate_per_token_loss`` on / off, DDP averaging on / off, tied embedding and
 output weights (the weight GPTModel passes to its output layer), Megatron DDP's fp32 ``main_grad`` buffers
-with the output layer's gradient-accumulation fusion (the fused op writes ``main_grad`` itself), and bf16
+with the output layer's gradient-accumulation fusion on and off (the fused op writes ``main_grad`` itself in
+both), and bf16
 through ``Float16Module`` (which upcasts the hidden states to fp32; bf16 tolerance on relative L2 errors).
 
 Sequence parallelism is not run here: megatron-core's sequence-parallel mappings allocate CUDA buffers.
@@ -46,7 +47,9 @@ class Variant:
     tied: bool = False
     """share_embeddings_and_output_weights."""
     main_grad: bool = False
-    """Megatron DDP's fp32 main_grad buffers; the fused run also turns on the output layer's accumulation fusion."""
+    """Megatron DDP's fp32 main_grad buffers (the fused op writes main_grad itself: mp_grpo/megatron/main_grad.py)."""
+    fusion: bool = False
+    """The fused run turns on the output layer's gradient-accumulation fusion (with main_grad)."""
     bf16: bool = False
     """Float16Module (bf16), called with its default fp32_output=True."""
 
@@ -54,9 +57,9 @@ class Variant:
 VARIANTS = [
     Variant("padded", False, False, "ppo_token_tis"),
     Variant("packed", True, False, "sequence_level", tied=True),
-    Variant("padded", False, True, "step_level", main_grad=True),
-    Variant("padded", True, False, "sequence_level", main_grad=True, bf16=True),
-    # Tied embeddings x gradient-accumulation fusion x the loss in forward (ppo_token_tis is token-separable).
+    Variant("padded", False, True, "step_level", main_grad=True, fusion=True),
+    Variant("padded", True, False, "sequence_level", main_grad=True, fusion=True, bf16=True),
+    # Tied embeddings x main_grad without the layer's fusion x the loss in forward (ppo_token_tis is token-separable).
     Variant("packed", False, False, "ppo_token_tis", tied=True, main_grad=True),
 ]
 
@@ -100,7 +103,7 @@ def _step(groups, rollouts, weights, v: Variant, path: OutputPath):
     if v.bf16:
         config.bf16 = True
         module = Float16Module(config, model)
-    if v.main_grad and path == OutputPath.FUSED:
+    if v.fusion and path == OutputPath.FUSED:
         # megatron-core lets ColumnParallelLinear turn this on only with apex's CUDA weight-gradient kernel,
         # which its own (logits-path) backward then calls; the fused op accumulates into main_grad itself.
         model.output_layer.gradient_accumulation_fusion = True

@@ -3,8 +3,9 @@
 Under torchrun (gloo) with megatron-core's ``parallel_state``, TP = 1 and TP = 2, on the CPU stand-in for GPTModel
 (its output layer is megatron-core's ``ColumnParallelLinear`` and it returns ``logits.transpose(0, 1).contiguous()``
 as GPTModel does): the logits and every parameter gradient through a random upstream gradient equal those of
-the model's own output layer — untied and tied embeddings, the fp32 ``main_grad`` under the output layer's
-gradient-accumulation fusion — and neither forward nor backward copies a ``[tokens, V_local]`` tensor (counted
+the model's own output layer — untied and tied embeddings, Megatron DDP's fp32 ``main_grad`` with the output
+layer's gradient-accumulation fusion on and off (written by the layer itself in both, except for a tied weight
+without ``zero_out_wgrad``, whose gradient must reach DDP's hook) — and neither forward nor backward copies a ``[tokens, V_local]`` tensor (counted
 with a dispatch mode; the model's own layer makes three such copies, so the count can fail). Then
 ``MegatronGRPO``'s logits-path step (its ``call_model`` goes through ``call_for_logits``, its loss writes the
 logits' gradient in place) gives the gradients of the same loss on the model's own output layer. Output layers
@@ -41,7 +42,7 @@ class _LogitCopies(TorchDispatchMode):
         return out
 
 
-def _model(groups, weights, *, tied: bool, main_grad: bool):
+def _model(groups, weights, *, tied: bool, main_grad: bool, zero_out_wgrad: bool = True):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
@@ -51,7 +52,7 @@ def _model(groups, weights, *, tied: bool, main_grad: bool):
     model = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=groups.tp,
                           share_embeddings_and_output_weights=tied)
     model.load_full_weights(weights)
-    if tied:
+    if tied and zero_out_wgrad:
         model.word_embeddings.weight.zero_out_wgrad = True  # as GPTModel does
     ddp = CpuDistributedDataParallel(config, DistributedDataParallelConfig(), model, dp_cp_group=groups.dp_cp,
                                      main_grad=main_grad)
@@ -74,31 +75,38 @@ def case_equals_the_model_layer(tp: int) -> None:
         v_local = H.VOCAB // tp
         gen = torch.Generator().manual_seed(7)
         upstream = torch.randn(b, s, v_local, generator=gen)
-        for tied in (False, True):
-            for main_grad in (False, True):
-                where = f"[tp={tp}, tied={tied}, main_grad={main_grad}]"
-                results = []
-                for ours in (False, True):
-                    model, ddp = _model(groups, weights, tied=tied, main_grad=main_grad)
-                    if main_grad and ours:  # the batch-major layer accumulates into main_grad itself
-                        model.output_layer.gradient_accumulation_fusion = True
-                    counter = _LogitCopies(b * s * v_local)
-                    with counter:
-                        call = call_for_logits if ours else (lambda m, *a: m(*a))
-                        logits = call(ddp, mb.input_ids, mb.position_ids, None)
-                        logits.backward(upstream)
-                    ddp.finish_grad_sync()
-                    if main_grad and ours:
-                        weight = model.word_embeddings.weight if tied else model.output_layer.weight
-                        assert weight.grad_added_to_main_grad, f"the layer did not write main_grad itself {where}"
-                    results.append((logits.detach(), _grads(model), counter.count))
-                (ref_logits, ref_grads, ref_copies), (logits, grads, copies) = results
-                assert logits.is_contiguous() and logits.shape == (b, s, v_local)
-                assert_close(logits, ref_logits, torch.float32, msg=f"logits {where}")
-                for name, ref in ref_grads.items():
-                    assert_close(grads[name], ref, torch.float32, msg=f"grad of {name} {where}")
-                assert copies == 0, f"{copies} [tokens, V_local] copies with the batch-major layer {where}"
-                assert ref_copies >= 2, f"the model's own layer made {ref_copies} logits copies (expected ≥ 2) {where}"
+        # (tied, main_grad, the layer's gradient-accumulation fusion, zero_out_wgrad on a tied weight)
+        cases = [(False, False, False, True), (True, False, False, True)]
+        cases += [(tied, True, fusion, True) for tied in (False, True) for fusion in (False, True)]
+        cases += [(True, True, False, False)]  # a tied weight DDP's hook would drop the embedding gradient of
+        for tied, main_grad, fusion, zero_out_wgrad in cases:
+            where = f"[tp={tp}, tied={tied}, main_grad={main_grad}, fusion={fusion}, zero_out_wgrad={zero_out_wgrad}]"
+            results = []
+            for ours in (False, True):
+                model, ddp = _model(groups, weights, tied=tied, main_grad=main_grad, zero_out_wgrad=zero_out_wgrad)
+                if ours:
+                    model.output_layer.gradient_accumulation_fusion = fusion
+                counter = _LogitCopies(b * s * v_local)
+                with counter:
+                    call = call_for_logits if ours else (lambda m, *a: m(*a))
+                    logits = call(ddp, mb.input_ids, mb.position_ids, None)
+                    logits.backward(upstream)
+                ddp.finish_grad_sync()
+                if main_grad and ours:
+                    # into main_grad itself (mp_grpo/megatron/main_grad.py): under fusion, and under DDP unless a
+                    # tied weight lacks zero_out_wgrad (its gradient then goes through autograd and DDP's hook)
+                    weight = model.word_embeddings.weight if tied else model.output_layer.weight
+                    expected = fusion or not tied or zero_out_wgrad
+                    assert weight.grad_added_to_main_grad == expected, \
+                        f"main_grad written by the layer: {weight.grad_added_to_main_grad}, expected {expected} {where}"
+                results.append((logits.detach(), _grads(model), counter.count))
+            (ref_logits, ref_grads, ref_copies), (logits, grads, copies) = results
+            assert logits.is_contiguous() and logits.shape == (b, s, v_local)
+            assert_close(logits, ref_logits, torch.float32, msg=f"logits {where}")
+            for name, ref in ref_grads.items():
+                assert_close(grads[name], ref, torch.float32, msg=f"grad of {name} {where}")
+            assert copies == 0, f"{copies} [tokens, V_local] copies with the batch-major layer {where}"
+            assert ref_copies >= 2, f"the model's own layer made {ref_copies} logits copies (expected ≥ 2) {where}"
         _grpo_step_equals_the_model_layer(groups, weights)
     finally:
         ps.destroy_model_parallel()

@@ -268,10 +268,18 @@ def test_results_resume_and_report(tmp_path: Path) -> None:
     text = (tmp_path / "step.md").read_text()
     assert "| 1.5b | 2048 | selective | fused | 100.5 | 1.005 |" in text
     targets = step_report.targets(again)
-    assert any("fused time vs floor = 1.005 (target ≤ 1.01): met" in t for t in targets)
-    assert any("logits time vs floor = 1.015 (target ≤ 1.02): met" in t for t in targets)
-    assert any("fused tokens vs floor = 0.980 (target ≥ 0.95): met" in t for t in targets)
-    assert any("logits tokens vs common = 1.500 (target ≥ 2.0): NOT MET" in t for t in targets)
+    assert any("train, fused time vs floor = 1.0050 (target ≤ 1.01): met" in t for t in targets)
+    assert any("forward, fused time vs floor = 1.0050 (target ≤ 1.01): met" in t for t in targets)
+    assert any("logits time vs floor = 1.0150 (target ≤ 1.02): met" in t for t in targets)
+    assert any("fused tokens vs floor = 0.9800 (target ≥ 0.95): met" in t for t in targets)
+    assert any(t.endswith("logits tokens vs common = 1.5000 (target ≥ 2.0): NOT MET") for t in targets)
+    # a forward row whose common path fits as much as the floor: the miss says the decoder bounds it
+    for name, tokens in (("floor", 600), ("common", 600), ("logits", 600)):
+        key = step_report.row_key("1.5b", 8192, "selective", "forward", name)
+        again.update(key, {"B": 1, "tokens": 8192, "ms": 100.0, "peak_bytes": 2**30, "peak_GiB": 1.0, "max_B": 1,
+                           "max_tokens": tokens, "first_failure_B": 2})
+    bounded = [t for t in step_report.targets(again) if "8192" in t and "tokens vs common" in t]
+    assert len(bounded) == 1 and "NOT MET — the common path already fits the floor's own" in bounded[0]
     assert (tmp_path / "step.png").stat().st_size > 10_000
 
 
