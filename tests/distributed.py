@@ -13,10 +13,13 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+NATIVE_ABORT = "terminate called without an active exception"
+"""What the C++ runtime prints when it aborts a process (std::terminate outside any exception)."""
 
 
 def torchrun(script: str | Path, case: str, nproc: int, timeout: float = 600.0, **kwargs) -> str:
@@ -30,6 +33,13 @@ def torchrun(script: str | Path, case: str, nproc: int, timeout: float = 600.0, 
         str(script), case, json.dumps(kwargs),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    if proc.returncode != 0 and NATIVE_ABORT in proc.stderr:
+        # Seen in 2 of 3 full CI runs, on one case, never alone (21 runs): a worker aborted by the C++ runtime with
+        # no Python traceback. A case's own failure raises in Python and is never retried; this abort gets one
+        # more run, and the retry is reported as a warning so that it stays visible.
+        warnings.warn(f"torchrun {Path(script).name} {case}: a worker aborted ({NATIVE_ABORT!r}, no Python "
+                      f"traceback); ran it once more. Its stderr:\n{proc.stderr[-2000:]}", RuntimeWarning)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun {Path(script).name} {case} (nproc={nproc}) failed with exit code {proc.returncode}\n"
@@ -49,3 +59,8 @@ def worker_main(cases: dict[str, Callable[..., None]]) -> None:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    # The case passed and the group is gone: leave without the interpreter's teardown, where native libraries'
+    # static destructors run (the suspected place of the abort that torchrun() retries once).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
