@@ -45,6 +45,24 @@ def all_gather_stacked(x: torch.Tensor, group: ProcessGroup | None) -> torch.Ten
     return out.view(world, *x.shape)
 
 
+def all_gather_varlen(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's 1-D ``x`` of its own length, concatenated in rank order.
+
+    Two all-gathers: the sizes (a host read of them follows: the gathered length is variable), then the values
+    padded to the largest size. Returns ``x`` itself for a group of size 1, or when every rank's ``x`` is empty.
+    """
+    if group_size(group) == 1:
+        return x
+    sizes = all_gather_stacked(torch.tensor([x.numel()], dtype=torch.int64, device=x.device), group)
+    sizes_list = [int(s) for s in sizes.view(-1).tolist()]
+    if max(sizes_list) == 0:
+        return x
+    padded = torch.zeros(max(sizes_list), dtype=x.dtype, device=x.device)
+    padded[: x.numel()] = x
+    gathered = all_gather_stacked(padded, group)
+    return torch.cat([gathered[r, :n] for r, n in enumerate(sizes_list)])
+
+
 def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum ``x`` over ``group``; returns a new tensor and leaves ``x`` unchanged."""
     if group_size(group) == 1:

@@ -32,12 +32,9 @@ that ranks that disagree raise before a gather some of them would not join); the
 
 **Wrong-step protection.** A GlobalBatch knows exactly which loss masks it was built from — by
 identity, not by shape: it holds a reference to each mask (so their memory cannot be reused by other
-tensors while the batch lives) and records each one's storage address, shape, strides, device and
-in-place version counter. GRPOLoss (:meth:`check_micro_batch`) accepts the same tensor (or a view taken
-the same way, ``mask[rows]``) unless it was modified in place since; another tensor must have the
-content of one of them (a copy), compared on the device and reported through the deferred error ledger
-(``mp_grpo.ops.checks``: at once on the CPU, at the step's next sync point on a GPU). A mask of another
-step with the same shapes is rejected.
+tensors while the batch lives) and its in-place version counter. GRPOLoss (:meth:`check_micro_batch`) accepts
+one of them, unmodified, or a copy with equal content, and rejects a mask of another step even of the same
+shapes (:mod:`mp_grpo.loss.mask_identity`).
 A batch records the caller's ``step`` id (:meth:`check_step` raises for another id), and a batch built
 for another LossConfig is rejected. Across the ranks of ``group``, the step's all-reduce checks that every rank
 built its batch alike (same LossConfig, step id and ``same_on_all_ranks``; see step 4).
@@ -45,8 +42,9 @@ built its batch alike (same LossConfig, step id and ``same_on_all_ranks``; see s
 **From counts.** :meth:`GlobalBatch.from_counts` takes the counts a training framework already made
 (verl's ``global_batch_info``, NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs``, Megatron-LM's
 per-token-loss counts) and, where the config needs them, the step-level statistics its loop computed: no
-collective, no mask. Such a batch checks what counts can bound (a micro-batch never has more valid tokens or
-sequences than the step); the checks of its inputs are in :mod:`mp_grpo.loss.step_counts`.
+mask, and a collective only to check that the ranks agree. Such a batch checks what counts can bound (a
+micro-batch never has more valid tokens or sequences than the step); the checks of its inputs are in
+:mod:`mp_grpo.loss.step_counts`.
 
 Every rank of ``group`` must call the constructor (it makes collectives), with its own micro-batches.
 Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes them.
@@ -60,27 +58,27 @@ from dataclasses import dataclass
 import torch
 
 from mp_grpo.collectives import (
-    ProcessGroup, all_gather_stacked, all_reduce_sum, broadcast_from_last, group_size, is_last_rank,
+    ProcessGroup, all_gather_varlen, all_reduce_sum, broadcast_from_last, group_size, is_last_rank,
 )
-from mp_grpo.config.loss import Aggregation, LossConfig, RatioLevel
-from mp_grpo.loss.step_counts import COUNTS, STEP_STATISTICS, check_counts, check_device, check_within_counts
+from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.clamps import COUNT_FLOOR
 from mp_grpo.loss.entropy import entropy_threshold
 from mp_grpo.loss.fingerprint import Fingerprint, RankDisagreementError, fingerprint_items
-from mp_grpo.loss.mismatch import k3
-from mp_grpo.loss.rollout_correction import level_log_ratio, token_log_ratio, truncated_weight
-from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
-from mp_grpo.ops.checks import check_errors, record_errors
+from mp_grpo.loss.mask_identity import StaleGlobalBatchError, check_known_mask
+from mp_grpo.loss.sequence import SequenceLayout
+from mp_grpo.loss.step_counts import (
+    COUNTS, STEP_STATISTICS, check_counts, check_device, check_sequence_count, check_within_counts,
+)
+from mp_grpo.loss.step_inputs import (
+    as_list, finite_log_ratios, is_weight_sums, k3_sum, nonfinite_positions, per_micro_batch, resolve_layouts,
+)
+from mp_grpo.ops.checks import check_errors
 
 
 __all__ = ["GlobalBatch", "RankDisagreementError", "StaleGlobalBatchError"]
 
 _NUM_COUNTS = 9
 """Lanes of step 4's all-reduce before the fingerprint's."""
-
-
-class StaleGlobalBatchError(ValueError):
-    """A GlobalBatch is used with a micro-batch, step or config it was not built for."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -315,10 +313,10 @@ class GlobalBatch:
         advantages: Sequence[torch.Tensor] | None = None,
     ) -> GlobalBatch:
         # --- 1. check the micro-batches; valid tokens of each ---
-        masks = list(masks) if isinstance(masks, (list, tuple)) else _not_a_list("masks", masks)
+        masks = as_list("masks", masks)
         if not masks:
             raise ValueError("masks must hold this rank's loss mask of at least one micro-batch")
-        resolved = _resolve_layouts(layouts, len(masks))
+        resolved = resolve_layouts(layouts, len(masks))
         cp_group = resolved[0].cp_group
         shapes = []
         valid = []
@@ -347,26 +345,20 @@ class GlobalBatch:
         old = rollout = None
         if needs_weight_mean or needs_skip:
             why = "rollout_correction.normalize_weights" if needs_weight_mean else "mismatch.skip_threshold"
-            old = _per_micro_batch("old_logprobs", old_logprobs, shapes, why)
-            rollout = _per_micro_batch("rollout_logprobs", rollout_logprobs, shapes, why)
-        ents = _per_micro_batch("entropies", entropies, shapes, "entropy.top_quantile < 1") if needs_entropy else None
+            old = per_micro_batch("old_logprobs", old_logprobs, shapes, why)
+            rollout = per_micro_batch("rollout_logprobs", rollout_logprobs, shapes, why)
+        ents = per_micro_batch("entropies", entropies, shapes, "entropy.top_quantile < 1") if needs_entropy else None
         device = masks[0].device
         clamp = config.policy.log_ratio_clamp if config is not None else None
         nonfinite = torch.zeros((), dtype=torch.float64, device=device)
         if needs_nonfinite:
-            nonfinite = _nonfinite_positions(valid, resolved, shapes, old_logprobs=old_logprobs,
-                                             rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
-                                             advantages=advantages, entropies=entropies)
-        # the step-level sums read old / rollout only where both are finite (never summing a NaN or inf)
-        summed = [v & torch.isfinite(o) & torch.isfinite(r) for o, r, v in zip(old, rollout, valid)] \
-            if old is not None else None
+            nonfinite = nonfinite_positions(valid, resolved, shapes, old_logprobs=old_logprobs,
+                                            rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+                                            advantages=advantages, entropies=entropies)
+        # d = old − rollout (float64) where both are finite: the step-level sums never read a NaN or inf
+        ds, summed = finite_log_ratios(old, rollout, valid, clamp) if old is not None else (None, None)
 
         # --- 2. per-sequence valid counts (and Σd), whole sequences: one all-reduce over the CP group ---
-        # d = old − rollout in float64, whatever the inputs' dtype: the weight mean and the mismatch k3 are then the
-        # float64 values of the weights the loss applies in its compute dtype (bf16 d itself rounds: −0.453 − 0.385 =
-        # −0.838 → −0.836, and the normalized weights' mean missed 1; float32 d missed it by 1e-9 in a float64 loss).
-        ds = [token_log_ratio(o.double(), r.double(), f, clamp) for o, r, f in zip(old, rollout, summed)] \
-            if old is not None else None
         per_seq = []
         for i, (v, layout) in enumerate(zip(valid, resolved)):
             cols = [v.to(torch.float64)] + ([ds[i].to(torch.float64)] if ds is not None else [])
@@ -380,27 +372,15 @@ class GlobalBatch:
         valid_seqs = owner * sum((p[:, 0] > 0).sum(dtype=torch.float64) for p in per_seq)
         all_seqs = torch.full((), owner * sum(sizes), dtype=torch.float64, device=device)  # fills: no host copy
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        w_sum = w_count = k3_sum = zero
-        if needs_weight_mean:
-            rc = config.rollout_correction  # type: ignore[union-attr]
-            if rc.weight_level == RatioLevel.TOKEN:
-                w = [torch.where(f, truncated_weight(d.to(torch.float64), rc), zero) for d, f in zip(ds, summed)]
-                w_sum, w_count = sum(x.sum() for x in w), sum(f.sum(dtype=torch.float64) for f in summed)
-            else:
-                for p in per_seq:
-                    count, sum_d = p[:, 0], p[:, 1]
-                    w = truncated_weight(level_log_ratio(rc.weight_level, sum_d, sum_d, count, clamp), rc)
-                    has = count > 0
-                    w_sum = w_sum + owner * torch.where(has, w, zero).sum()
-                    w_count = w_count + owner * has.sum(dtype=torch.float64)
-        if needs_skip:
-            k3_sum = sum(torch.where(f, k3(d.to(torch.float64)), zero).sum() for d, f in zip(ds, summed))
+        w_sum, w_count = (is_weight_sums(config.rollout_correction, ds, summed, per_seq, owner, clamp)  # type: ignore[union-attr,arg-type]
+                          if needs_weight_mean else (zero, zero))
+        k3_total = k3_sum(ds, summed) if needs_skip else zero  # type: ignore[arg-type]
 
         # --- 4. the one all-reduce over the group, with the fingerprint; its verdict ---
         local = torch.stack([
             tokens, valid_seqs, all_seqs, torch.full((), float(len(masks)), dtype=torch.float64, device=device),
             torch.full((), float(sum(m.numel() for m in masks)), dtype=torch.float64, device=device),
-            w_sum, w_count, k3_sum, nonfinite,
+            w_sum, w_count, k3_total, nonfinite,
         ]).to(torch.float64)
         if fingerprint is not None:
             local = torch.cat([local, fingerprint.lanes])
@@ -410,9 +390,9 @@ class GlobalBatch:
         if fingerprint is not None:
             agree = fingerprint.verdict(totals[_NUM_COUNTS:], ranks)
             counts = torch.where(agree, counts, torch.full((), float("nan"), dtype=torch.float64, device=device))
-        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_sum, nonfinite = counts.unbind()
+        n_tokens, n_valid_seqs, n_all_seqs, n_mbs, n_positions, w_sum, w_count, k3_total, nonfinite = counts.unbind()
         weight_mean = w_sum / w_count.clamp(min=COUNT_FLOOR) if needs_weight_mean else None
-        mismatch_k3 = k3_sum / n_tokens.clamp(min=COUNT_FLOOR) if needs_skip else None
+        mismatch_k3 = k3_total / n_tokens.clamp(min=COUNT_FLOOR) if needs_skip else None
         nonfinite = nonfinite if needs_nonfinite else None
         skip = _skip(config, mismatch_k3, nonfinite)
 
@@ -423,7 +403,7 @@ class GlobalBatch:
                 check_errors()  # that ranks built for another config would not join
             dtype = torch.float64 if any(e.dtype == torch.float64 for e in ents) else torch.float32  # type: ignore[union-attr]
             local = torch.cat([e.detach()[v & torch.isfinite(e)].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
-            threshold = entropy_threshold(_gather_varlen(local, group), config.entropy.top_quantile)  # type: ignore[union-attr]
+            threshold = entropy_threshold(all_gather_varlen(local, group), config.entropy.top_quantile)  # type: ignore[union-attr]
 
         # --- 6. pipeline parallelism: the last stage's decisions on every stage (one broadcast over PP) ---
         if group_size(pp_group) > 1 and (wants_weight_mean or wants_skip or wants_entropy or wants_nonfinite):
@@ -490,31 +470,7 @@ class GlobalBatch:
                       if field not in self.missing_counts}
             check_within_counts(loss_mask, name, bounds, StaleGlobalBatchError)
             return
-        for mask, version in zip(self.masks, self.mask_versions):
-            if _same_tensor(mask, loss_mask):
-                if loss_mask._version != version:
-                    raise StaleGlobalBatchError(
-                        f"{name} was modified in place after the GlobalBatch was built from it: its counts are stale; "
-                        "build the GlobalBatch after the micro-batches are final"
-                    )
-                return
-        same_shape = [m for m in self.masks if m.shape == loss_mask.shape]
-        if not same_shape:
-            raise StaleGlobalBatchError(
-                f"{name} is not one of the loss masks this GlobalBatch was built from: it has shape "
-                f"{tuple(loss_mask.shape)}, the batch's micro-batches have shapes {list(self.micro_batch_shapes)} "
-                "(a GlobalBatch from another step?)"
-            )
-        # Another tensor of a known shape (a copy, e.g. an indexed selection made again): it must equal one of
-        # them. Compared on the device; on a GPU the verdict waits for mp_grpo.check_errors() (no host read).
-        equal = torch.stack([(m == loss_mask).all() for m in same_shape]).any()
-        record_errors(
-            "stale GlobalBatch", (~equal).to(torch.int64),
-            lambda _: (f"{name} is not one of the loss masks this GlobalBatch was built from (another tensor of shape "
-                       f"{tuple(loss_mask.shape)} with other content): a GlobalBatch from another step, or micro-batches "
-                       "rebuilt after the batch? Build the GlobalBatch from the very micro-batches the step runs"),
-            StaleGlobalBatchError,
-        )
+        check_known_mask(loss_mask, name, self.masks, self.mask_versions, self.micro_batch_shapes)
 
     def check_config(self, config: LossConfig) -> None:
         """Raise unless this batch holds the step-level quantities ``config`` needs, computed for ``config``
@@ -536,23 +492,7 @@ class GlobalBatch:
         elif self.config is not config and self.config != config:  # identity first: this runs every micro-batch
             raise StaleGlobalBatchError("batch: this GlobalBatch was built for a different LossConfig")
         if self.missing_counts:
-            self._check_sequence_count(config)
-
-    def _check_sequence_count(self, config: LossConfig) -> None:
-        """A from_counts batch holds the sequence count S ``config``'s aggregation divides by (every mode but
-        token_mean divides by S, see :mod:`mp_grpo.loss.aggregation`)."""
-        agg = config.aggregation
-        modes = [f"aggregation.mode={agg.mode.value}"] if agg.mode != Aggregation.TOKEN_MEAN else []
-        if agg.regularizer != agg.mode and agg.regularizer != Aggregation.TOKEN_MEAN:
-            modes.append(f"aggregation.regularizer_mode={agg.regularizer.value}")
-        name = "all_sequences" if agg.count_empty_sequences else "valid_sequences"
-        if modes and name in self.missing_counts:
-            meaning = "every sequence" if agg.count_empty_sequences else "the sequences with a valid token"
-            raise StaleGlobalBatchError(
-                f"batch: {' and '.join(modes)} divides by the step's sequence count — {meaning} (aggregation."
-                f"count_empty_sequences={str(agg.count_empty_sequences).lower()}) — but this GlobalBatch was built "
-                f"from counts without {name}: pass {name}= to GlobalBatch.from_counts"
-            )
+            check_sequence_count(config, self.missing_counts, StaleGlobalBatchError)
 
 
 def _skip(config: LossConfig | None, mismatch_k3: torch.Tensor | None, nonfinite: torch.Tensor | None) -> torch.Tensor | None:
@@ -565,84 +505,3 @@ def _skip(config: LossConfig | None, mismatch_k3: torch.Tensor | None, nonfinite
     if not flags:
         return None
     return flags[0] if len(flags) == 1 else flags[0] | flags[1]
-
-
-def _nonfinite_positions(
-    valid: list[torch.Tensor], layouts: list[SequenceLayout], shapes: list[tuple[int, ...]], **inputs
-) -> torch.Tensor:
-    """0-dim float64: valid positions of this rank's micro-batches where any given input is NaN or ±inf (per-sequence
-    advantages broadcast to their tokens)."""
-    count = torch.zeros((), dtype=torch.float64, device=valid[0].device)
-    given = {name: value for name, value in inputs.items() if value is not None}
-    for name, value in given.items():
-        if not isinstance(value, (list, tuple)) or len(value) != len(shapes):
-            raise ValueError(f"{name} must be a list of one tensor per micro-batch ({len(shapes)}), got {value!r}")
-    for i, (v, layout, shape) in enumerate(zip(valid, layouts, shapes)):
-        bad = torch.zeros(shape, dtype=torch.bool, device=v.device)
-        for name, value in given.items():
-            x = value[i]
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-                raise TypeError(f"{name}[{i}] must be a floating-point tensor")
-            if tuple(x.shape) != shape:
-                if name != "advantages" or tuple(x.shape) != (layout.num_sequences(torch.Size(shape)),):
-                    raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)}, masks[{i}] has {shape}")
-                x = layout.broadcast(x, torch.Size(shape))
-            bad = bad | ~torch.isfinite(x)
-        count = count + (v & bad).sum(dtype=torch.float64)
-    return count
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same elements of the same storage (``a is b``, or a view taken the same way)."""
-    return a is b or (
-        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-        and a.numel() > 0 and a.data_ptr() == b.data_ptr()
-    )
-
-
-def _not_a_list(name: str, value: object) -> list:
-    raise TypeError(f"{name} must be a list (or tuple) of per-micro-batch tensors, got {type(value).__name__}")
-
-
-def _resolve_layouts(layouts: Sequence[SequenceLayout | None] | None, n: int) -> list[SequenceLayout]:
-    if layouts is None:
-        return [PaddedSequences()] * n
-    if not isinstance(layouts, (list, tuple)) or len(layouts) != n:
-        raise ValueError(f"layouts must be a list of one SequenceLayout (or None) per micro-batch ({n}), got {layouts!r}")
-    resolved = [PaddedSequences() if lay is None else lay for lay in layouts]
-    for i, lay in enumerate(resolved):
-        if not isinstance(lay, SequenceLayout):
-            raise TypeError(f"layouts[{i}] must be a SequenceLayout or None, got {type(lay).__name__}")
-        if lay.cp_group is not resolved[0].cp_group:
-            raise ValueError(f"layouts[{i}] has another cp_group than layouts[0]: all micro-batches share one CP group")
-    return resolved
-
-
-def _per_micro_batch(
-    name: str, tensors: Sequence[torch.Tensor] | None, shapes: list[tuple[int, ...]], why: str
-) -> list[torch.Tensor]:
-    if tensors is None:
-        raise ValueError(f"{name} must be given (one tensor per micro-batch): {why} needs it")
-    tensors = list(tensors) if isinstance(tensors, (list, tuple)) else _not_a_list(name, tensors)
-    if len(tensors) != len(shapes):
-        raise ValueError(f"{name} has {len(tensors)} tensors but masks has {len(shapes)} micro-batches")
-    for i, (t, shape) in enumerate(zip(tensors, shapes)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}[{i}] must be a floating-point tensor")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}[{i}] has shape {tuple(t.shape)}, masks[{i}] has {shape}")
-    return tensors
-
-
-def _gather_varlen(local: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Every rank's 1-D ``local`` concatenated in rank order (sizes first, then the values padded to the max)."""
-    if group_size(group) == 1:
-        return local
-    sizes = all_gather_stacked(torch.tensor([local.numel()], dtype=torch.int64, device=local.device), group)
-    sizes_list = [int(s) for s in sizes.view(-1).tolist()]
-    if max(sizes_list) == 0:
-        return local
-    padded = torch.zeros(max(sizes_list), dtype=local.dtype, device=local.device)
-    padded[: local.numel()] = local
-    gathered = all_gather_stacked(padded, group)
-    return torch.cat([gathered[r, :n] for r, n in enumerate(sizes_list)])

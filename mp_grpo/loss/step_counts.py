@@ -24,7 +24,7 @@ from typing import NamedTuple, Union
 
 import torch
 
-from mp_grpo.config.loss import LossConfig
+from mp_grpo.config.loss import Aggregation, LossConfig
 from mp_grpo.ops.checks import record_errors
 
 Value = Union[float, torch.Tensor]
@@ -144,6 +144,24 @@ class Rule(NamedTuple):
     text: str
     """What must hold, naming the arguments (``"valid_tokens ≥ 0"``)."""
     ok: bool | torch.Tensor
+
+
+def check_sequence_count(config: LossConfig, missing: Sequence[str], error: type[Exception]) -> None:
+    """A batch built from counts without ``missing`` holds the sequence count S ``config``'s aggregation divides by
+    (every mode but token_mean divides by S, see :mod:`mp_grpo.loss.aggregation`); ``error`` naming the count to pass
+    otherwise."""
+    agg = config.aggregation
+    modes = [f"aggregation.mode={agg.mode.value}"] if agg.mode != Aggregation.TOKEN_MEAN else []
+    if agg.regularizer != agg.mode and agg.regularizer != Aggregation.TOKEN_MEAN:
+        modes.append(f"aggregation.regularizer_mode={agg.regularizer.value}")
+    name = "all_sequences" if agg.count_empty_sequences else "valid_sequences"
+    if modes and name in missing:
+        meaning = "every sequence" if agg.count_empty_sequences else "the sequences with a valid token"
+        raise error(
+            f"batch: {' and '.join(modes)} divides by the step's sequence count — {meaning} (aggregation."
+            f"count_empty_sequences={str(agg.count_empty_sequences).lower()}) — but this GlobalBatch was built "
+            f"from counts without {name}: pass {name}= to GlobalBatch.from_counts"
+        )
 
 
 def check_device(device: object) -> torch.device:
