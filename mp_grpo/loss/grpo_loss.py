@@ -166,7 +166,8 @@ class GRPOLoss:
             logprobs: log π_θ of the sampled tokens, token-shaped (``[B, T]``; ``[T]`` / ``[1, T]`` packed).
             old_logprobs: log π_old (detached); None = on-policy (``logprobs.detach()``); must be None with
                 ``rollout_correction.bypass`` (the rollout log-probs are the old ones then).
-            advantages: per sequence ``[S]`` or per token (token-shaped).
+            advantages: per sequence ``[S]`` or per token (token-shaped). Flat packed tokens ``[T]`` with as many
+                tokens as sequences make the two shapes one, and the call is refused: give such tokens as ``[1, T]``.
             loss_mask: nonzero where the token is trained on (completion tokens, tool outputs excluded).
             rollout_logprobs: the inference engine's log-probs (rollout correction, mismatch, OPSM).
             ref_logprobs: the reference policy's log-probs (KL).

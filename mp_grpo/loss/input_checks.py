@@ -112,12 +112,7 @@ def check_token_inputs(
         check_float(name, value)
         check_like(name, value, shape, device, reference)
     check_float("advantages", advantages)
-    num_sequences = layout.num_sequences(shape)
-    if advantages.shape not in (shape, torch.Size([num_sequences])):
-        raise ValueError(
-            f"advantages has shape {tuple(advantages.shape)}; expected one per sequence [{num_sequences}] or one per "
-            f"token {tuple(shape)}"
-        )
+    layout.is_per_sequence(advantages.shape, shape, "advantages")
     if advantages.device != device:
         raise ValueError(f"advantages is on {advantages.device} but {reference} is on {device}")
 
@@ -175,12 +170,8 @@ def positive_token_mask(
         raise TypeError(f"positive must be a tensor, got {type(positive).__name__}")
     if positive.device != layout_device:
         raise ValueError(f"positive is on {positive.device} but {reference} is on {layout_device}")
-    num_sequences = layout.num_sequences(shape)
-    if positive.shape == torch.Size([num_sequences]):
+    if layout.is_per_sequence(positive.shape, shape, "positive"):
         positive = layout.broadcast(positive.to(torch.float64), shape)
-    elif positive.shape != shape:
-        raise ValueError(f"positive has shape {tuple(positive.shape)}; expected one per sequence [{num_sequences}] "
-                         f"or one per token {tuple(shape)}")
     return positive != 0
 
 

@@ -89,6 +89,22 @@ class SequenceLayout(ABC):
         """Bool mask of positions that belong to a sequence, or None when all do."""
         return None
 
+    def is_per_sequence(self, shape: torch.Size, token_shape: torch.Size, name: str) -> bool:
+        """Whether ``name`` (of ``shape``) holds one value per sequence ``[S]`` (True) or one per token
+        (``token_shape``, False). ValueError when it is neither — or both: flat packed tokens ``[T]`` with as many
+        sequences as tokens (T = S, e.g. empty segments under context parallelism), where a ``[T]`` tensor is
+        ambiguous and no rule can tell which was meant; ``[1, T]`` tokens (Megatron's THD shape) never are."""
+        per_sequence = torch.Size([self.num_sequences(token_shape)])
+        if shape == token_shape and shape == per_sequence:
+            raise ValueError(
+                f"{name} has shape {tuple(shape)}: both one per sequence ({per_sequence[0]} sequences) and one per "
+                f"token of these flat packed tokens {tuple(token_shape)}, which this layout cannot tell apart; give "
+                f"the tokens as [1, T] (Megatron's THD shape): {name} is then [1, T] per token or [S] per sequence")
+        if shape not in (token_shape, per_sequence):
+            raise ValueError(f"{name} has shape {tuple(shape)}; expected one per sequence [{per_sequence[0]}] or one "
+                             f"per token {tuple(token_shape)}")
+        return shape == per_sequence
+
     def valid_tokens(self, loss_mask: torch.Tensor) -> torch.Tensor:
         """Bool: the loss mask is nonzero and the position belongs to a sequence."""
         valid = loss_mask != 0

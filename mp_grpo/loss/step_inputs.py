@@ -80,10 +80,11 @@ def nonfinite_positions(
             x = value[i]
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():
                 raise TypeError(f"{name}[{i}] must be a floating-point tensor")
-            if tuple(x.shape) != shape:
-                if name != "advantages" or tuple(x.shape) != (layout.num_sequences(torch.Size(shape)),):
-                    raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)}, masks[{i}] has {shape}")
-                x = layout.broadcast(x, torch.Size(shape))
+            if name == "advantages":
+                if layout.is_per_sequence(x.shape, torch.Size(shape), f"advantages[{i}]"):
+                    x = layout.broadcast(x, torch.Size(shape))
+            elif tuple(x.shape) != shape:
+                raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)}, masks[{i}] has {shape}")
             bad = bad | ~torch.isfinite(x)
         count = count + (v & bad).sum(dtype=torch.float64)
     return count

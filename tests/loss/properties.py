@@ -73,7 +73,7 @@ def _gather(x: torch.Tensor, mb: MicroBatch, junk: torch.Tensor | None) -> torch
     parts = [x[b, :seg] for b, seg in zip(mb.rows, mb.segments)]
     parts.append(junk)
     flat = torch.cat(parts)
-    return flat if mb.flat else flat.unsqueeze(0)
+    return flat if mb.flat_tokens else flat.unsqueeze(0)
 
 
 def positions(mb: MicroBatch, width: int) -> torch.Tensor:

@@ -402,7 +402,13 @@ class MicroBatch:
     trailing: int = 0
     """Packed: positions after the last segment (outside every sequence)."""
     flat: bool = True
-    """Packed: tokens ``[T]`` (else ``[1, T]``)."""
+    """Packed: tokens ``[T]`` (else ``[1, T]``) — where that is unambiguous (:attr:`flat_tokens`)."""
+
+    @property
+    def flat_tokens(self) -> bool:
+        """Packed tokens given as ``[T]``: when drawn so and T ≠ S (with as many tokens as sequences a ``[T]``
+        advantage is both per token and per sequence, which GRPOLoss refuses: tests/loss/test_sequence_ambiguity.py)."""
+        return self.flat and sum(self.segments) + self.trailing != len(self.rows)
 
 
 @st.composite

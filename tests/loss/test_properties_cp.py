@@ -1,6 +1,6 @@
 """Property-based test of GRPOLoss under context parallelism, CP = 2 under torchrun / gloo (tests/distributed.py):
 random valid configs and steps (tests/loss/strategies.py) on both backends, every sequence cut into Megatron's
-2·CP load-balanced chunks — padded rows and packed segments, one or two micro-batches, one GlobalBatch over the
+2·CP load-balanced chunks — padded rows and packed segments (tokens ``[T]`` or ``[1, T]``), one or two micro-batches, one GlobalBatch over the
 CP group —; the CP ranks' shares summed, each rank's gradients and the metrics reduced over the group equal one
 call on the whole step (1e-9 relative in float64) and the float64 reference.
 
@@ -75,6 +75,8 @@ def _run_cp(step, split, backend, cp_rank: int):
         if mb["packed"]:  # each segment padded to a multiple of 2·CP, cut into 2·CP chunks
             segments = [_round_up(step.needed_width(b), 2 * CP) for b in mb["rows"]]
             index = torch.cat([flat(b, _cp_positions(seg, cp_rank)) for b, seg in zip(mb["rows"], segments)])
+            if not mb["flat"] or index.numel() == len(mb["rows"]):  # [1, T]; [T] only where T ≠ S (unambiguous)
+                index = index.unsqueeze(0)
             bounds = torch.tensor([0, *torch.tensor(segments).cumsum(0).div(CP, rounding_mode="floor").tolist()])
             layout = PackedSequences(bounds.to(torch.int64), group)
         else:  # every row padded to the micro-batch's width, a multiple of 2·CP, cut along it
@@ -141,7 +143,7 @@ def _example(data) -> None:
     order = data.draw(st.permutations(range(step.rows)))
     cut = data.draw(st.integers(1, step.rows))
     parts = [list(order[:cut]), list(order[cut:])]
-    split = [{"rows": rows, "packed": data.draw(st.booleans())} for rows in parts if rows]
+    split = [{"rows": rows, "packed": data.draw(st.booleans()), "flat": data.draw(st.booleans())} for rows in parts if rows]
     note(f"split: {split}")
     ref = P.reference(step)
     from hypothesis import assume
