@@ -9,7 +9,8 @@
   the GRPO-family loss with every correction, normalized by the step's explicit global account
   (``docs/loss.md``); :class:`PaddedSequences` / :class:`PackedSequences` for padded, packed and
   context-parallel sequences; :func:`preset_names` lists the shipped loss presets, :class:`ConfigError` is
-  what a bad config raises.
+  what a bad config raises; :class:`LogitDtype` sets the precision of the output layer's logits (``bf16`` as
+  the model makes them, ``fp32`` from the same bf16 operands at bf16 cost: ``README.md``, "Precision").
 """
 
 __version__ = "0.1.0"
@@ -24,12 +25,12 @@ from mp_grpo.ops.checks import CheckInputs, check_errors
 from mp_grpo.ops.fused_linear_loss import fused_linear_loss
 
 # The GRPO-family loss layer (plain torch) and its typed config (omegaconf is only needed by load_config).
-from mp_grpo.config import ConfigError, LossConfig, load_config, preset_names  # noqa: E402  isort: skip
+from mp_grpo.config import ConfigError, LogitDtype, LossConfig, load_config, preset_names  # noqa: E402  isort: skip
 from mp_grpo.loss import (  # noqa: E402  isort: skip
     GlobalBatch, GRPOLoss, LossBackend, PackedSequences, PaddedSequences, SequenceLayout, reduce_metrics,
 )
 
 __all__ = ["CheckInputs", "check_errors", "fused_linear_logprobs", "fused_linear_loss", "vocab_parallel_logprobs"]
-__all__ += ["ConfigError", "GRPOLoss", "GlobalBatch", "LossBackend", "LossConfig", "PackedSequences",
+__all__ += ["ConfigError", "GRPOLoss", "GlobalBatch", "LogitDtype", "LossBackend", "LossConfig", "PackedSequences",
             "PaddedSequences", "SequenceLayout", "load_config", "preset_names", "reduce_metrics"]
 __all__ += ["__version__"]

@@ -58,6 +58,19 @@ class _RoundTrip(torch.autograd.Function):
         return grad.to(ctx.dtype).double(), None
 
 
+class _RoundGradient(torch.autograd.Function):
+    """Identity in float64, except that the gradient is rounded to ``dtype``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.dtype = dtype
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype).double(), None
+
+
 def linear_logprobs_reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -66,16 +79,21 @@ def linear_logprobs_reference(
     temperature: float = 1.0,
     ignore_index: int = -100,
     logits_dtype: torch.dtype | None = None,
+    logits_grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``logprobs_reference(hidden @ weight.T, ...)`` in float64, differentiable w.r.t. both inputs.
 
     ``weight`` is the *full* ``[V, H]`` output layer. With ``logits_dtype``, the logits and the
     gradient w.r.t. them are rounded to that dtype — as any op that computes the logits in it must
-    (``vocab_parallel_logprobs(hidden @ weight.T)`` does too); everything else stays exact.
+    (``vocab_parallel_logprobs(hidden @ weight.T)`` does too); everything else stays exact. With
+    ``logits_grad_dtype`` only the gradient w.r.t. the logits is rounded (fp32 logits whose gradient enters
+    bf16 GEMMs: ``LogitDtype.FP32``).
     """
     logits = hidden.double() @ weight.double().T
     if logits_dtype is not None:
         logits = _RoundTrip.apply(logits, logits_dtype)
+    if logits_grad_dtype is not None:
+        logits = _RoundGradient.apply(logits, logits_grad_dtype)
     return logprobs_reference(logits, target, temperature=temperature, ignore_index=ignore_index)
 
 

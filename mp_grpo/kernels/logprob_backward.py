@@ -25,6 +25,13 @@ logits' gradient. The merge counts such rows in forward.
 Every quantity that couples the shards (M, S, H) was merged in forward, so backward needs no
 collective. Each program handles BLOCK_V columns of one row: it reads them once and writes their
 gradient once, in the gradient buffer's dtype (which may be the logits buffer itself).
+
+With ROW_LOOP one program handles a whole row, its column blocks in ascending order, so that the gradient can be
+written NARROWED IN PLACE: fp32 logits (``LogitDtype.FP32``) and their bf16 / fp16 gradient in the front half of
+each row's own storage (``stride_grad_x_row`` = 2·``stride_x_row`` elements of half the size). Block b's gradient
+covers the bytes of columns [b·BLOCK_V / 2, (b + 1)·BLOCK_V / 2), which only blocks ≤ b hold: read already, in
+earlier iterations or in this one before its barrier — the one barrier per block orders every warp's loads of the
+block before any warp's stores (without it a warp ahead of another could overwrite logits not yet read).
 """
 
 import triton
@@ -57,11 +64,10 @@ def logprob_backward_kernel(
     HAS_ENTROPY_GRAD: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V_local
 
     # --- 1. per-row scalars: log-partition terms, target, upstream gradients ---
     row_max = tl.load(row_max_ptr + row)
@@ -74,24 +80,67 @@ def logprob_backward_kernel(
         g_logprob = g_logprob * grad_scale
     g_logprob = tl.where(target != ignore_index, g_logprob, 0.0)
 
-    # --- 2. probabilities of this block, recomputed from the logits ---
-    z = tl.load(x_ptr + row * stride_x_row + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
-    if HAS_THRESHOLD:
-        z = tl.where(z >= tl.load(threshold_ptr + row), z, float("-inf"))
-    log_p = (z * inv_temperature - row_max) - log_sum
-    p = tl.exp(log_p)
-    grad = tl.where(cols == target - vocab_start, g_logprob, 0.0) - g_logprob * p
+    g_entropy = 0.0
+    entropy = 0.0
     if HAS_ENTROPY_GRAD:
         entropy = tl.load(entropy_ptr + row)
         g_entropy = tl.load(grad_entropy_ptr + row)
         if HAS_GRAD_SCALE:
             g_entropy = g_entropy * grad_scale
+    threshold = 0.0
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)
+    # A select per element: one uniform branch per program instead measured 11–17 % slower with the entropy
+    # gradient (more registers; docs/benchmarks/nonfinite_ab.md).
+    row_ok = (tl.abs(row_max) < float("inf")) & (tl.abs(log_sum) < float("inf"))
+    x_row = x_ptr + row * stride_x_row
+    grad_row = grad_x_ptr + row * stride_grad_x_row
+    target_col = target - vocab_start
+
+    if ROW_LOOP:  # --- 2.–3. every column block of the row, ascending: the gradient may be narrowed in place ---
+        for start in range(0, V_local, BLOCK_V):
+            _gradient_block(x_row, grad_row, start + tl.arange(0, BLOCK_V), V_local, target_col, row_max, log_sum,
+                            entropy, g_logprob, g_entropy, threshold, row_ok, inv_temperature,
+                            HAS_ENTROPY_GRAD, HAS_THRESHOLD, True)
+    else:  # --- 2.–3. this program's column block ---
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        _gradient_block(x_row, grad_row, cols, V_local, target_col, row_max, log_sum, entropy, g_logprob, g_entropy,
+                        threshold, row_ok, inv_temperature, HAS_ENTROPY_GRAD, HAS_THRESHOLD, False)
+
+
+@triton.jit
+def _gradient_block(
+    x_row,  # the row's logits
+    grad_row,  # the row's gradient (may alias x_row; narrowed in place with SYNC)
+    cols,
+    V_local,
+    target_col,  # the target's column in this shard (outside [0, V_local) when another shard holds it)
+    row_max,
+    log_sum,
+    entropy,
+    g_logprob,
+    g_entropy,
+    threshold,
+    row_ok,
+    inv_temperature,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
+    SYNC: tl.constexpr,
+):
+    col_mask = cols < V_local
+    # --- 2. probabilities of this block, recomputed from the logits ---
+    z = tl.load(x_row + cols, mask=col_mask, other=float("-inf")).to(tl.float32)
+    if SYNC:  # every warp's loads of the block before any warp's stores (the gradient overwrites read logits)
+        tl.debug_barrier()
+    if HAS_THRESHOLD:
+        z = tl.where(z >= threshold, z, float("-inf"))
+    log_p = (z * inv_temperature - row_max) - log_sum
+    p = tl.exp(log_p)
+    grad = tl.where(cols == target_col, g_logprob, 0.0) - g_logprob * p
+    if HAS_ENTROPY_GRAD:
         # p = 0 (a -inf logit) contributes nothing; p * log_p would be 0 * -inf = NaN.
         grad -= g_entropy * tl.where(p > 0.0, p * (log_p + entropy), 0.0)
 
     # --- 3. write the gradient once, in the buffer's dtype (0 for a row with non-finite statistics) ---
-    # A select per element: one uniform branch per program instead measured 11–17 % slower with the entropy
-    # gradient (more registers; docs/benchmarks/nonfinite_ab.md).
-    row_ok = (tl.abs(row_max) < float("inf")) & (tl.abs(log_sum) < float("inf"))
     grad = tl.where(row_ok, grad * inv_temperature, 0.0)
-    tl.store(grad_x_ptr + row * stride_grad_x_row + cols, grad.to(grad_x_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=col_mask)

@@ -59,6 +59,7 @@ import torch
 
 from mp_grpo.collectives import ProcessGroup, group_size
 from mp_grpo.config.loss import LossConfig
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.loss.separable import token_separable
 from mp_grpo.loss.sequence import SequenceLayout
 from mp_grpo.megatron.main_grad import accumulates_into_main_grad
@@ -201,6 +202,7 @@ def fused_output_loss(
     ignore_index: int,
     sampling_filter: SamplingFilter | None,
     check_inputs: CheckInputs,
+    logit_dtype: LogitDtype,
 ):
     """``(share, metrics)`` of ``loss_fn`` on the fused output layer, its gradient made in forward.
 
@@ -217,5 +219,5 @@ def fused_output_loss(
     return fused_linear_loss_unchecked(
         hidden, weight, targets, loss_fn, tp_group=tp_group, inv_temperature=inv_temperature,
         with_entropy=with_entropy, ignore_index=ignore_index, chunk_tokens=None, accumulate_into_main_grad=accumulate,
-        sampling_filter=sampling_filter, check_inputs=check_inputs,
+        sampling_filter=sampling_filter, check_inputs=check_inputs, logit_dtype=logit_dtype,
     )

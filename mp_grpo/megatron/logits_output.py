@@ -26,20 +26,25 @@ Schedule of :func:`call_for_logits`
    :func:`~mp_grpo.ops.batch_major_linear.batch_major_linear`. A second call of the layer in one forward
    (multi-token prediction) raises.
 3. Return what the model returns: ``[B, S, V_local]`` logits, contiguous, through every wrapper
-   (``Float16Module`` upcasts them to fp32 unless called with ``fp32_output=False``).
+   (``Float16Module`` upcasts them to fp32 unless called with ``fp32_output=False``; with ``logit_dtype=FP32``
+   they are fp32 already — the GEMM's accumulator, not an upcast of rounded values).
 """
 
 from __future__ import annotations
 
 import torch
 
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.megatron.fused_output import _forward_replaced, _input_mapping
 from mp_grpo.megatron.main_grad import accumulates_into_main_grad
 from mp_grpo.ops.batch_major_linear import batch_major_linear
 
 
-def call_for_logits(model: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
-    """``model(*args, **kwargs)`` with the output layer writing its logits batch-major (see the module docstring)."""
+def call_for_logits(
+    model: torch.nn.Module, *args, logit_dtype: LogitDtype = LogitDtype.BF16, **kwargs
+) -> torch.Tensor:
+    """``model(*args, **kwargs)`` with the output layer writing its logits batch-major (see the module docstring),
+    in ``logit_dtype`` (:class:`~mp_grpo.config.precision.LogitDtype`: ``FP32``, the GEMM's fp32 accumulator)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     # --- 1. the output layer, if it is one this reproduces ---
@@ -49,6 +54,12 @@ def call_for_logits(model: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
         return model(*args, **kwargs)  # not the last pipeline stage
     layer = owner.output_layer
     if not reproducible(layer):
+        if logit_dtype is LogitDtype.FP32:  # the model's own layer would round them to its dtype
+            raise ValueError(
+                f"logit_dtype=fp32: the model's output layer ({type(layer).__name__}) is not one the logits path "
+                "computes itself (a ColumnParallelLinear without bias, gather_output, disable_grad_reduce or "
+                "deferred embedding wgrad), so its logits would be rounded to the model's dtype; use "
+                "output_path=fused or logit_dtype=bf16")
         return model(*args, **kwargs)
     # --- 2. one call of the output layer, batch-major ---
     calls = []
@@ -66,7 +77,8 @@ def call_for_logits(model: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
         calls.append(True)
         w = layer.weight if weight is None else weight
         logits = batch_major_linear(_input_mapping(layer, input_), w,
-                                    accumulate_into_main_grad=accumulates_into_main_grad(layer, w))
+                                    accumulate_into_main_grad=accumulates_into_main_grad(layer, w),
+                                    logit_dtype=logit_dtype)
         return logits, None
 
     with _forward_replaced(layer, batch_major_forward):

@@ -46,6 +46,7 @@ import torch
 
 from mp_grpo.config.job import OutputPath
 from mp_grpo.config.loss import LossConfig
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.collectives import is_last_rank
 from mp_grpo.loss.grpo_loss import GRPOLoss
@@ -94,6 +95,7 @@ class MegatronGRPO:
         with_entropy: bool = True,
         output_path: OutputPath = OutputPath.LOGITS,
         check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
+        logit_dtype: LogitDtype = LogitDtype.BF16,
     ) -> None:
         """
         Args:
@@ -120,11 +122,19 @@ class MegatronGRPO:
                 from the loss (no value, no gradient) without recording it, the metric ``nonfinite_inputs``
                 counts it, and ``sampling_filter/outside_tokens`` counts the trained tokens outside the filter.
                 It is also GRPOLoss's ``check_inputs`` (its non-finite inputs).
+            logit_dtype: the precision of the output layer's logits on both output paths and in every pass
+                through :meth:`model_logprobs` (the forward-only old / reference log-probs): ``LogitDtype.BF16``
+                (default) as the model makes them; ``LogitDtype.FP32`` the output GEMM's fp32 accumulator from the
+                same bf16 operands (Megatron-LM's ``--output-logit-dtype fp32``; README, "Precision"). A model whose
+                output layer cannot be computed so is refused at its first forward step, never rounded silently.
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
         if not isinstance(output_path, OutputPath):
             raise TypeError(f"output_path must be an OutputPath (LOGITS or FUSED), got {output_path!r}")
+        if not isinstance(logit_dtype, LogitDtype):
+            raise TypeError(f"logit_dtype must be a LogitDtype (BF16 or FP32), got {logit_dtype!r}")
+        self.logit_dtype = logit_dtype
         self.config = config
         self.output_path = output_path
         self.loss = GRPOLoss(config)
@@ -355,7 +365,7 @@ class MegatronGRPO:
             kwargs["packed_seq_params"] = mb.packed_seq_params
         if self.output_path == OutputPath.FUSED:
             return call_for_hidden_states(model, mb.input_ids, mb.position_ids, None, **kwargs)
-        return call_for_logits(model, mb.input_ids, mb.position_ids, None, **kwargs), None
+        return call_for_logits(model, mb.input_ids, mb.position_ids, None, logit_dtype=self.logit_dtype, **kwargs), None
 
     def model_logprobs(
         self, model: torch.nn.Module, mb: MicroBatch, *, model_kwargs: Mapping[str, object] | None = None
@@ -406,7 +416,8 @@ class MegatronGRPO:
             if accumulate:
                 check_main_grad(weight)
             out = fused_linear_logprobs_unchecked(x, weight, mb.targets, chunk_tokens=None, chunk_vocab=None,
-                                                  accumulate_into_main_grad=accumulate, **common)
+                                                  accumulate_into_main_grad=accumulate, logit_dtype=self.logit_dtype,
+                                                  **common)
         else:
             out = vocab_parallel_logprobs_unchecked(x, mb.targets, inplace_backward=inplace_backward, **common)
         return out if self.with_entropy else (out, None)
@@ -451,7 +462,7 @@ class MegatronGRPO:
             share, metrics = fused_output_loss(
                 x, output_weight, mb.targets, share_of, tp_group=self.groups.tp,  # type: ignore[arg-type]
                 inv_temperature=self._inv_temperature, with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
-                sampling_filter=mb.sampling_filter, check_inputs=self.check_inputs,
+                sampling_filter=mb.sampling_filter, check_inputs=self.check_inputs, logit_dtype=self.logit_dtype,
             )
         elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None:
             # --- 2.–3. logits path: log-probs and the share in one autograd Function (GRPOLoss.on_logits) ---

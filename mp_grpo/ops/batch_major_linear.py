@@ -19,11 +19,14 @@ Schedule of :class:`BatchMajorLinear` (``hidden`` ``[S, B, H]``, ``weight`` ``[V
 Forward
     1. ``x = hidden`` as ``[B·S, H]`` (batch-major; a copy unless B = 1). Saved for backward instead of
        ``hidden``: the same size.
-    2. ``logits = x @ weightᵀ`` (cuBLAS, fp32 accumulation, hidden's dtype) into a new ``[B, S, V_local]``
-       tensor, returned as its ``[S, B, V_local]`` view.
+    2. ``logits = x @ weightᵀ`` (cuBLAS, fp32 accumulation, hidden's dtype — or with ``logit_dtype=FP32`` the
+       fp32 accumulator itself, never rounded to bf16) into a new ``[B, S, V_local]`` tensor, returned as its
+       ``[S, B, V_local]`` view.
 Backward (``grad`` ``[S, B, V_local]``)
     1. ``g = grad`` as ``[B·S, V_local]``: a view when the gradient is laid out as the logits are (what
-       GPTModel's transpose hands back from a contiguous ``[B, S, V_local]`` gradient); else one copy.
+       GPTModel's transpose hands back from a contiguous ``[B, S, V_local]`` gradient); else one copy. fp32
+       logits' gradient is rounded to weight's dtype here (one ``[N, V_local]`` copy of half their size): the
+       GEMMs below are the bf16 ones either way.
     2. ``grad_hidden = g @ weight``, returned as the ``[S, B, H]`` view of a ``[B, S, H]`` tensor.
     3. ``grad_weight = gᵀ @ x`` in weight's dtype; with ``accumulate_into_main_grad`` added into
        Megatron's ``weight.main_grad`` instead (fp32 accumulation by cuBLAS) and the zero placeholder
@@ -38,21 +41,23 @@ from __future__ import annotations
 
 import torch
 
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.ops.checks import check_main_grad
-from mp_grpo.ops.output_chunks import main_grad_placeholder, matmul_into
+from mp_grpo.ops.output_chunks import logits_dtype, main_grad_placeholder, matmul_into
 
 
 class BatchMajorLinear(torch.autograd.Function):
     """``hidden @ weightᵀ`` with batch-major logits; see the module docstring for the schedule."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, accumulate_into_main_grad: bool) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, accumulate_into_main_grad: bool,
+                dtype: torch.dtype) -> torch.Tensor:
         s, b, h = hidden.shape
         # --- 1. the input, batch-major ---
         x = hidden.transpose(0, 1).reshape(b * s, h)
         # --- 2. the logits into [B, S, V_local], handed out sequence-major ---
-        logits = torch.empty((b, s, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
-        torch.mm(x, weight.t(), out=logits.view(b * s, -1))
+        logits = torch.empty((b, s, weight.shape[0]), dtype=dtype, device=hidden.device)
+        matmul_into(logits.view(b * s, -1), x, weight.t(), accumulate=False)
         ctx.save_for_backward(x, weight)
         ctx.seq_batch = (s, b)
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
@@ -63,7 +68,7 @@ class BatchMajorLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         s, b = ctx.seq_batch
         # --- 1. the gradient, batch-major (a view for a gradient laid out as the logits) ---
-        g = grad.transpose(0, 1).reshape(b * s, -1)
+        g = grad.transpose(0, 1).reshape(b * s, -1).to(weight.dtype)
         grad_hidden = grad_weight = None
         # --- 2. input gradient ---
         if ctx.needs_input_grad[0]:
@@ -75,11 +80,12 @@ class BatchMajorLinear(torch.autograd.Function):
                 grad_weight = main_grad_placeholder(weight, weight.dtype)
             else:
                 grad_weight = torch.mm(g.t(), x)
-        return grad_hidden, grad_weight, None
+        return grad_hidden, grad_weight, None, None
 
 
 def batch_major_linear(
-    hidden: torch.Tensor, weight: torch.Tensor, *, accumulate_into_main_grad: bool = False
+    hidden: torch.Tensor, weight: torch.Tensor, *, accumulate_into_main_grad: bool = False,
+    logit_dtype: LogitDtype = LogitDtype.BF16,
 ) -> torch.Tensor:
     """``hidden @ weightᵀ`` as ``[S, B, V_local]`` logits stored as a contiguous ``[B, S, V_local]`` tensor.
 
@@ -88,6 +94,8 @@ def batch_major_linear(
         weight: ``[V_local, H]`` this rank's rows of the output weight, hidden's dtype.
         accumulate_into_main_grad: add the weight gradient into ``weight.main_grad`` (Megatron's
             gradient-accumulation fusion) and return the zero placeholder as the weight's gradient.
+        logit_dtype: ``BF16``: the logits in hidden's dtype; ``FP32``: the GEMM's fp32 accumulator (see
+            :class:`~mp_grpo.config.precision.LogitDtype`; refused where the torch has no such GEMM).
 
     Returns:
         ``[S, B, V_local]`` logits whose ``transpose(0, 1)`` is contiguous.
@@ -103,4 +111,4 @@ def batch_major_linear(
                          f"({hidden.dtype}, {hidden.device})")
     if accumulate_into_main_grad:
         check_main_grad(weight)
-    return BatchMajorLinear.apply(hidden, weight, bool(accumulate_into_main_grad))
+    return BatchMajorLinear.apply(hidden, weight, bool(accumulate_into_main_grad), logits_dtype(logit_dtype, hidden))

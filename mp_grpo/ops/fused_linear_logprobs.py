@@ -13,7 +13,7 @@ Schedule of :class:`FusedLinearLogProbs` (``N`` rows, ``H`` hidden, ``V_local`` 
 
 Forward — chunks of whole rows, ``[rows, V_local]``
     1. For each token chunk: ``logits = hidden[chunk] @ weightᵀ`` (cuBLAS, fp32 accumulation, output
-       in hidden's dtype, into one reused buffer), then ``logprob_stats_kernel`` writes the chunk's
+       in hidden's dtype — or, with ``logit_dtype=FP32``, the fp32 accumulator itself — into one reused buffer), then ``logprob_stats_kernel`` writes the chunk's
        per-row statistics into its rows of ONE ``[N + 1, 4]`` stats buffer; the chunk is overwritten
        by the next. Whole rows, because the statistics kernel reduces a row in one pass — that is what
        keeps a single stats buffer, so that
@@ -29,9 +29,11 @@ Forward — chunks of whole rows, ``[rows, V_local]``
     rows), so that the recomputed logits are bitwise forward's (see ``sampling_filter`` below).
 
 Backward — token blocks of ``backward_rows`` rows, each cut into ``[rows, cols]`` vocabulary chunks
-    1. Recompute the chunk's logits ``hidden[block] @ weight[cols]ᵀ`` into one reused buffer.
+    1. Recompute the chunk's logits ``hidden[block] @ weight[cols]ᵀ`` into one reused buffer, in forward's
+       logits dtype.
     2. ``logprob_backward_kernel`` IN PLACE: the buffer now holds d(loss)/d(logits) of the chunk, in
-       hidden's dtype (the logits path's gradient dtype). M, log S and the entropy describe the whole
+       hidden's dtype (the logits path's gradient dtype; with fp32 logits narrowed in place, in the front half
+       of each row's storage: ``logprob_launch.narrowed_in_place``). M, log S and the entropy describe the whole
        vocabulary, so any column range is exact and no collective is needed.
     3. ``grad_hidden[block] (+)= grad_logits @ weight[cols]`` into an fp32 ``[rows, H]`` accumulator
        (cuBLAS writes fp32 directly, no upcast copy), rounded once to hidden's dtype after the block's
@@ -80,10 +82,13 @@ Megatron gradient-accumulation fusion (``accumulate_into_main_grad=True``)
     adds it plus the embedding lookup's gradient into ``main_grad`` — and anything else that reads
     ``weight.grad`` sees a correct "nothing beyond main_grad".
 
-Precision: the logits are rounded to hidden's dtype before the statistics, as in the logits path
-``vocab_parallel_logprobs(hidden @ weightᵀ)``. Backward recomputes them with GEMMs of another shape,
-which cuBLAS may tile differently: in bf16 a recomputed logit can differ from forward's by one
-rounding step — an error of the size of the bf16 rounding of the logits themselves.
+Precision (``logit_dtype``, :class:`~mp_grpo.config.precision.LogitDtype`): with ``BF16`` the logits are rounded to
+hidden's dtype before the statistics, as in the logits path ``vocab_parallel_logprobs(hidden @ weightᵀ)``. With
+``FP32`` each chunk is the GEMM's fp32 accumulator, never rounded (twice the bytes per chunk: the byte budgets
+then hold half the rows / columns); the log-probs and entropy carry the error of the fp32 accumulation only, and
+backward recomputes the logits in fp32 too, so that its softmax is forward's. Backward's GEMMs of another shape
+may tile differently: a recomputed logit can differ from forward's by one rounding step of the logits' dtype.
+The logits' gradient enters the backward GEMMs in hidden's dtype with either setting.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ from typing import Literal, overload
 import torch
 
 from mp_grpo.collectives import ProcessGroup, group_rank, group_size
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.ops.checks import (
     CheckInputs,
     check_chunk_size,
@@ -107,12 +113,14 @@ from mp_grpo.ops.logprob_launch import (
     flat_upstream_grads,
     gather_and_merge,
     logprob_backward,
+    narrowed_in_place,
     new_stats_buffer,
     shard_statistics,
 )
 from mp_grpo.ops.output_chunks import (
     ChunkPlan,
     chunk_view,
+    logits_dtype,
     main_grad_placeholder,
     matmul_into,
     plan_chunks,
@@ -137,6 +145,7 @@ def _forward_statistics(
     with_entropy: bool,
     sampling_filter: SamplingFilter | None = None,
     tp_group: ProcessGroup | None = None,
+    chunk_dtype: torch.dtype,
 ) -> torch.Tensor | None:
     """Forward step 1: logits of ``plan.forward_rows`` rows at a time, into one reused buffer.
 
@@ -144,7 +153,7 @@ def _forward_statistics(
     With a ``sampling_filter``, each chunk's statistics are those of its kept set (``filtered_statistics`` on
     the chunk: the threshold search's collectives once per chunk); returns the ``[N]`` fp32 thresholds (else None)."""
     n, v_local = h.shape[0], w.shape[0]
-    chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
+    chunk = torch.empty(plan.forward_rows * v_local, dtype=chunk_dtype, device=h.device)
     threshold = None
     if sampling_filter is not None:
         threshold = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -152,7 +161,7 @@ def _forward_statistics(
     for r0 in range(0, max(n, 1), plan.forward_rows):
         r1 = min(r0 + plan.forward_rows, n)
         logits = chunk_view(chunk, r1 - r0, v_local)
-        torch.mm(h[r0:r1], w.t(), out=logits)
+        matmul_into(logits, h[r0:r1], w.t(), accumulate=False)
         if threshold is not None:
             threshold[r0:r1] = filtered_statistics(
                 logits, t[r0:r1], stats, per_row.rows(r0, r1), torch.Size([r1 - r0]), row_start=r0, tp_group=tp_group,
@@ -184,6 +193,7 @@ def _backward_chunks(
     ignore_index: int,
     inv_temperature: float,
     threshold: torch.Tensor | None = None,  # [N] fp32 sampling-filter thresholds
+    chunk_dtype: torch.dtype,
 ) -> None:
     """Backward steps 1-4 over token blocks x vocabulary chunks (see the module docstring)."""
     n, hidden_size = h.shape
@@ -192,7 +202,7 @@ def _backward_chunks(
     acc = None
     if grad_h is not None and h.dtype != torch.float32:
         acc = torch.empty(plan.backward_rows, hidden_size, dtype=torch.float32, device=h.device)
-    chunk = torch.empty(plan.backward_rows * plan.backward_cols, dtype=h.dtype, device=h.device)
+    chunk = torch.empty(plan.backward_rows * plan.backward_cols, dtype=chunk_dtype, device=h.device)
 
     for b0 in range(0, n, plan.backward_rows):
         b1 = min(b0 + plan.backward_rows, n)
@@ -206,11 +216,12 @@ def _backward_chunks(
             x = chunk_view(chunk, b1 - b0, c1 - c0)
 
             # --- 1. recompute the chunk's logits ---
-            torch.mm(h_block, w_cols.t(), out=x)
+            matmul_into(x, h_block, w_cols.t(), accumulate=False)
 
-            # --- 2. their gradient, in place ---
+            # --- 2. their gradient, in place (narrowed to hidden's dtype for fp32 logits) ---
+            g = x if x.dtype == h.dtype else narrowed_in_place(x, h.dtype)
             logprob_backward(
-                x, x, t[b0:b1], row_max[b0:b1], log_sum[b0:b1],
+                x, g, t[b0:b1], row_max[b0:b1], log_sum[b0:b1],
                 entropy[b0:b1] if entropy is not None else None,
                 grad_logprobs[b0:b1],
                 grad_entropy[b0:b1] if grad_entropy is not None else None,
@@ -220,11 +231,11 @@ def _backward_chunks(
 
             # --- 3. hidden gradient of the block, summed over vocabulary chunks in fp32 ---
             if acc_block is not None:
-                matmul_into(acc_block, x, w_cols, accumulate=c0 > 0)
+                matmul_into(acc_block, g, w_cols, accumulate=c0 > 0)
 
             # --- 4. weight gradient of the columns: written by the first block, then added ---
             if grad_w is not None:
-                matmul_into(grad_w[c0:c1], x.t(), h_block, accumulate=b0 > 0 or weight_grad_accumulates)
+                matmul_into(grad_w[c0:c1], g.t(), h_block, accumulate=b0 > 0 or weight_grad_accumulates)
         if acc is not None:
             grad_h[b0:b1].copy_(acc_block)
 
@@ -246,6 +257,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         accumulate_into_main_grad: bool,
         check_inputs: CheckInputs,
         sampling_filter: SamplingFilter | None,
+        chunk_dtype: torch.dtype,
     ):
         ctx.set_materialize_grads(False)
         v_local, hidden_size = weight.shape
@@ -259,7 +271,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         stats = new_stats_buffer(n, h.device)
         threshold = _forward_statistics(
             h, w, t, stats, plan, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
-            sampling_filter=sampling_filter, tp_group=tp_group,
+            sampling_filter=sampling_filter, tp_group=tp_group, chunk_dtype=chunk_dtype,
         )
 
         # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
@@ -283,6 +295,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
         ctx.inv_temperature = inv_temperature
         ctx.ignore_index = ignore_index
         ctx.plan = plan
+        ctx.chunk_dtype = chunk_dtype
         logprobs = merged.logprobs.view(target.shape)
         if with_entropy:
             return logprobs, merged.entropy.view(target.shape)
@@ -291,7 +304,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
         h, w, t, row_max, log_sum, entropy, threshold, outside = ctx.saved_tensors
-        not_differentiable = (None,) * 9
+        not_differentiable = (None,) * 10
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return (None, None, *not_differentiable)
@@ -311,6 +324,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
             grad_h, grad_w, ctx.plan,
             weight_grad_accumulates=main_grad is not None, vocab_start=ctx.vocab_start,
             ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature, threshold=threshold,
+            chunk_dtype=ctx.chunk_dtype,
         )
 
         grad_hidden = grad_h.view(ctx.hidden_shape) if need_hidden else None
@@ -326,6 +340,7 @@ def fused_linear_logprobs(
     temperature: float = ..., with_entropy: Literal[False] = ..., ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
     check_inputs: CheckInputs | bool = ..., sampling_filter: SamplingFilter | None = ...,
+    logit_dtype: LogitDtype = ...,
 ) -> torch.Tensor: ...
 @overload
 def fused_linear_logprobs(
@@ -333,6 +348,7 @@ def fused_linear_logprobs(
     temperature: float = ..., with_entropy: Literal[True], ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
     check_inputs: CheckInputs | bool = ..., sampling_filter: SamplingFilter | None = ...,
+    logit_dtype: LogitDtype = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -350,6 +366,7 @@ def fused_linear_logprobs(
     accumulate_into_main_grad: bool = False,
     check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     sampling_filter: SamplingFilter | None = None,
+    logit_dtype: LogitDtype = LogitDtype.BF16,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What ``vocab_parallel_logprobs(hidden @ weight.T, target, ...)`` returns, without the logits.
 
@@ -386,6 +403,10 @@ def fused_linear_logprobs(
             same GEMMs and so the same bits: a logit sits on the same side of the threshold in both — a
             recompute in other shapes can differ by one rounding step, and the top-k threshold is itself
             a logit.
+        logit_dtype: ``LogitDtype.BF16`` (default): the logits in hidden's dtype, as the logits path makes them;
+            ``LogitDtype.FP32``: kept as the GEMM's fp32 accumulator (bf16 GEMMs, fp32 output; refused where
+            the torch has no such GEMM) — log-probs and entropy free of the logits' bf16 rounding, at the
+            cost of twice the bytes per chunk (see the module docstring, "Precision").
 
     Returns:
         fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``.
@@ -403,11 +424,12 @@ def fused_linear_logprobs(
     if sampling_filter is not None:
         check_sampling_filter(sampling_filter, target.shape, hidden.device,
                               check_tensors=check_inputs is not CheckInputs.OFF)
+    logits_dtype(logit_dtype, hidden)  # refused here, before any work, where it cannot be honoured
     return fused_linear_logprobs_unchecked(
         hidden, weight, target, tp_group=tp_group, inv_temperature=inv_temperature, with_entropy=bool(with_entropy),
         ignore_index=int(ignore_index), chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
         accumulate_into_main_grad=bool(accumulate_into_main_grad), check_inputs=check_inputs,
-        sampling_filter=sampling_filter,
+        sampling_filter=sampling_filter, logit_dtype=logit_dtype,
     )
 
 
@@ -425,6 +447,7 @@ def fused_linear_logprobs_unchecked(
     accumulate_into_main_grad: bool,
     check_inputs: CheckInputs,
     sampling_filter: SamplingFilter | None,
+    logit_dtype: LogitDtype = LogitDtype.BF16,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_linear_logprobs` without its argument checks, for a caller that made them once at its own
     boundary (``MegatronGRPO.loss_func``): ``hidden``, ``weight`` and ``target`` as
@@ -432,8 +455,9 @@ def fused_linear_logprobs_unchecked(
     accept them, ``weight.main_grad`` checked when accumulating into it, ``inv_temperature`` from
     :func:`~mp_grpo.ops.checks.check_temperature`, chunk sizes None or positive ints, ``check_inputs`` a
     :class:`CheckInputs`, ``sampling_filter`` passed by :func:`check_sampling_filter` for ``target``."""
+    chunk_dtype = logits_dtype(logit_dtype, hidden)
     plan = plan_chunks(
-        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype,
+        target.numel(), weight.shape[1], weight.shape[0], chunk_dtype,
         chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
     )
     if sampling_filter is not None:
@@ -444,5 +468,5 @@ def fused_linear_logprobs_unchecked(
         plan = replace(plan, backward_rows=plan.forward_rows, backward_cols=weight.shape[0])
     return FusedLinearLogProbs.apply(
         hidden, weight, target, tp_group, inv_temperature, with_entropy, ignore_index, plan,
-        accumulate_into_main_grad, check_inputs, sampling_filter,
+        accumulate_into_main_grad, check_inputs, sampling_filter, chunk_dtype,
     )

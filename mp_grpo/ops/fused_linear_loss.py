@@ -18,14 +18,16 @@ holding 0, and keeps the gradient of the chunk's rows only; the last call sees e
 Schedule of :class:`FusedLinearLoss` (``N`` rows, ``H`` hidden, ``V_local`` columns on each of ``TP`` ranks)
 
 Forward — chunks of whole rows, ``[rows, V_local]`` (the plan of :func:`~mp_grpo.ops.fused_linear_logprobs.plan_chunks`)
-    1. ``logits = hidden[chunk] @ weightᵀ`` (≤ ``LOSS_LOGITS_CHUNK_BYTES``; cuBLAS, fp32 accumulation, hidden's dtype) into one reused
+    1. ``logits = hidden[chunk] @ weightᵀ`` (≤ ``LOSS_LOGITS_CHUNK_BYTES``; cuBLAS, fp32 accumulation, hidden's dtype —
+       or with ``logit_dtype=FP32`` the fp32 accumulator itself, ≤ ``LOSS_LOGITS_CHUNK_BYTES_FP32``) into one reused
        buffer; ``logprob_stats_kernel`` writes the chunk's ``[rows + 1, 4]`` statistics.
     2. The TP merge: all-gather of the chunk's statistics over ``tp_group`` (one small collective per
        chunk; skipped for a group of size 1) and ``logprob_merge_kernel`` → the chunk's log-probs,
        entropy, M and log S.
     3. The coefficient: ``loss_fn`` under autograd on the detached full-size log-probs / entropy
        (the chunk's rows filled in); d loss / d logp and d loss / d entropy of the chunk's rows.
-    4. ``logprob_backward_kernel`` IN PLACE: the chunk buffer becomes d loss / d logits.
+    4. ``logprob_backward_kernel`` IN PLACE: the chunk buffer becomes d loss / d logits, in hidden's dtype (fp32
+       logits: narrowed in place, the front half of each row's storage — ``logprob_launch.narrowed_in_place``).
     5. ``grad_hidden[chunk] = grad_logits @ weight`` (fp32 accumulation, written once: the chunk spans
        this rank's whole vocabulary). Skipped when ``hidden`` needs no gradient.
     6. ``grad_weight (+)= grad_logitsᵀ @ hidden[chunk]`` into an fp32 ``[V_local, H]`` accumulator when
@@ -54,7 +56,9 @@ and the ``[V_local, H]`` weight gradient (held from forward to backward — they
 backward returns; under gradient-accumulation fusion the weight buffer is extra: ``V_local·H`` in
 weight's dtype, or fp32 for several chunks when that fits ``WEIGHT_GRAD_FP32_BYTES``).
 
-Precision: the logits and their gradient are rounded to hidden's dtype as on the logits path. The
+Precision: with ``logit_dtype=BF16`` the logits are rounded to hidden's dtype as on the logits path; with ``FP32``
+they are the GEMM's fp32 accumulator (log-probs, entropy and the loss's coefficients free of their bf16 rounding).
+Their gradient is rounded to hidden's dtype for the GEMMs either way. The
 weight gradient is summed over row chunks in fp32 when the fp32 buffer fits the budget, else rounded
 to weight's dtype once per chunk (one chunk: once); the upstream scaling ``g`` (fp32 product) and the
 cast to weight's dtype are one more rounding together (none for g = 1 into a buffer of weight's dtype).
@@ -68,6 +72,7 @@ from typing import Any
 import torch
 
 from mp_grpo.collectives import ProcessGroup, group_rank, group_size
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.ops.checks import (
     CheckInputs,
     check_chunk_size,
@@ -77,8 +82,21 @@ from mp_grpo.ops.checks import (
     check_runs_here,
     check_temperature,
 )
-from mp_grpo.ops.logprob_launch import gather_and_merge, logprob_backward, new_stats_buffer, shard_statistics
-from mp_grpo.ops.output_chunks import ChunkPlan, chunk_view, main_grad_placeholder, matmul_into, plan_chunks
+from mp_grpo.ops.logprob_launch import (
+    gather_and_merge,
+    logprob_backward,
+    narrowed_in_place,
+    new_stats_buffer,
+    shard_statistics,
+)
+from mp_grpo.ops.output_chunks import (
+    ChunkPlan,
+    chunk_view,
+    logits_dtype,
+    main_grad_placeholder,
+    matmul_into,
+    plan_chunks,
+)
 from mp_grpo.ops.sampling_filter import (
     SamplingFilter,
     check_sampling_filter,
@@ -92,6 +110,12 @@ LOSS_LOGITS_CHUNK_BYTES = 768 * 2**20
 costs one call of ``loss_fn`` and one read-modify-write of the ``[V_local, H]`` weight gradient, and
 nothing else is held. At N = 16384, H = 4096, bf16: 7 chunks of 2432 rows at V = 151936 (10 at 512 MiB),
 one chunk at V = 18992 (2 at 512 MiB)."""
+
+LOSS_LOGITS_CHUNK_BYTES_FP32 = 960 * 2**20
+"""The same buffer holding fp32 logits (``logit_dtype=FP32``; their bf16 gradient is narrowed into it). Not
+768 MiB: at half the rows per chunk the chunks would double (14 at V = 151936, N = 16384), and each one reads and
+writes the whole ``[V_local, H]`` weight gradient once more (1.2 GiB each way in bf16 at H = 4096, ~0.8 ms on an
+H100); 960 MiB gives 10 chunks of 1656 rows there, for 0.19 GiB more at the peak."""
 
 WEIGHT_GRAD_FP32_BYTES = 512 * 2**20
 """The weight gradient is summed over several row chunks in an fp32 ``[V_local, H]`` buffer when it fits
@@ -150,6 +174,7 @@ class FusedLinearLoss(torch.autograd.Function):
         accumulate_into_main_grad: bool,
         check_inputs: CheckInputs,
         sampling_filter: SamplingFilter | None,
+        chunk_dtype: torch.dtype,
     ):
         v_local, hidden_size = weight.shape
         h = hidden.reshape(-1, hidden_size).contiguous()
@@ -168,7 +193,7 @@ class FusedLinearLoss(torch.autograd.Function):
             # The first chunk's GEMM overwrites it (step 6); only an empty batch leaves it as allocated.
             alloc = torch.empty if n > 0 else torch.zeros
             grad_w = alloc(w.shape, dtype=torch.float32 if fp32_sum else w.dtype, device=w.device)
-        chunk = torch.empty(plan.forward_rows * v_local, dtype=h.dtype, device=h.device)
+        chunk = torch.empty(plan.forward_rows * v_local, dtype=chunk_dtype, device=h.device)
         stats_buffer = new_stats_buffer(min(plan.forward_rows, max(n, 1)), h.device)
 
         per_row = sampling_filter.flattened() if sampling_filter is not None else None
@@ -180,7 +205,7 @@ class FusedLinearLoss(torch.autograd.Function):
             stats = stats_buffer[: rows + 1]  # row `rows` carries V_local (see new_stats_buffer)
 
             # --- 1. the chunk's logits and their shard statistics ---
-            torch.mm(h[r0:r1], w.t(), out=x)
+            matmul_into(x, h[r0:r1], w.t(), accumulate=False)
             threshold = None
             if per_row is not None:  # the statistics of the chunk's kept set, and its per-row thresholds
                 threshold = filtered_statistics(x, t[r0:r1], stats, per_row.rows(r0, r1), torch.Size([rows]),
@@ -209,9 +234,10 @@ class FusedLinearLoss(torch.autograd.Function):
             if rows == 0 or not (need_hidden or need_weight):
                 continue
 
-            # --- 4. the chunk's logits gradient, in place ---
+            # --- 4. the chunk's logits gradient, in place (narrowed to hidden's dtype for fp32 logits) ---
+            g = x if x.dtype == h.dtype else narrowed_in_place(x, h.dtype)
             logprob_backward(
-                x, x, t[r0:r1], merged.row_max, merged.log_sum,
+                x, g, t[r0:r1], merged.row_max, merged.log_sum,
                 merged.entropy if grad_ent is not None else None,
                 grad_lp[r0:r1], grad_ent[r0:r1] if grad_ent is not None else None,
                 vocab_start=vocab_start, ignore_index=ignore_index, inv_temperature=inv_temperature,
@@ -219,10 +245,10 @@ class FusedLinearLoss(torch.autograd.Function):
             )
             # --- 5. hidden gradient of the chunk's rows (whole local vocabulary: written once) ---
             if grad_h is not None:
-                matmul_into(grad_h[r0:r1], x, w, accumulate=False)
+                matmul_into(grad_h[r0:r1], g, w, accumulate=False)
             # --- 6. weight gradient, summed over row chunks ---
             if grad_w is not None:
-                matmul_into(grad_w, x.t(), h[r0:r1], accumulate=r0 > 0)
+                matmul_into(grad_w, g.t(), h[r0:r1], accumulate=r0 > 0)
 
         ctx.save_for_backward(grad_h, grad_w)
         # Like Megatron's linear layer: main_grad is kept on ctx, not saved (DDP writes into it).
@@ -236,7 +262,7 @@ class FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        not_differentiable = (None,) * 11
+        not_differentiable = (None,) * 12
         grad_hidden = grad_weight = None
         g = grad_loss.float()  # 0-dim on the device; a no-op for the fp32 loss
         # One pass of kernels/scale.py per gradient; it reads g from the device (no host read, nothing zero-filled).
@@ -271,6 +297,7 @@ def fused_linear_loss(
     accumulate_into_main_grad: bool = False,
     check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     sampling_filter: SamplingFilter | None = None,
+    logit_dtype: LogitDtype = LogitDtype.BF16,
 ) -> tuple[torch.Tensor, Any]:
     """``loss_fn(log-probs, entropy)`` of ``log softmax(hidden @ weightᵀ / T)[target]``, its gradient made in forward.
 
@@ -284,6 +311,8 @@ def fused_linear_loss(
         sampling_filter: as in :func:`~mp_grpo.vocab_parallel_logprobs`; the threshold search runs on each
             forward chunk (its passes and collectives once per chunk). The gradient is formed from the same
             logits the thresholds were found on (no recompute), so the kept set is the same in both.
+        logit_dtype: as in :func:`~mp_grpo.fused_linear_logprobs`; with ``FP32`` the chunks are the fp32 logits
+            (``LOSS_LOGITS_CHUNK_BYTES_FP32``).
 
     Returns:
         ``(loss, aux)``: the loss (0-dim, differentiable w.r.t. ``hidden`` and ``weight``) and ``loss_fn``'s
@@ -301,11 +330,12 @@ def fused_linear_loss(
     if sampling_filter is not None:
         check_sampling_filter(sampling_filter, target.shape, hidden.device,
                               check_tensors=check_inputs is not CheckInputs.OFF)
+    logits_dtype(logit_dtype, hidden)  # refused here, before any work, where it cannot be honoured
     return fused_linear_loss_unchecked(
         hidden, weight, target, loss_fn, tp_group=tp_group, inv_temperature=inv_temperature,
         with_entropy=bool(with_entropy), ignore_index=int(ignore_index), chunk_tokens=chunk_tokens,
         accumulate_into_main_grad=bool(accumulate_into_main_grad), check_inputs=check_inputs,
-        sampling_filter=sampling_filter,
+        sampling_filter=sampling_filter, logit_dtype=logit_dtype,
     )
 
 
@@ -323,20 +353,23 @@ def fused_linear_loss_unchecked(
     accumulate_into_main_grad: bool,
     check_inputs: CheckInputs,
     sampling_filter: SamplingFilter | None,
+    logit_dtype: LogitDtype = LogitDtype.BF16,
 ) -> tuple[torch.Tensor, Any]:
     """:func:`fused_linear_loss` without its argument checks, for a caller that made them once at its own boundary
     (``MegatronGRPO.loss_func``, through :func:`mp_grpo.megatron.fused_output.fused_output_loss`): the arguments
     as :func:`~mp_grpo.ops.fused_linear_logprobs.fused_linear_logprobs_unchecked` takes them, ``loss_fn``
     callable."""
+    chunk_dtype = logits_dtype(logit_dtype, hidden)
+    budget = LOSS_LOGITS_CHUNK_BYTES if chunk_dtype == hidden.dtype else LOSS_LOGITS_CHUNK_BYTES_FP32
     plan = plan_chunks(
-        target.numel(), weight.shape[1], weight.shape[0], hidden.dtype, chunk_tokens=chunk_tokens,
-        logits_chunk_bytes=LOSS_LOGITS_CHUNK_BYTES,
+        target.numel(), weight.shape[1], weight.shape[0], chunk_dtype, chunk_tokens=chunk_tokens,
+        logits_chunk_bytes=budget,
     )
     if sampling_filter is not None:
         sampling_filter = sampling_filter.without_noops(weight.shape[0] * group_size(tp_group))
     aux = _Aux()
     loss = FusedLinearLoss.apply(
         hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, with_entropy, ignore_index, plan,
-        accumulate_into_main_grad, check_inputs, sampling_filter,
+        accumulate_into_main_grad, check_inputs, sampling_filter, chunk_dtype,
     )
     return loss, aux.value

@@ -35,9 +35,10 @@ def _stats_meta(cfg: LogprobLaunchConfig, with_entropy: bool, has_threshold: boo
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_meta(cfg: LogprobLaunchConfig, entropy_grad: bool, has_threshold: bool, grad_scale: bool) -> LaunchMeta:
+def _backward_meta(cfg: LogprobLaunchConfig, entropy_grad: bool, has_threshold: bool, grad_scale: bool,
+                   row_loop: bool) -> LaunchMeta:
     return LaunchMeta(HAS_ENTROPY_GRAD=entropy_grad, HAS_THRESHOLD=has_threshold, HAS_GRAD_SCALE=grad_scale,
-                      BLOCK_V=cfg.backward_block_v, num_warps=cfg.backward_warps)
+                      ROW_LOOP=row_loop, BLOCK_V=cfg.backward_block_v, num_warps=cfg.backward_warps)
 
 
 def new_stats_buffer(rows: int, device: torch.device) -> torch.Tensor:
@@ -191,9 +192,18 @@ def flat_upstream_grads(
     return grad_logprobs, grad_entropy
 
 
+def narrowed_in_place(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, V_local]`` of ``dtype`` over the front of each row of the contiguous ``logits`` (a wider dtype): where
+    :func:`logprob_backward` writes the gradient of fp32 logits in the operands' bf16 / fp16 without a second
+    buffer (row stride ``2·V_local``, a layout cuBLAS reads as it is)."""
+    n, v_local = logits.shape
+    ratio = logits.element_size() // torch.empty((), dtype=dtype).element_size()
+    return logits.view(dtype).view(n, ratio * v_local)[:, :v_local]
+
+
 def logprob_backward(
     logits: torch.Tensor,  # [n, V_local]
-    grad_logits: torch.Tensor,  # [n, V_local] out; may be ``logits`` itself
+    grad_logits: torch.Tensor,  # [n, V_local] out; may be ``logits`` itself, or narrowed_in_place(logits, ...)
     target: torch.Tensor,  # [n] int64
     row_max: torch.Tensor,  # [n] fp32
     log_sum: torch.Tensor,  # [n] fp32
@@ -209,14 +219,20 @@ def logprob_backward(
 ) -> None:
     """Write d(loss)/d(logits) into ``grad_logits`` (one read, one write of the shard); with
     ``threshold`` the columns below it get no gradient; with ``grad_scale`` the upstream gradients are
-    ``grad_scale · grad_logprobs`` and ``grad_scale · grad_entropy`` (read on the device)."""
+    ``grad_scale · grad_logprobs`` and ``grad_scale · grad_entropy`` (read on the device).
+
+    ``grad_logits`` is a buffer of its own, ``logits`` itself (in place), or :func:`narrowed_in_place` of
+    ``logits`` (a narrower dtype over the same rows): then one program walks each row's column blocks in order
+    (the kernel's ROW_LOOP), so that no gradient overwrites a logit before it is read."""
     n, v_local = logits.shape
     if n == 0:
         return
     cfg = logprob_launch_config(v_local)
     has_entropy_grad = grad_entropy is not None
-    meta = _backward_meta(cfg, has_entropy_grad, threshold is not None, grad_scale is not None)
-    launch_meta(logprob_backward_kernel, (n, ceil_div(v_local, cfg.backward_block_v)), meta,
+    row_loop = grad_logits.dtype != logits.dtype and grad_logits.data_ptr() == logits.data_ptr()
+    meta = _backward_meta(cfg, has_entropy_grad, threshold is not None, grad_scale is not None, row_loop)
+    grid = (n, 1) if row_loop else (n, ceil_div(v_local, cfg.backward_block_v))
+    launch_meta(logprob_backward_kernel, grid, meta,
         logits, grad_logits, target, row_max, log_sum,
         entropy if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
         grad_logprobs,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mp_grpo.config.precision import LogitDtype
+
 LOGITS_CHUNK_BYTES = 512 * 2**20
 """The one logits-chunk buffer each pass holds. 0.5 GiB: at N = 16384, V_local = 151936, bf16 the
 forward chunks are 1664 x 151936 and the backward chunks 16384 x 15232 — GEMMs large enough for
@@ -110,6 +112,26 @@ def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumula
         out.addmm_(a.float(), b.float())
     else:
         torch.mm(a.float(), b.float(), out=out)
+
+
+def logits_dtype(logit_dtype: LogitDtype, operands: torch.Tensor) -> torch.dtype:
+    """The dtype the output layer's logits are written in for ``logit_dtype`` and ``operands`` (hidden states and
+    weight, one dtype): the operands' own for ``BF16``, fp32 for ``FP32``.
+
+    ``FP32`` from bf16 / fp16 operands is a GEMM that writes its fp32 accumulator (:func:`matmul_into`): on CUDA
+    cuBLAS's mixed-dtype GEMM (torch ≥ 2.8). Where the installed torch has none it would take fp32 copies of the
+    operands and an fp32 GEMM — another cost and, with TF32 on, another precision — so it is refused, not
+    downgraded. On the CPU the products are the same either way (aten upcasts one chunk's operands)."""
+    if not isinstance(logit_dtype, LogitDtype):
+        raise TypeError(f"logit_dtype must be a LogitDtype (BF16 or FP32), got {logit_dtype!r}")
+    if logit_dtype is LogitDtype.BF16 or operands.dtype == torch.float32:
+        return operands.dtype
+    if operands.is_cuda and not _MIXED_DTYPE_GEMM:
+        raise ValueError(
+            f"logit_dtype=fp32: this torch ({torch.__version__}) has no CUDA GEMM of {operands.dtype} operands with an "
+            "fp32 output (torch.mm(..., out_dtype=torch.float32), torch ≥ 2.8); fp32 logits would need fp32 copies of "
+            "the operands and an fp32 GEMM — use logit_dtype=bf16 or a newer torch")
+    return torch.float32
 
 
 def chunk_view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
