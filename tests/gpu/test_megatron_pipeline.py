@@ -1,19 +1,21 @@
-"""Pipeline parallelism on GPUs: GPTModel with PP = 2 through the real ``forward_backward_func`` gives the
-one-GPU gradients (needs 2 CUDA GPUs; skipped otherwise).
+"""Pipeline parallelism on GPUs: GPTModel with PP = 2 (two GPUs) and PP = 2 × TP = 2 (four GPUs) through the real
+``forward_backward_func`` gives the one-GPU gradients (each layout skipped without its GPUs).
 
-Run on a machine with ≥ 2 GPUs::
+Run on a machine with ≥ 2 GPUs (4 for PP = 2 × TP = 2)::
 
     NCCL_NVLS_ENABLE=0 python -m pytest tests/gpu/test_megatron_pipeline.py -v -s
 
 1. ``case_reference`` (1 GPU): GPTModel (local layer spec, 2 layers, fp32), the whole batch as ONE micro-batch
    through ``forward_backward_func``, for every variant; the weights and DDP's ``main_grad`` are saved.
-2. ``case_pp2`` (2 GPUs, PP = 2: one transformer layer per stage; embeddings on stage 0, final LayerNorm
-   and output layer on stage 1): the same weights (stage s's local ``decoder.layers.0`` is global layer s),
-   2 micro-batches of 4 sequences padded to a fixed length (Megatron's p2p shapes), the same
-   ``forward_backward_func`` call on both stages (megatron-core's 1F1B schedule). Only the last stage has
-   the old / rollout log-probs: the step-level config's decisions are broadcast from it. Every stage's
-   gradients must equal the reference's parameters it holds (relative L2 within the fp32 tolerance), and
-   ``MegatronGRPO.reduce_metrics`` must return the reference loss on both stages.
+2. ``case_pipeline`` at TP = 1 (``pp2``, 2 GPUs: one transformer layer per stage; embeddings on stage 0, final
+   LayerNorm and output layer on stage 1) and at TP = 2 (``pp2_tp2``, 4 GPUs: each stage's parameters sharded
+   over a TP pair): the same weights (stage s's local ``decoder.layers.0`` is global layer s; a tensor-parallel
+   parameter is cut along its ``partition_dim``), 2 micro-batches of 4 sequences padded to a fixed length
+   (Megatron's p2p shapes), the same ``forward_backward_func`` call on every rank (megatron-core's 1F1B
+   schedule). Only the last stage has the old / rollout log-probs: the step-level config's decisions are
+   broadcast from it. Every rank's gradients, gathered over TP, must equal the reference's for the parameters
+   its stage holds (relative L2 within the fp32 tolerance), and ``MegatronGRPO.reduce_metrics`` must return the
+   reference loss on every rank.
 
 Variants: logits and fused output paths × (2-tuple loss, 3-tuple ``calculate_per_token_loss``) × (a plain
 config, a step-level config: IS-weight normalization + mismatch monitor).
@@ -62,11 +64,31 @@ def _torchrun(case: str, nproc: int, **kwargs) -> str:
     return proc.stdout
 
 
+LAYOUTS = {
+    # name: (tensor-parallel size, GPUs); PP = 2, DP = 1
+    "pp2": (1, 2),
+    "pp2_tp2": (2, 4),
+}
+
+needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                    reason="needs 2 CUDA GPUs")
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pipeline_reference")
+    print(_torchrun("case_reference", 1, out_dir=str(out)))
+    return out
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_pipeline_two_stages_equal_one_gpu(tmp_path: Path) -> None:
-    print(_torchrun("case_reference", 1, out_dir=str(tmp_path)))
-    print(_torchrun("case_pp2", 2, out_dir=str(tmp_path)))
+@needs_two_gpus
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_pipeline_layout_equals_one_gpu(layout: str, reference_dir: Path) -> None:
+    tp, gpus = LAYOUTS[layout]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"{layout} needs {gpus} CUDA GPUs")
+    print(_torchrun("case_pipeline", gpus, out_dir=str(reference_dir), tp=tp))
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -95,7 +117,8 @@ def _rollouts():
 
 
 def _build(per_token: bool):
-    """DDP-wrapped GPTModel of this pipeline stage (fp32, local spec), megatron-core's hooks set."""
+    """DDP-wrapped GPTModel of this pipeline stage and tensor-parallel rank (fp32, local spec), megatron-core's
+    hooks set."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -105,10 +128,11 @@ def _build(per_token: bool):
     from mp_grpo.config.job import ModelConfig, ParallelConfig, ParamsDtype
     from mp_grpo.megatron.gpt import gpt_transformer_config
 
-    pp = ps.get_pipeline_model_parallel_world_size()
+    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     model_cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,
                             max_sequence_length=SEQ_LEN, params_dtype=ParamsDtype("fp32"), init_seed=1234)
-    config = gpt_transformer_config(model_cfg, ParallelConfig(calculate_per_token_loss=per_token))
+    config = gpt_transformer_config(model_cfg, ParallelConfig(tensor_model_parallel_size=tp,
+                                                              calculate_per_token_loss=per_token))
     config = dataclasses.replace(config, pipeline_model_parallel_size=pp)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
@@ -132,6 +156,37 @@ def _global_name(local: str) -> str:
     return local
 
 
+def _load(gpt: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """The reference's weights into this rank's parameters: this stage's layers, a tensor-parallel parameter's
+    shard along its ``partition_dim``."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for local, p in gpt.named_parameters():
+            full = weights[_global_name(local)]
+            if getattr(p, "tensor_model_parallel", False):
+                full = full.chunk(tp, dim=p.partition_dim)[rank]
+            p.copy_(full.to(p.device))
+
+
+def _gathered_grads(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """DDP's fp32 ``main_grad`` of this stage's parameters by global name, tensor-parallel shards gathered."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    grads = {}
+    for local, p in gpt.named_parameters():
+        g = p.main_grad.float()
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(parts, g.contiguous(), group=ps.get_tensor_model_parallel_group())
+            g = torch.cat(parts, dim=p.partition_dim)
+        grads[_global_name(local)] = g.cpu()
+    return grads
+
+
 def _step(per_token: bool, name: str, output_path: str, num_microbatches: int, weights):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -141,10 +196,7 @@ def _step(per_token: bool, name: str, output_path: str, num_microbatches: int, w
     from mp_grpo.megatron import MegatronGRPO, prepare_micro_batch
 
     ddp, gpt = _build(per_token)
-    if weights is not None:
-        with torch.no_grad():
-            for local, p in gpt.named_parameters():
-                p.copy_(weights[_global_name(local)].to(p.device))
+    _load(gpt, weights)
     rollouts = _rollouts()
     size = NUM_SEQUENCES // num_microbatches
     micro = [prepare_micro_batch(rollouts.select(slice(i * size, (i + 1) * size)), seq_len=SEQ_LEN).to("cuda")
@@ -159,8 +211,7 @@ def _step(per_token: bool, name: str, output_path: str, num_microbatches: int, w
         forward_step_func=grpo.forward_step_func(batch, step=0), data_iterator=iter(micro), model=ddp,
         num_microbatches=num_microbatches, seq_length=SEQ_LEN, micro_batch_size=size, forward_only=False)
     metrics = grpo.reduce_metrics(losses)
-    grads = {_global_name(n): p.main_grad.float().cpu() for n, p in gpt.named_parameters()}
-    return gpt, grads, metrics, batch.skip_step()
+    return gpt, _gathered_grads(gpt), metrics, batch.skip_step()
 
 
 def case_reference(out_dir: str) -> None:
@@ -181,14 +232,13 @@ def case_reference(out_dir: str) -> None:
     ps.destroy_model_parallel()
 
 
-def case_pp2(out_dir: str) -> None:
-    import torch.distributed as dist
+def case_pipeline(out_dir: str, tp: int) -> None:
     from megatron.core import parallel_state as ps
 
     from tests.tolerances import tolerance
 
     _init()
-    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
     out = Path(out_dir)
     weights = torch.load(out / "weights.pt")
     rtol = tolerance(torch.float32)["rtol"]
@@ -197,7 +247,8 @@ def case_pp2(out_dir: str) -> None:
         for per_token, name in VARIANTS:
             ref = torch.load(out / f"ref_{output_path}_{per_token}_{name}.pt")
             _, grads, metrics, skip = _step(per_token, name, output_path, 2, weights)
-            where = f"pp2 stage {ps.get_pipeline_model_parallel_rank()} {output_path} per_token={per_token} {name}"
+            where = (f"pp2 tp{tp} stage {ps.get_pipeline_model_parallel_rank()} tp rank "
+                     f"{ps.get_tensor_model_parallel_rank()} {output_path} per_token={per_token} {name}")
             errors = {n: float((g - ref["grads"][n]).norm() / ref["grads"][n].norm().clamp(min=TINY_NORM))
                       for n, g in grads.items()}
             failures += [f"grad {n}: relative L2 error {e:.2e} > {rtol:.1e} [{where}]" for n, e in errors.items()
@@ -207,8 +258,9 @@ def case_pp2(out_dir: str) -> None:
             if skip != ref["skip"]:
                 failures.append(f"skip_step {skip} vs reference {ref['skip']} [{where}]")
             worst = max(errors, key=errors.get)
-            print(f"{where}: loss {metrics['loss']:.6f} (reference {ref['loss']:.6f}); {len(errors)} parameters, "
-                  f"worst relative L2 error {errors[worst]:.2e} ({worst})")
+            if ps.get_tensor_model_parallel_rank() == 0:  # the TP ranks of a stage hold the same gathered gradients
+                print(f"{where}: loss {metrics['loss']:.6f} (reference {ref['loss']:.6f}); {len(errors)} parameters, "
+                      f"worst relative L2 error {errors[worst]:.2e} ({worst})")
     ps.destroy_model_parallel()
     assert not failures, "\n".join(failures)
 
@@ -218,7 +270,7 @@ if __name__ == "__main__":
 
     case, kwargs = sys.argv[1], json.loads(sys.argv[2])
     try:
-        {"case_reference": case_reference, "case_pp2": case_pp2}[case](**kwargs)
+        {"case_reference": case_reference, "case_pipeline": case_pipeline}[case](**kwargs)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
