@@ -11,15 +11,26 @@ Single GPU (default)::
 
   - bare matmul ``h @ Wᵀ`` forward, its two backward GEMMs (3 GEMMs; no softmax): the time floor of
     any unfused output layer; its extra peak is the logits;
-  - mp_grpo logits path: matmul + ``vocab_parallel_logprobs(inplace_backward=True)``;
+  - mp_grpo logits path: the output layer's GEMM as ``MegatronGRPO`` makes it (``batch_major_linear``) +
+    ``vocab_parallel_logprobs(inplace_backward=True)``;
   - mp_grpo logits path + GRPOLoss (PPO clip, on-policy, 8 padded sequences);
   - mp_grpo ``fused_linear_loss`` + the same GRPOLoss: the loss's gradient made in forward (also into an
     fp32 ``main_grad``, and with the per-token op's 512 MiB chunks for comparison);
   - mp_grpo ``fused_linear_logprobs`` (also into an fp32 ``main_grad`` as under Megatron's
     gradient-accumulation fusion), alone and + GRPOLoss (PPO clip, and GSPO: sequence-level objectives
     take this recompute path);
+  - the logits path and both fused ops again with ``logit_dtype=LogitDtype.FP32`` (logits kept in fp32 from
+    the same bf16 operands), each with its prediction beside it (``scripts/fused_predictions.py``: the bf16 row
+    of the same run plus a bytes model of what fp32 logits add, written before the first measurement);
+  - Apple's cut-cross-entropy, ``linear_cross_entropy(..., reduction="none")`` (``scripts/cce_anchor.py``): the
+    PyPI release as installed (impl ``cce``) and the repository's tree under ``.ext/ml-cross-entropy`` (impls
+    ``cce`` and ``cce_exact``), each skipped with the reason when absent;
   - Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (chunked, torch.compile; computes its loss and
     gradients in forward), skipped and said so when liger-kernel is not installed.
+
+  Precision beside speed and memory: each row that makes log-probs (not the bare matmuls, Liger or the
+  main_grad / 512 MiB / loss variants of a row already measured) gives its max and mean abs. error against
+  float64 logits of the same bf16 operands on the first ``PRECISION_ROWS`` tokens of its inputs.
 
   Before timing, both fused ops are checked against the float64 reference of ``tests/reference.py`` at
   a small size (the with-loss op also into an fp32 ``main_grad``). Results: ``fused.json``, ``fused.md``
@@ -27,9 +38,9 @@ Single GPU (default)::
   every row; the Liger rows (seconds each, plus torch.compile) run after all others. With ``--profile``
   also ``fused_profile_<V>.txt`` (kernel times of one forward+backward of the with-loss op).
 
-  A subset of rows: ``--only KEY ...`` / ``--skip KEY ...`` with the keys bare, logits, logits_loss, loss,
-  loss_main_grad, loss_512, per_token, per_token_main_grad, per_token_loss, gspo, liger — each for every
-  V, or ``KEY@V`` for one (``--skip liger@151936`` drops the slowest row).
+  A subset of rows: ``--only KEY ...`` / ``--skip KEY ...`` with the keys of ``CASE_KEYS`` (bare, logits,
+  logits_fp32, logits_loss, loss, loss_fp32, …, cce, cce_repo, cce_exact, liger) — each for every V, or ``KEY@V``
+  for one (``--skip liger@151936`` drops the slowest row).
 
 Tensor parallel (two GPUs, NCCL)::
 
@@ -39,8 +50,17 @@ Tensor parallel (two GPUs, NCCL)::
   CUDA events after a barrier (do_bench would pick a different count per rank): the fused op forward
   and forward+backward, the bare matmuls on the same shard, the op's one collective (the all-gather
   of the ``[N + 1, 4]`` statistics) alone, and the all-reduce of the ``[N, H]`` hidden gradient that
-  Megatron's mapping adds after any column-parallel output layer (not part of the op). Results:
+  Megatron's mapping adds after any column-parallel output layer (not part of the op). Then side by side
+  on the same shards, each with its extra peak, log-prob error vs float64 and prediction: both fused ops at
+  bf16 and fp32 logits (``fused_linear_loss`` with GRPOLoss) and the repository's cut-cross-entropy with
+  ``VocabParallelOptions`` (``cce``, ``cce_exact``; hidden gradient left partial as mp_grpo leaves it). Results:
   ``fused_tp2.json``, ``fused_tp2.md``.
+
+CPU check of this script (Triton's interpreter, tiny sizes, no timing worth reading; cut-cross-entropy through its
+``torch_compile`` impl, its Triton impls needing CUDA)::
+
+    python scripts/bench_fused.py --dry-run --out /tmp/fused
+    torchrun --nproc_per_node 2 scripts/bench_fused.py --dry-run --tp 2 --out /tmp/fused
 
 Needs torch, triton and matplotlib; megatron-core and omegaconf are not needed.
 """
@@ -60,188 +80,42 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs  # noqa: E402
-from mp_grpo.ops.output_chunks import plan_chunks  # noqa: E402
 from mp_grpo.ops.fused_linear_loss import fused_linear_loss  # noqa: E402
-from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs  # noqa: E402
+from mp_grpo.ops.output_chunks import plan_chunks  # noqa: E402
 from tests.reference import linear_logprobs_reference  # noqa: E402
 from tests.tolerances import tolerance  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import GiB, extra_peak_bytes, timed_ms  # noqa: E402
-from measure import median_ms as _median_ms  # noqa: E402
-from fused_report import BARE, FUSED, GSPO, LIGER, WITH_LOSS, print_compact, write_single_gpu_report, write_tp_report  # noqa: E402
+import cce_anchor  # noqa: E402
+import fused_cases  # noqa: E402
+import measure  # noqa: E402
+from fused_cases import BASELINE, CASE_KEYS, cases, cce_module, logprob_fns, make_inputs, selected, tp_impls  # noqa: E402
+from fused_predictions import predict  # noqa: E402
+from fused_report import BARE, LIGER, print_compact, write_single_gpu_report, write_tp_report  # noqa: E402
+from measure import GiB  # noqa: E402
 
 
 def median_ms(fn) -> float:
     """Longer runs than the default: one matmul case takes tens of milliseconds."""
-    return _median_ms(fn, warmup_ms=100, rep_ms=600)
+    return measure.median_ms(fn, warmup_ms=100, rep_ms=600)
 
 
-DEVICE = "cuda"
-ROWS_PER_SEQUENCE = 2048
-"""The loss rows see the N tokens as padded rows of this length (N = 16384: 8 sequences)."""
+def timed_ms(fn, iters: int) -> float:
+    return measure.timed_ms(fn, iters)
 
 
-def make_inputs(n: int, hidden_size: int, v: int, seed: int = 0, weight_std: float = 0.02):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    h = (torch.randn(n, hidden_size, device=DEVICE, generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(v, hidden_size, device=DEVICE, generator=gen) * weight_std).to(torch.bfloat16).requires_grad_()
-    t = torch.randint(0, v, (n,), device=DEVICE, generator=gen)
-    g = torch.randn(n, device=DEVICE, generator=gen)
-    return h, w, t, g
+def extra_peak_bytes(fn) -> int:
+    return measure.extra_peak_bytes(fn)
 
 
-def _closures(params, f, *grads, forward_without_grad: bool = True):
-    """(forward-only closure, forward+backward closure) for f() returning a tensor or a tuple."""
-
-    def fwd():
-        with torch.set_grad_enabled(not forward_without_grad):
-            f()
-
-    def fwd_bwd():
-        for p in params:
-            p.grad = None
-        out = f()
-        outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, grads[: len(outs)])
-
-    return fwd, fwd_bwd
-
-
-def grpo_loss_fn(n: int, objective: str = "ppo_clip"):
-    """A GRPOLoss (token-level PPO clip by default, or GSPO) on N tokens as padded rows, with its GlobalBatch:
-    ``loss_fn(logprobs [N], entropy) -> (share, metrics)`` as MegatronGRPO binds it (old log-probs given)."""
-    from mp_grpo.config.loss import LossConfig, Objective, PolicyConfig
-    from mp_grpo.loss import GlobalBatch, GRPOLoss
-
-    rows = max(n // ROWS_PER_SEQUENCE, 1)
-    shape = (rows, n // rows)
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    mask = torch.ones(shape, device=DEVICE, dtype=torch.bool)
-    adv = torch.randn(rows, device=DEVICE, generator=gen)
-    cfg = LossConfig(policy=PolicyConfig(objective=Objective(objective)))
-    loss = GRPOLoss(cfg)
-    batch = GlobalBatch.from_masks([mask])
-
-    def loss_fn(lp, ent):
-        # On-policy (old = current, ratio 1: no token clipped): every row has a nonzero gradient, like the bare
-        # matmul's random one. (bf16 GEMMs run faster on data with many zero rows: a half-clipped batch made the
-        # loss rows up to 10 % faster than the bare matmul in a first run.)
-        return loss(lp.view(shape), None, adv, mask, entropy=None if ent is None else ent.view(shape), batch=batch)
-
-    return loss_fn
-
-
-# ----------------------------------------------------------------------------- the cases
-def cases(n: int, hidden_size: int, v: int):
-    """name -> builder returning (fwd, fwd_bwd); builders import optional libraries lazily."""
-
-    def bare():
-        h, w, _, _ = make_inputs(n, hidden_size, v)
-        grad_logits = torch.randn(n, v, device=DEVICE, dtype=torch.bfloat16)
-        return _closures((h, w), lambda: h @ w.t(), grad_logits)
-
-    def logits_path():
-        h, w, t, g = make_inputs(n, hidden_size, v)
-        f = lambda: vocab_parallel_logprobs(h @ w.t(), t, inplace_backward=True, check_inputs=False)  # noqa: E731
-        return _closures((h, w), f, g)
-
-    def logits_path_loss():
-        h, w, t, _ = make_inputs(n, hidden_size, v)
-        loss_fn = grpo_loss_fn(n)
-
-        def f():
-            lp = vocab_parallel_logprobs(h @ w.t(), t, inplace_backward=True, check_inputs=False)
-            return loss_fn(lp, None)[0]
-
-        return _closures((h, w), f, torch.ones((), device=DEVICE))
-
-    def with_loss(main_grad: bool, chunk_tokens: int | None = None):
-        def build():
-            h, w, t, _ = make_inputs(n, hidden_size, v)
-            if main_grad:
-                w.main_grad = torch.zeros(w.shape, device=DEVICE, dtype=torch.float32)
-                w.grad_added_to_main_grad = False
-            loss_fn = grpo_loss_fn(n)
-            f = lambda: fused_linear_loss(  # noqa: E731
-                h, w, t, loss_fn, check_inputs=False, accumulate_into_main_grad=main_grad, chunk_tokens=chunk_tokens
-            )[0]
-            return _closures((h, w), f, torch.ones((), device=DEVICE), forward_without_grad=False)
-
-        return build
-
-    def per_token_loss(objective: str):
-        def build():
-            h, w, t, _ = make_inputs(n, hidden_size, v)
-            loss_fn = grpo_loss_fn(n, objective)
-            f = lambda: loss_fn(fused_linear_logprobs(h, w, t, check_inputs=False), None)[0]  # noqa: E731
-            return _closures((h, w), f, torch.ones((), device=DEVICE))
-
-        return build
-
-    def fused(with_entropy: bool, main_grad: bool):
-        def build():
-            h, w, t, g = make_inputs(n, hidden_size, v)
-            g2 = torch.randn_like(g)
-            if main_grad:
-                w.main_grad = torch.zeros(w.shape, device=DEVICE, dtype=torch.float32)
-                w.grad_added_to_main_grad = False  # as Megatron's DDP sets it
-            f = lambda: fused_linear_logprobs(  # noqa: E731
-                h, w, t, with_entropy=with_entropy, check_inputs=False, accumulate_into_main_grad=main_grad
-            )
-            return _closures((h, w), f, g, g2)
-
-        return build
-
-    def liger():
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        b = 8
-        length = n // b
-        h, w, t, _ = make_inputs(n, hidden_size, v)
-        h = h.detach().view(b, length, hidden_size).requires_grad_()
-        gen = torch.Generator(device=DEVICE).manual_seed(1)
-        mask = torch.ones(b, length, device=DEVICE, dtype=torch.int64)
-        adv = torch.randn(b, device=DEVICE, generator=gen)
-        old = -torch.rand(b, length, device=DEVICE, generator=gen) * 5
-        loss = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, chunk_size=1, loss_type="dapo")
-        f = lambda: loss(h, w, t.view(b, length), mask, adv, old_per_token_logps=old)[0]  # noqa: E731
-        # Its forward computes the gradients too (chunked, with torch.func): timed as called in training.
-        return _closures((h, w), f, torch.ones((), device=DEVICE), forward_without_grad=False)
-
-    return {
-        "bare": (BARE, bare),
-        "logits": ("mp_grpo logits path: matmul + vocab_parallel_logprobs", logits_path),
-        "logits_loss": ("mp_grpo logits path + GRPOLoss", logits_path_loss),
-        "loss": (WITH_LOSS, with_loss(False)),
-        "loss_main_grad": (f"{WITH_LOSS}, into fp32 main_grad", with_loss(True)),
-        "loss_512": (f"{WITH_LOSS}, 512 MiB chunks",
-                     with_loss(False, plan_chunks(n, hidden_size, v, torch.bfloat16).forward_rows)),
-        "per_token": (FUSED, fused(False, False)),
-        "per_token_main_grad": (f"{FUSED} into fp32 main_grad", fused(False, True)),
-        "per_token_loss": (f"{FUSED} + GRPOLoss (recompute path)", per_token_loss("ppo_clip")),
-        "gspo": (GSPO, per_token_loss("gspo")),
-        "liger": (LIGER, liger),
-    }
-
-
-CASE_KEYS = ("bare", "logits", "logits_loss", "loss", "loss_main_grad", "loss_512", "per_token",
-             "per_token_main_grad", "per_token_loss", "gspo", "liger")
-"""The rows' keys for ``--only`` / ``--skip``, in table order."""
-
-
-def selected(key: str, v: int, only: list[str] | None, skip: list[str] | None) -> bool:
-    """``KEY`` selects a row at every V, ``KEY@V`` at one (e.g. ``--skip liger@151936``)."""
-    def hit(patterns):
-        return any(p == key or p == f"{key}@{v}" for p in patterns)
-
-    return (only is None or hit(only)) and not (skip and hit(skip))
+PRECISION_ROWS = 1024
+"""Tokens whose log-probs each row compares with float64 (their float64 logits: 1024 x V x 8 bytes)."""
 
 
 def check_correctness(n: int = 1000, hidden_size: int = 256, v: int = 5000) -> float:
     """The fused op (several chunks each way) vs. the float64 reference; returns the worst error / tolerance."""
     h, w, t, g = make_inputs(n, hidden_size, v, seed=5, weight_std=0.2)  # logits of std ~1.6
-    w.main_grad = torch.zeros(w.shape, device=DEVICE, dtype=torch.float32)
+    w.main_grad = torch.zeros(w.shape, device=fused_cases.DEVICE, dtype=torch.float32)
     lp, ent = fused_linear_logprobs(h, w, t, with_entropy=True, chunk_tokens=256, chunk_vocab=1024)
     (lp * g + ent * g).sum().backward()
     fused_linear_logprobs(h.detach(), w, t, chunk_tokens=300, accumulate_into_main_grad=True).backward(g)
@@ -270,13 +144,14 @@ def check_correctness(n: int = 1000, hidden_size: int = 256, v: int = 5000) -> f
     )
     # The with-loss op: a token-separable loss, several row chunks, upstream gradient 0.5, GPU kernels and cuBLAS.
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    coef = torch.randn(n, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(6))
+    device = fused_cases.DEVICE
+    coef = torch.randn(n, device=device, generator=torch.Generator(device=device).manual_seed(6))
 
     def loss_fn(lp, ent):
         return (torch.exp(lp) * coef + lp * g).sum() - (ent * g).sum(), None
 
     loss, _ = fused_linear_loss(h2, w2, t, loss_fn, with_entropy=True, chunk_tokens=300, check_inputs=True)
-    loss.backward(torch.tensor(0.5, device=DEVICE))
+    loss.backward(torch.tensor(0.5, device=fused_cases.DEVICE))
     ref_h.grad = ref_w.grad = None
     lp_ref2, ent_ref2 = linear_logprobs_reference(ref_h, ref_w, t.cpu(), logits_dtype=torch.bfloat16)
     c64, g64 = coef.cpu().double(), g.cpu().double()
@@ -284,11 +159,11 @@ def check_correctness(n: int = 1000, hidden_size: int = 256, v: int = 5000) -> f
     (ref_loss * 0.5).backward()
     # Under gradient-accumulation fusion: the same, added into an fp32 main_grad by backward's scale kernel.
     w3 = w.detach().clone().requires_grad_()
-    w3.main_grad = torch.zeros(w3.shape, device=DEVICE, dtype=torch.float32)
+    w3.main_grad = torch.zeros(w3.shape, device=fused_cases.DEVICE, dtype=torch.float32)
     w3.grad_added_to_main_grad = False
     loss3, _ = fused_linear_loss(h.detach(), w3, t, loss_fn, with_entropy=True, chunk_tokens=300,
                                  accumulate_into_main_grad=True)
-    loss3.backward(torch.tensor(0.5, device=DEVICE))
+    loss3.backward(torch.tensor(0.5, device=fused_cases.DEVICE))
     with_loss = max(
         ratio(loss, ref_loss, torch.float32, ref_loss.abs().item()),
         ratio(h2.grad, ref_h.grad, torch.bfloat16, ref_h.grad.abs().max().item()),
@@ -317,7 +192,7 @@ def profile_with_loss(n: int, hidden_size: int, v: int, out: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     lines, tables = [f"V = {v}, N = {n}, H = {hidden_size}, bf16; {PROFILE_ITERS} forward+backward calls each", ""], []
-    for key in ("bare", "loss"):
+    for key in ("bare", "loss", "loss_fp32"):
         name, build = cases(n, hidden_size, v)[key]
         _, fwd_bwd = build()
         fwd_bwd()
@@ -344,7 +219,7 @@ def profile_with_loss(n: int, hidden_size: int, v: int, out: Path) -> None:
             f"{kernel_ms / PROFILE_ITERS:.2f} ms, wall {wall_ms / PROFILE_ITERS:.2f} ms, GPU idle "
             f"{(wall_ms - kernel_ms) / PROFILE_ITERS:.2f} ms"
         )
-        if key == "loss":
+        if key != "bare":
             tables.append(f"{name}, kernels over {PROFILE_ITERS} calls:\n" + events.table(
                 sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
         del build, fwd_bwd, prof, events
@@ -354,10 +229,31 @@ def profile_with_loss(n: int, hidden_size: int, v: int, out: Path) -> None:
     print(text, flush=True)
 
 
+def reference_logprobs(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, group=None) -> torch.Tensor:
+    """float64 log-probs of ``t`` from float64 logits of the same bf16 operands (``w`` this rank's shard: the shards'
+    float64 logits are all-gathered over ``group``)."""
+    z = h.double() @ w.double().t()
+    if group is not None and dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(z) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, z.contiguous(), group=group)
+        z = torch.cat(parts, -1)
+    return torch.log_softmax(z, -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+
+
+def logprob_errors(key: str, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, ref: torch.Tensor,
+                   group=None) -> dict:
+    """Max and mean abs. error of row ``key``'s log-probs on the first PRECISION_ROWS tokens vs ``ref``."""
+    rows = ref.shape[0]
+    with torch.no_grad():
+        lp = logprob_fns()[key](h[:rows].detach(), w.detach(), t[:rows], group)
+    err = (lp.double() - ref).abs()
+    return {"logprob_max_abs": err.max().item(), "logprob_mean_abs": err.mean().item()}
+
+
 def run_single_gpu(args) -> dict:
     """Every selected row; the slow Liger rows after all others. The report is rewritten after every row (a run
     stopped at its time limit keeps what it measured)."""
-    worst = check_correctness()
+    worst = check_correctness(**({"n": 48, "hidden_size": 32, "v": 300} if args.dry_run else {}))
     assert worst <= 1.0, f"the fused op disagrees with the float64 reference: worst error / tolerance = {worst:.3f}"
     n, hidden_size = args.tokens, args.hidden
     for key in (args.only or []) + (args.skip or []):
@@ -366,17 +262,18 @@ def run_single_gpu(args) -> dict:
     jobs = [(v, key) for slow in (False, True) for v in args.vocab for key in CASE_KEYS
             if (key == "liger") == slow and selected(key, v, args.only, args.skip)]
     result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": n, "hidden": hidden_size,
-        "correctness_worst_error_over_tolerance": worst,
+        "device": device_name(), "torch": torch.__version__, "tokens": n, "hidden": hidden_size,
+        "correctness_worst_error_over_tolerance": worst, "precision_rows": min(PRECISION_ROWS, n),
         "command": " ".join(["python scripts/bench_fused.py", *sys.argv[1:]]),
         "rows": [],
     }
     for v in args.vocab:
         print(f"V = {v}: chunk plan {plan_chunks(n, hidden_size, v, torch.bfloat16)}", flush=True)
+    references = {}
     for i, (v, key) in enumerate(jobs):
         if args.profile and key == "liger" and not (i and jobs[i - 1][1] == "liger"):
             profile_all(args)  # before the slow rows: a run stopped at its time limit keeps the profiles
-        torch.cuda.empty_cache()
+        empty_cache()
         name, build = cases(n, hidden_size, v)[key]
         row = {"case": name, "key": key, "N": n, "H": hidden_size, "V": v}
         fwd = fwd_bwd = None
@@ -385,11 +282,24 @@ def run_single_gpu(args) -> dict:
             row["extra_peak_GiB"] = extra_peak_bytes(fwd_bwd) / GiB
             row["fwd_ms"] = median_ms(fwd)
             row["fwd_bwd_ms"] = median_ms(fwd_bwd)
-        except ImportError as err:
-            row["skipped"] = f"not installed: {err}"
+            if key.startswith("cce"):
+                row["cce_version"] = cce_module(key).__version__
+            if key in logprob_fns():
+                if v not in references:
+                    h, w, t, _ = make_inputs(n, hidden_size, v)
+                    rows = min(PRECISION_ROWS, n)
+                    references[v] = reference_logprobs(h[:rows].detach(), w.detach(), t[:rows])
+                    del h, w, t
+                h, w, t, _ = make_inputs(n, hidden_size, v)
+                row.update(logprob_errors(key, h, w, t, references[v]))
+                del h, w, t
+        except (ImportError, cce_anchor.Unavailable) as err:
+            row["skipped"] = f"not installed: {err}" if isinstance(err, ImportError) else str(err)
         except Exception as err:  # a baseline that fails is reported, not hidden
             traceback.print_exc()
             row["error"] = repr(err)[:300]
+        baseline = next((r for r in result["rows"] if r["V"] == v and r["key"] == BASELINE.get(key)), None)
+        row["predicted"] = predict(key, n, hidden_size, v, baseline)
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
         result["rows"].sort(key=lambda r: (args.vocab.index(r["V"]), CASE_KEYS.index(r["key"])))
@@ -421,9 +331,14 @@ def add_ratios(result: dict) -> None:
 
 # ----------------------------------------------------------------------------- tensor parallel
 def run_tensor_parallel(args) -> dict:
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    if args.dry_run:
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if world != args.tp:
+        raise SystemExit(f"--tp {args.tp} under torchrun with {world} ranks: start it with --nproc_per_node {args.tp}")
     group = dist.group.WORLD
     rows = []
     for v in args.vocab:
@@ -431,9 +346,9 @@ def run_tensor_parallel(args) -> dict:
         h, w_full, t, g = make_inputs(n, hidden_size, v_local * world)
         w = w_full.detach()[rank * v_local : (rank + 1) * v_local].clone().requires_grad_()
         del w_full
-        grad_logits = torch.randn(n, v_local, device=DEVICE, dtype=torch.bfloat16)
-        stats = torch.zeros(n + 1, 4, device=DEVICE)
-        gathered = torch.empty(world * (n + 1), 4, device=DEVICE)
+        grad_logits = torch.randn(n, v_local, device=fused_cases.DEVICE, dtype=torch.bfloat16)
+        stats = torch.zeros(n + 1, 4, device=fused_cases.DEVICE)
+        gathered = torch.empty(world * (n + 1), 4, device=fused_cases.DEVICE)
 
         def fused_fwd():
             with torch.no_grad():
@@ -467,10 +382,11 @@ def run_tensor_parallel(args) -> dict:
             "grad_hidden_all_reduce_ms": timed_ms(grad_hidden_all_reduce, args.iters),
         }
         del grad_logits
-        torch.cuda.empty_cache()
+        empty_cache()
         row["fused_extra_peak_GiB"] = extra_peak_bytes(fused_fwd_bwd) / GiB
         row["fused_fwd_bwd_vs_bare"] = row["fused_fwd_bwd_ms"] / row["bare_fwd_bwd_ms"]
         row["all_gather_frac_of_fused_fwd"] = row["stats_all_gather_ms"] / row["fused_fwd_ms"]
+        row["impls"] = tp_side_by_side(args, h, w, t, g, group, n, v)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, row)
         if rank == 0:
@@ -478,9 +394,74 @@ def run_tensor_parallel(args) -> dict:
                 print(json.dumps(r), flush=True)
             rows.append({"per_rank": per_rank})
         del h, w, t, g, stats, gathered
+        empty_cache()
+    return {"device": device_name(), "torch": torch.__version__, "tp": world, "tokens": args.tokens,
+            "hidden": args.hidden, "iters": args.iters, "precision_rows": min(PRECISION_ROWS, args.tokens),
+            "rows": rows}
+
+
+def tp_side_by_side(args, h, w, t, g, group, n: int, v: int) -> list[dict]:
+    """``TP_IMPLS`` on this rank's shard: fwd / fwd+bwd (fixed iteration counts: every rank runs the same calls),
+    extra peak, log-prob error vs float64 on the first PRECISION_ROWS tokens, and the prediction. A row that fails
+    on one rank fails on all (the same call everywhere), so no rank waits on a collective the others skip."""
+    rows_ref = min(PRECISION_ROWS, n)
+    ref = reference_logprobs(h[:rows_ref].detach(), w.detach(), t[:rows_ref], group)
+    out = []
+    world = dist.get_world_size(group)
+    for key, (name, build) in tp_impls(h, w, t, g, group, n).items():
+        empty_cache()
+        r = {"key": key, "case": name}
+        fwd = fwd_bwd = None
+        try:
+            fwd, fwd_bwd = build()
+            r["fwd_ms"] = timed_ms(fwd, args.iters)
+            r["fwd_bwd_ms"] = timed_ms(fwd_bwd, args.iters)
+            r["extra_peak_GiB"] = extra_peak_bytes(fwd_bwd) / GiB
+            if key.startswith("cce"):
+                r["cce_version"] = cce_module(key).__version__
+            if key in logprob_fns():
+                r.update(logprob_errors(key, h, w, t, ref, group))
+        except cce_anchor.Unavailable as err:
+            r["skipped"] = str(err)
+        except Exception as err:
+            traceback.print_exc()
+            r["error"] = repr(err)[:300]
+        h.grad = w.grad = None
+        del fwd, fwd_bwd
+        baseline = next((x for x in out if x["key"] == BASELINE.get(key)), None)
+        r["predicted"] = predict(key, n, h.shape[1], w.shape[0], baseline, tp=world)
+        out.append(r)
+    bare = next((x for x in out if x["key"] == "bare" and "fwd_bwd_ms" in x), None)
+    for r in out:
+        if bare is not None and "fwd_bwd_ms" in r:
+            r["fwd_bwd_vs_bare"] = r["fwd_bwd_ms"] / bare["fwd_bwd_ms"]
+    return out
+
+
+def device_name() -> str:
+    return "CPU dry run" if fused_cases.DEVICE == "cpu" else torch.cuda.get_device_name()
+
+
+def empty_cache() -> None:
+    if fused_cases.DEVICE == "cuda":
         torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": world, "tokens": args.tokens,
-            "hidden": args.hidden, "iters": args.iters, "rows": rows}
+
+
+def dry_run(args) -> None:
+    """``--dry-run``: the CPU, tiny sizes, every measurement one untimed call (a check of this script)."""
+    global median_ms, timed_ms, extra_peak_bytes
+    import time
+
+    def once_ms(fn, *_args) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    fused_cases.DEVICE, fused_cases.CCE_IMPL_OVERRIDE = "cpu", "torch_compile"
+    median_ms, timed_ms = once_ms, once_ms
+    extra_peak_bytes = lambda fn: (fn(), 0)[1]  # noqa: E731
+    cce_anchor.run_without_compile()
+    args.tokens, args.hidden, args.vocab, args.iters, args.profile = 32, 32, [256, 128], 1, False
 
 
 # ----------------------------------------------------------------------------- reports
@@ -498,7 +479,12 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", metavar="ROW", help=f"run only these rows: KEY (every V) or KEY@V; keys: "
                         f"{', '.join(CASE_KEYS)} (ratios need the bare row)")
     parser.add_argument("--skip", nargs="+", metavar="ROW", help="leave these rows out (KEY or KEY@V), e.g. liger@151936")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny sizes: check the script")
     args = parser.parse_args()
+    if args.dry_run:
+        dry_run(args)
+    elif not torch.cuda.is_available():
+        sys.exit("bench_fused.py needs a CUDA GPU (or --dry-run)")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tp > 1:
         result = run_tensor_parallel(args)

@@ -11,9 +11,15 @@ FUSED = "mp_grpo fused_linear_logprobs"
 WITH_LOSS = "mp_grpo fused_linear_loss + GRPOLoss (loss in forward)"
 LIGER = "Liger LigerFusedLinearGRPOLoss (chunked, compiled)"
 GSPO = f"{FUSED} + GSPO GRPOLoss (sequence-level: recompute path)"
+CCE = "Apple cut-cross-entropy linear_cross_entropy"
+FP32 = ", logit_dtype=fp32"
+"""Suffix of the rows with logits kept in fp32 (``LogitDtype.FP32``)."""
 TARGET_TIME_RATIO = 1.10  # fwd+bwd of the fused output layer + loss vs. the bare matmuls (the target)
 TARGET_EXTRA_GiB = 1.0
 TARGET_LIGER_SPEEDUP = 3.0
+TARGET_FP32_TIME_RATIO = 1.15
+"""fp32 logits: fwd+bwd of fused_linear_loss + GRPOLoss vs. the bare bf16 matmuls (memory: TARGET_EXTRA_GiB); the
+per-token op at fp32 no slower than at bf16."""
 
 
 def _verdict(value: float, limit: float, unit: str, at_most: bool = True) -> str:
@@ -54,6 +60,7 @@ def _targets(result: dict) -> list[str]:
         else:
             why = liger.get("skipped") or liger.get("error") or "row not run"
             lines.append(f"- V = {v}, vs Liger: not measured ({why})")
+        lines += _fp32_targets(v, rows)
         gspo = rows.get("gspo", {})
         if "fwd_bwd_vs_bare" in gspo:
             lines.append(
@@ -62,6 +69,56 @@ def _targets(result: dict) -> list[str]:
                 f"= {gspo['fwd_bwd_vs_bare']:.3f}x the bare matmuls, extra peak {gspo['extra_peak_GiB']:.2f} GiB"
             )
     return lines
+
+
+def _fp32_targets(v: int, rows: dict) -> list[str]:
+    """The fp32-logit rows' targets at one V: the loss op vs the bare matmuls and its memory, the per-token op vs bf16."""
+    lines = []
+    loss, bare, op, op16 = (rows.get(k, {}) for k in ("loss_fp32", "bare", "per_token_fp32", "per_token"))
+    if "fwd_bwd_ms" in loss and "fwd_bwd_ms" in bare:
+        ratio = loss["fwd_bwd_ms"] / bare["fwd_bwd_ms"]
+        lines.append(
+            f"- V = {v}, fp32 logits, time: {WITH_LOSS}{FP32} {loss['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the bare bf16 "
+            f"matmuls; target ≤ {TARGET_FP32_TIME_RATIO:.2f}x: {_verdict(ratio, TARGET_FP32_TIME_RATIO, 'x')}")
+        lines.append(
+            f"- V = {v}, fp32 logits, memory: extra peak {loss['extra_peak_GiB']:.2f} GiB; target ≤ "
+            f"{TARGET_EXTRA_GiB:.1f} GiB: {_verdict(loss['extra_peak_GiB'], TARGET_EXTRA_GiB, ' GiB')}")
+    elif loss:
+        lines.append(f"- V = {v}, fp32 logits: {WITH_LOSS}{FP32} or the bare row not measured "
+                     f"({loss.get('skipped') or loss.get('error') or bare.get('error') or 'row not run'})")
+    if "fwd_bwd_ms" in op and "fwd_bwd_ms" in op16:
+        ratio = op["fwd_bwd_ms"] / op16["fwd_bwd_ms"]
+        lines.append(
+            f"- V = {v}, fp32 logits, per-token op: {FUSED}{FP32} {op['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the bf16 op "
+            f"({op16['fwd_bwd_ms']:.2f} ms); target ≤ 1.00x: {_verdict(ratio, 1.0, 'x')}")
+    return lines
+
+
+def _precision(r: dict) -> str:
+    if "logprob_max_abs" not in r:
+        return "—"
+    return f"{r['logprob_max_abs']:.1e} / {r['logprob_mean_abs']:.1e}"
+
+
+def _predicted(p: dict | None) -> str:
+    """The prediction written before the run: fwd+bwd ms, extra GiB, log-prob max abs. error (what it covers)."""
+    if not p:
+        return "—"
+    parts = []
+    if "fwd_bwd_ms" in p:
+        parts.append(f"{p['fwd_bwd_ms']:.2f} ms")
+    elif "delta_ms" in p:
+        parts.append(f"bf16 row {p['delta_ms']:+.2f} ms")
+    if "extra_peak_GiB" in p:
+        parts.append(f"{p['extra_peak_GiB']:.2f} GiB")
+    if "logprob_max_abs" in p:
+        parts.append(f"max err {p['logprob_max_abs']:.0e}")
+    return ", ".join(parts)
+
+
+def _prediction_notes(rows: list[dict]) -> list[str]:
+    """One line per row whose prediction has a basis (the model's terms), for the report's foot."""
+    return [f"- {r['case']}, V = {r['V']}: {r['predicted']['basis']}" for r in rows if r.get("predicted", {}).get("basis")]
 
 
 def write_single_gpu_report(result: dict, out: Path, plot: bool = True) -> None:
@@ -74,11 +131,16 @@ def write_single_gpu_report(result: dict, out: Path, plot: bool = True) -> None:
         "before it (inputs and the previous step's gradients, which each step frees and allocates again). "
         "mp_grpo rows run with `check_inputs=False`. Liger and `fused_linear_loss` compute the loss's gradients in "
         "forward: their forward and forward+backward are therefore alike. Loss rows: GRPOLoss (PPO clip, or GSPO) on "
-        "8 padded sequences, on-policy (every token has a gradient). Command: "
+        "8 padded sequences, on-policy (every token has a gradient). `logit_dtype=fp32`: logits kept in fp32 from "
+        "the same bf16 operands. Log-prob error: max / mean abs. difference from float64 logits of the same bf16 "
+        f"operands on the first {result.get('precision_rows', 1024)} tokens (unit-scale logits: std ~0.64; "
+        "`docs/benchmarks/precision.md` has trained-model scales). Predicted: written before the first run "
+        "(`scripts/fused_predictions.py`; the terms below the targets). Command: "
         f"`{result.get('command', 'python scripts/bench_fused.py --profile --out docs/benchmarks')}`.",
         "",
-        "| implementation | V | fwd ms | fwd+bwd ms | fwd+bwd / bare matmul | extra peak GiB | Liger fwd+bwd / this |",
-        "|---|---|---|---|---|---|---|",
+        "| implementation | V | fwd ms | fwd+bwd ms | fwd+bwd / bare matmul | extra peak GiB | Liger fwd+bwd / this | "
+        "log-prob error max / mean | predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "fwd_bwd_ms" in r:
@@ -86,11 +148,15 @@ def write_single_gpu_report(result: dict, out: Path, plot: bool = True) -> None:
             vs_liger = f"{r['liger_fwd_bwd_over_this']:.1f}" if "liger_fwd_bwd_over_this" in r else "—"
             lines.append(
                 f"| {r['case']} | {r['V']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {vs_bare} | "
-                f"{r['extra_peak_GiB']:.2f} | {vs_liger} |"
+                f"{r['extra_peak_GiB']:.2f} | {vs_liger} | {_precision(r)} | {_predicted(r.get('predicted'))} |"
             )
         else:
-            lines.append(f"| {r['case']} | {r['V']} | — | — | — | — | {r.get('skipped') or r.get('error')} |")
+            lines.append(f"| {r['case']} | {r['V']} | — | — | — | — | {r.get('skipped') or r.get('error')} | — | "
+                         f"{_predicted(r.get('predicted'))} |")
     lines += ["", "Targets (the fused output layer + loss, one GPU), one line each:", *_targets(result)]
+    notes = _prediction_notes(result["rows"])
+    if notes:
+        lines += ["", "Predictions' terms:", *notes]
     (out / "fused.md").write_text("\n".join(lines) + "\n")
     if plot:
         plot_single_gpu(result, out / "fused.png")
@@ -103,11 +169,13 @@ def plot_single_gpu(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     vocabs = sorted({r["V"] for r in result["rows"]}, reverse=True)
-    fig, axes = plt.subplots(2, len(vocabs), figsize=(7 * len(vocabs), 8), squeeze=False)
+    most = max(sum(1 for r in result["rows"] if r["V"] == v and "fwd_bwd_ms" in r) for v in vocabs)
+    fig, axes = plt.subplots(2, len(vocabs), figsize=(7 * len(vocabs), 2 * max(4.0, 0.45 * most)), squeeze=False)
     for col, v in enumerate(vocabs):
         rows = [r for r in result["rows"] if r["V"] == v and "fwd_bwd_ms" in r]
         names = [r["case"].replace(" + ", "\n+ ").replace(": ", ":\n") for r in rows]
-        colors = ["tab:green" if r["case"].startswith(WITH_LOSS) else "tab:olive" if r["case"].startswith(FUSED)
+        colors = ["tab:blue" if r["case"].endswith(FP32) else "tab:green" if r["case"].startswith(WITH_LOSS)
+                  else "tab:olive" if r["case"].startswith(FUSED) else "tab:purple" if r["case"].startswith(CCE)
                   else "tab:gray" for r in rows]
         time_ax, mem_ax = axes[0][col], axes[1][col]
         time_ax.barh(names, [r["fwd_bwd_ms"] for r in rows], color=colors)
@@ -153,8 +221,44 @@ def write_tp_report(result: dict, out: Path) -> None:
                 f"{r['stats_all_gather_ms']:.3f} ({100 * r['all_gather_frac_of_fused_fwd']:.1f} %) | "
                 f"{r['grad_hidden_all_reduce_ms']:.2f} | {r['fused_extra_peak_GiB']:.2f} |"
             )
+    lines += _tp_side_by_side(result)
     (out / f"fused_tp{tp}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _tp_side_by_side(result: dict) -> list[str]:
+    """The implementations on the same shards, each figure the largest over the ranks."""
+    if not any("impls" in entry["per_rank"][0] for entry in result["rows"]):
+        return []
+    lines = [
+        "",
+        "Side by side on the same shards (each figure the largest over the ranks; cut-cross-entropy with "
+        "`VocabParallelOptions(reduce_e_grad=False)`: the hidden gradient left partial, as mp_grpo's ops leave it to "
+        "Megatron's mapping). Log-prob error: max / mean abs. difference from float64 logits of the same bf16 operands "
+        f"on the first {result.get('precision_rows', 1024)} tokens.",
+        "",
+        "| implementation | V | fwd ms | fwd+bwd ms | fwd+bwd / bare matmul | extra peak GiB | log-prob error max / mean "
+        "| predicted |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in result["rows"]:
+        ranks = entry["per_rank"]
+        v = ranks[0]["V"]
+        for i, first in enumerate(ranks[0].get("impls", [])):
+            per = [r["impls"][i] for r in ranks]
+            if "fwd_bwd_ms" not in first:
+                lines.append(f"| {first['case']} | {v} | {first.get('skipped') or first.get('error')} | | | | | "
+                             f"{_predicted(first.get('predicted'))} |")
+                continue
+
+            def top(k):
+                return max(p[k] for p in per if k in p)
+
+            ratio = f"{top('fwd_bwd_vs_bare'):.2f}" if "fwd_bwd_vs_bare" in first else "—"
+            err = _precision({k: top(k) for k in ("logprob_max_abs", "logprob_mean_abs")}) if "logprob_max_abs" in first else "—"
+            lines.append(f"| {first['case']} | {v} | {top('fwd_ms'):.2f} | {top('fwd_bwd_ms'):.2f} | {ratio} | "
+                         f"{top('extra_peak_GiB'):.2f} | {err} | {_predicted(first.get('predicted'))} |")
+    return lines
 
 
 def print_compact(result: dict) -> None:
@@ -162,7 +266,8 @@ def print_compact(result: dict) -> None:
     for r in result["rows"]:
         if "fwd_bwd_ms" in r:
             ratio = f"{r['fwd_bwd_vs_bare']:.2f}" if "fwd_bwd_vs_bare" in r else "—"
-            print(f"{r['case'][:58]:<58} {r['V']:>7} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {ratio:>7} {r['extra_peak_GiB']:>6.2f}")
+            print(f"{r['case'][:58]:<58} {r['V']:>7} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {ratio:>7} "
+                  f"{r['extra_peak_GiB']:>6.2f} {_precision(r):>17}")
         else:
             print(f"{r['case'][:58]:<58} {r['V']:>7} {(r.get('skipped') or r.get('error'))[:60]}")
     print("\n".join(_targets(result)))

@@ -1,0 +1,95 @@
+"""The fp32-logit and cut-cross-entropy parts of the fused benchmark and the precision benchmark, on the CPU without
+measuring anything: the bytes model's predictions (scripts/fused_predictions.py), the target lines of both reports
+written from made-up results, and cut-cross-entropy's loader when a copy is absent (scripts/cce_anchor.py).
+``python scripts/bench_fused.py --dry-run`` and ``scripts/bench_precision.py --dry-run`` run the measuring code."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.distributed import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import bench_precision  # noqa: E402
+import cce_anchor  # noqa: E402
+import fused_predictions  # noqa: E402
+import fused_report  # noqa: E402
+
+N, H = 16384, 4096
+
+
+@pytest.mark.parametrize("v", [151936, 18992])
+def test_fp32_predictions_add_the_modelled_cost_to_the_bf16_row(v: int) -> None:
+    two_e_ms = 2 * N * v / fused_predictions.COPY_BANDWIDTH * 1e3  # 2 bytes more per logit, at the copy bandwidth
+    base = {"fwd_bwd_ms": 100.0, "extra_peak_GiB": 0.5}
+    for key, passes in (("per_token_fp32", 2), ("loss_fp32", 1)):
+        p = fused_predictions.predict(key, N, H, v, base)
+        assert p["fwd_bwd_ms"] == pytest.approx(100.0 + p["delta_ms"])
+        assert p["extra_peak_GiB"] == pytest.approx(0.5 + p["delta_GiB"])
+        # at least the extra epilogue bytes of its GEMMs and the extra reads of its Triton passes
+        assert p["delta_ms"] >= passes * (fused_predictions.GEMM_EPILOGUE_EXPOSED + 1) * two_e_ms - 1e-9
+        assert p["basis"]
+    assert "fwd_bwd_ms" not in fused_predictions.predict("loss_fp32", N, H, v, None)  # no baseline: the delta only
+
+
+def test_cce_predictions_scale_with_the_vocabulary() -> None:
+    full = fused_predictions.predict("cce_exact", N, H, 151936, None)
+    part = fused_predictions.predict("cce_exact", N, H, 18992, None)
+    assert full["fwd_bwd_ms"] == pytest.approx(fused_predictions.CCE_ANCHOR[("cce_exact", 1)][0])
+    assert part["fwd_bwd_ms"] == pytest.approx(full["fwd_bwd_ms"] * 18992 / 151936)
+    tp2 = fused_predictions.predict("cce_repo", N, H, 151936 // 2, None, tp=2)
+    assert tp2["fwd_bwd_ms"] == pytest.approx(fused_predictions.CCE_ANCHOR[("cce", 2)][0])
+
+
+def _row(key: str, case: str, fwd_bwd: float, gib: float, **extra) -> dict:
+    return {"key": key, "case": case, "V": 151936, "N": N, "H": H, "fwd_ms": fwd_bwd / 3, "fwd_bwd_ms": fwd_bwd,
+            "extra_peak_GiB": gib, **extra}
+
+
+def test_fused_report_states_the_fp32_targets(tmp_path) -> None:
+    fp32 = fused_report.FP32
+    rows = [
+        _row("bare", fused_report.BARE, 90.0, 4.6),
+        _row("loss", fused_report.WITH_LOSS, 95.0, 0.7, logprob_max_abs=7e-3, logprob_mean_abs=1e-3),
+        _row("loss_fp32", fused_report.WITH_LOSS + fp32, 105.0, 1.2, logprob_max_abs=3e-5, logprob_mean_abs=3e-6,
+             predicted={"fwd_bwd_ms": 101.2, "extra_peak_GiB": 0.94, "logprob_max_abs": 3e-5, "basis": "terms"}),
+        _row("per_token", fused_report.FUSED, 124.0, 0.7),
+        _row("per_token_fp32", fused_report.FUSED + fp32, 123.0, 0.7),
+        {"key": "cce", "case": fused_report.CCE, "V": 151936, "skipped": "cut_cross_entropy not importable"},
+    ]
+    result = {"device": "test", "torch": "x", "tokens": N, "hidden": H, "rows": rows}
+    fused_report.write_single_gpu_report(result, tmp_path, plot=False)
+    md = (tmp_path / "fused.md").read_text()
+    assert "fp32 logits, time:" in md and "= 1.167x the bare bf16 matmuls; target ≤ 1.15x: NOT MET" in md
+    assert "extra peak 1.20 GiB; target ≤ 1.0 GiB: NOT MET" in md
+    assert "= 0.992x the bf16 op (124.00 ms); target ≤ 1.00x: met" in md
+    assert "| 3.0e-05 / 3.0e-06 | 101.20 ms, 0.94 GiB, max err 3e-05 |" in md
+    assert "cut_cross_entropy not importable" in md and "- " + fused_report.WITH_LOSS + fp32 + ", V = 151936: terms" in md
+
+
+def test_precision_report_flags_a_path_over_the_target(tmp_path) -> None:
+    def row(path, dtype, lp_max, lp_mean):
+        return {"path": path, "logit_dtype": dtype, "logprob_max_abs": lp_max, "logprob_mean_abs": lp_mean,
+                "logprob_sampled_mean_abs": lp_mean, "logprob_uniform_max_abs": lp_max, "is_ratio_noise": lp_mean,
+                "entropy_max_abs": 1e-5, "entropy_mean_abs": 1e-6, "predicted": {"logprob_max_abs": 2.6e-4}}
+
+    case = {"logit_max": 30.0, "logit_max_median": 30.1, "logit_max_max": 40.2,
+            "rows": [row("fused", "bf16", 0.14, 0.02), row("fused", "fp32", 2e-4, 2e-5),
+                     row("logits", "fp32", 6e-4, 2e-5), {"path": "cce", "logit_dtype": "cce", "skipped": "absent"}]}
+    result = {"device": "test", "torch": "x", "runs": {"2": {"tp": 2, "N": 8, "H": 4, "V": 16, "cases": [case]}}}
+    bench_precision.write_report(result, tmp_path)
+    lines = bench_precision._targets(result)
+    assert len(lines) == 2 and "NOT MET" not in lines[0] and "logprob max 6.00e-04 ≤ 0.0005: NOT MET" in lines[1]
+    assert "| cce | cce | absent |" in (tmp_path / "precision.md").read_text()
+
+
+def test_cce_loader_reports_an_absent_copy(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(cce_anchor, "REPOSITORY_TREE", tmp_path / "absent")
+    monkeypatch.setattr(cce_anchor, "_loaded", {})
+    with pytest.raises(cce_anchor.Unavailable, match="not at"):
+        cce_anchor.load("repository")
+    with pytest.raises(ValueError, match="source must be one of"):
+        cce_anchor.load("pip")
