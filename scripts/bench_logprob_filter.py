@@ -16,12 +16,27 @@ Writes ``logprob_filter.{json,md,png}`` into ``--out``. In one run, for N = 1638
    (GPU time only); the rows the candidates finished; the mean kept tokens.
 3. **Building blocks** (after, policy rows): one read (``amax``), the unfiltered statistics kernel, the group-maxima
    read, the candidate kernel, the select kernel, the whole threshold search (and before's).
+
+Tensor parallel (``torchrun --nproc_per_node TP scripts/bench_logprob_filter.py --out DIR``, TP ≥ 2, NCCL): writes
+``logprob_filter_tp<TP>.{json,md}``. Every rank draws the same full logits and keeps its vocabulary shard.
+
+1. **Correctness first**, against TP = 1 on the same logits (``tests/gpu/test_logprob_filter_tp.tp_against_tp1``:
+   each rank also runs the op on the whole logits), ``--check-rows`` rows of policy + 5 % flat rows, every filter:
+   thresholds (the kept sets) equal bit for bit on every rank, log-probs / entropy / gradient to fp32 rounding (the
+   rows equal bit for bit counted).
+2. **Cost beside the unfiltered op** (N = ``--tokens``, with entropy, ``check_inputs=False``): top_k = 20 / 50,
+   top_p = 0.9 / 0.95 on a trained policy's rows and on policy + 5 % flat rows — forward and forward+backward
+   (``measure.timed_ms``: a fixed count of iterations after a barrier, the slowest rank's median) and
+   forward+backward as CUDA-graph replays (the collectives captured); **the collectives' share**: the NCCL kernels'
+   share of the GPU time of three forward+backward calls (``torch.profiler``; NCCL kernel time includes waiting for
+   the other ranks), the largest over ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -46,7 +61,7 @@ from tests.reference import filtered_logprobs_reference, sampling_filter_keep_re
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from filter_before import logprobs_before, threshold_before  # noqa: E402
-from measure import graph_replay_ms  # noqa: E402
+from measure import graph_replay_ms, timed_ms  # noqa: E402
 from measure import median_ms as _median_ms  # noqa: E402
 
 REP_MS = 60
@@ -278,6 +293,208 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
+# ----------------------------------------------------------------------------- tensor parallel
+TP_FILTERS = {"top_k=20": SamplingFilter(top_k=20), "top_k=50": SamplingFilter(top_k=50),
+              "top_p=0.9": SamplingFilter(top_p=0.9), "top_p=0.95": SamplingFilter(top_p=0.95)}
+TP_INPUTS = {"policy": lambda n, v: policy_logits(n, v, device=DEVICE),
+             f"policy + {FLAT_FRACTION:.0%} flat": lambda n, v: mixed_logits(n, v, FLAT_FRACTION, device=DEVICE)}
+TP_ITERS = 20
+PROFILE_CALLS = 3
+# (TP, V, filter) -> (predicted fwd+bwd × the unfiltered op, predicted NCCL share of the GPU time), policy rows;
+# written before the first TP run. The kernels cost what they cost at TP = 1 (1.26-1.27× at V = 151936, 1.53-1.54× at
+# 18992, this file's single-GPU rows); the collectives add a fixed cost set by N, not V: the candidates' all-gather
+# ([N, 260] int32: 17 MB a rank) and, issued whether or not a row needs them (no host read), the fallback's
+# all-reduces (top-k: 2 of [N, 256] int32; top-p: 2 of [N, 16] and 1 of [N, 256] fp32) — ~0.4-0.5 ms at TP = 2,
+# ~0.5-0.6 ms at TP = 4 on NVLink, against an unfiltered op of ~2.6 / ~1.3 ms (V = 151936) and ~0.35 / ~0.2 ms
+# (V = 18992). Kept sets: equal to TP = 1's on every row; log-probs: ≥ 90 % of the rows bit for bit, the others
+# within a few fp32 ulps (the kept set's sums in another order).
+TP_PREDICTIONS = {
+    (2, 151936, "top_k=20"): (1.43, 0.12), (2, 151936, "top_k=50"): (1.43, 0.12),
+    (2, 151936, "top_p=0.9"): (1.43, 0.12), (2, 151936, "top_p=0.95"): (1.43, 0.12),
+    (4, 151936, "top_k=20"): (1.7, 0.25), (4, 151936, "top_k=50"): (1.7, 0.25),
+    (4, 151936, "top_p=0.9"): (1.7, 0.25), (4, 151936, "top_p=0.95"): (1.7, 0.25),
+    (2, 18992, "top_k=20"): (2.8, 0.45), (2, 18992, "top_k=50"): (2.8, 0.45),
+    (2, 18992, "top_p=0.9"): (2.8, 0.45), (2, 18992, "top_p=0.95"): (2.8, 0.45),
+    (4, 18992, "top_k=20"): (4.0, 0.55), (4, 18992, "top_k=50"): (4.0, 0.55),
+    (4, 18992, "top_p=0.9"): (4.0, 0.55), (4, 18992, "top_p=0.95"): (4.0, 0.55),
+}
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=DEVICE)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _nccl_share(fn) -> float | None:
+    """The NCCL kernels' share of the GPU time of ``PROFILE_CALLS`` calls of ``fn`` (None on the CPU)."""
+    if DEVICE == "cpu":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_CALLS):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    nccl = sum(getattr(e, "self_device_time_total", 0) for e in events if "nccl" in e.key.lower())
+    return nccl / total if total else None
+
+
+def _tp_timed(fn, iters: int) -> float:
+    return _max_over_ranks(timed_ms(fn, iters, warmup=3) if DEVICE != "cpu" else (fn(), 0.001)[1])
+
+
+def _tp_graph_ms(fn, iters: int) -> float | None:
+    if DEVICE == "cpu":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = _tp_timed(graph.replay, iters)
+    del graph
+    torch.cuda.empty_cache()
+    return ms
+
+
+def run_tensor_parallel(args) -> dict:
+    import torch.distributed as dist
+
+    from tests.gpu.test_logprob_filter_tp import tp_against_tp1
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    result = {"device": "CPU DRY RUN" if DEVICE == "cpu" else torch.cuda.get_device_name(), "tp": tp,
+              "tokens": args.tokens, "vocab": args.vocab, "check_rows": args.check_rows, "iters": args.iters,
+              "command": f"torchrun --nproc_per_node {tp} scripts/bench_logprob_filter.py " + " ".join(sys.argv[1:]),
+              "dry_run": DEVICE == "cpu", "correctness": [], "cost": []}
+    for v in args.vocab:
+        v_local = v // tp
+        cols = slice(rank * v_local, (rank + 1) * v_local)
+        # --- 1. correctness against TP = 1 on the same logits ---
+        logits = mixed_logits(args.check_rows, v, FLAT_FRACTION, device=DEVICE, seed=5)
+        target = logits.float().argmax(-1)
+        for name, filt in TP_FILTERS.items():
+            out = tp_against_tp1(logits, target, filt, group)
+            out.pop("_tensors")
+            everywhere = _max_over_ranks(out["rows"] - out["tau_rows_bitwise"]) == 0
+            row = {"V": v, "filter": name, "thresholds_bitwise_on_every_rank": everywhere, **out}
+            result["correctness"].append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+        del logits
+        # --- 2. cost beside the unfiltered op, and the collectives' share ---
+        g_lp = torch.randn(args.tokens, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
+        g_ent = torch.randn(args.tokens, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(2))
+        for input_name, make in TP_INPUTS.items():
+            full = make(args.tokens, v)
+            t = full.float().argmax(-1)  # inside every filter's kept set
+            x = full[:, cols].contiguous().requires_grad_()
+            del full
+            cases = {"unfiltered": None, **TP_FILTERS}
+            for name, filt in cases.items():
+                def call(filt=filt):
+                    return vocab_parallel_logprobs(x, t, tp_group=group, with_entropy=True, check_inputs=False,
+                                                   sampling_filter=filt)
+
+                def fwd(call=call):
+                    with torch.no_grad():
+                        call()
+
+                def fwd_bwd(call=call):
+                    x.grad = None
+                    torch.autograd.backward(call(), (g_lp, g_ent))
+
+                row = {"V": v, "N": args.tokens, "tp": tp, "input": input_name, "filter": name}
+                try:
+                    row["fwd_ms"] = _tp_timed(fwd, args.iters)
+                    row["fwd_bwd_ms"] = _tp_timed(fwd_bwd, args.iters)
+                    row["fwd_bwd_graph_ms"] = _tp_graph_ms(fwd_bwd, args.iters)
+                    share = _nccl_share(fwd_bwd)
+                    row["nccl_share_of_gpu_time"] = None if share is None else _max_over_ranks(share)
+                except Exception as err:  # reported, not hidden
+                    traceback.print_exc()
+                    row["error"] = repr(err)[:300]
+                result["cost"].append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+                if DEVICE != "cpu":
+                    torch.cuda.empty_cache()
+            del x
+        if rank == 0:
+            write_tp_report(result, args.out)
+    wrong = [f"V = {r['V']}, {r['filter']}" for r in result["correctness"] if not r["thresholds_bitwise_on_every_rank"]]
+    if wrong:  # after the report is written: the kept sets must not differ from TP = 1's
+        raise SystemExit(f"kept sets differ from TP = 1 on the same logits: {'; '.join(wrong)}")
+    return result
+
+
+def write_tp_report(result: dict, out: Path) -> None:
+    tp = result["tp"]
+    (out / f"logprob_filter_tp{tp}.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# Sampling-filter replay at TP = {tp} — {result['device']}", ""]
+    if result["dry_run"]:
+        lines += ["**DRY RUN — not a measurement** (CPU, gloo, Triton's interpreter, tiny sizes).", ""]
+    lines += [
+        f"Command: `{result['command']}`. The vocabulary split over {tp} ranks, bf16 logits, with entropy, "
+        "`check_inputs=False`. Times: the slowest rank's median of a fixed number of calls after a barrier; graph: "
+        "the same forward+backward captured in a CUDA graph (collectives included) and replayed; × = / the unfiltered "
+        "op on the same input. NCCL share: the NCCL kernels' share of the GPU time of three forward+backward calls "
+        "(torch.profiler; it includes waiting for the other ranks), the largest over ranks.",
+        "",
+        f"## Against TP = 1 on the same logits ({result['check_rows']} rows: a policy's, 5 % flat)",
+        "",
+        "| V | filter | thresholds (kept sets) bitwise, every rank | mean kept | log-prob rows bitwise | max abs diff | "
+        "entropy rows bitwise | max abs diff | gradient elements bitwise | max abs diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["correctness"]:
+        lines.append(f"| {r['V']} | {r['filter']} | {'yes' if r['thresholds_bitwise_on_every_rank'] else 'NO'} | "
+                     f"{r['kept_per_row_mean']:.1f} | {r['logprob_rows_bitwise']} / {r['rows']} | "
+                     f"{r['logprob_max_abs_diff']:.1e} | {r['entropy_rows_bitwise']} / {r['rows']} | "
+                     f"{r['entropy_max_abs_diff']:.1e} | {100 * r['grad_bitwise_fraction']:.2f} % | "
+                     f"{r['grad_max_abs_diff']:.1e} |")
+    lines += ["", "## Cost beside the unfiltered op", "",
+              "| V | input | filter | fwd ms (×) | fwd+bwd ms (×) | graph fwd+bwd ms (×) | NCCL share of GPU time |",
+              "|---|---|---|---|---|---|---|"]
+
+    def fmt(r, base, key):
+        if r.get(key) is None:
+            return "—"
+        x = f" ({r[key] / base[key]:.2f})" if base and base.get(key) else ""
+        return f"{r[key]:.3f}{x}"
+
+    for r in result["cost"]:
+        base = next((b for b in result["cost"] if (b["V"], b["input"], b["filter"]) == (r["V"], r["input"], "unfiltered")
+                     and "error" not in b), None)
+        if "error" in r:
+            lines.append(f"| {r['V']} | {r['input']} | {r['filter']} | error: {r['error']} | | | |")
+            continue
+        share = r.get("nccl_share_of_gpu_time")
+        lines.append(f"| {r['V']} | {r['input']} | {r['filter']} | {fmt(r, base, 'fwd_ms')} | {fmt(r, base, 'fwd_bwd_ms')} | "
+                     f"{fmt(r, base, 'fwd_bwd_graph_ms')} | {'—' if share is None else f'{100 * share:.1f} %'} |")
+    lines += ["", "## Predictions (written before the first TP run), policy rows", "",
+              "| V | filter | predicted fwd+bwd × | measured | predicted NCCL share | measured |", "|---|---|---|---|---|---|"]
+    for (p_tp, v, name), (x_pred, share_pred) in TP_PREDICTIONS.items():
+        if p_tp != tp or v not in result["vocab"]:
+            continue
+        r = next((c for c in result["cost"] if (c["V"], c["input"], c["filter"]) == (v, "policy", name)), {})
+        base = next((c for c in result["cost"] if (c["V"], c["input"], c["filter"]) == (v, "policy", "unfiltered")), {})
+        x = r["fwd_bwd_ms"] / base["fwd_bwd_ms"] if r.get("fwd_bwd_ms") and base.get("fwd_bwd_ms") else None
+        share = r.get("nccl_share_of_gpu_time")
+        lines.append(f"| {v} | {name} | {x_pred} | {'—' if x is None else f'{x:.2f}'} | {share_pred:.0%} | "
+                     f"{'—' if share is None else f'{share:.0%}'} |")
+    (out / f"logprob_filter_tp{tp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
 
 def main() -> None:
     global DEVICE, median_ms, graph_ms
@@ -286,6 +503,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny sizes: check the script only")
+    parser.add_argument("--iters", type=int, default=TP_ITERS, help="under torchrun: timed calls per case")
+    parser.add_argument("--check-rows", type=int, default=4096, help="under torchrun: rows of the TP = 1 comparison")
     args = parser.parse_args()
     if args.dry_run:
         DEVICE = "cpu"
@@ -295,6 +514,20 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("bench_logprob_filter.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: the tensor-parallel benchmark
+        import torch.distributed as dist
+
+        if args.dry_run:
+            dist.init_process_group("gloo")
+        else:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl")
+        try:
+            run_tensor_parallel(args)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
+        return
     err = check_correctness(min(args.vocab))
     print(f"correctness (V={min(args.vocab)}): max |diff| of before and after from float64 = {err:.2e}", flush=True)
     assert err < 1e-3, err

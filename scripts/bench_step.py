@@ -1,39 +1,60 @@
-"""Benchmark: a Qwen2.5-shaped GRPO step on one GPU — mp_grpo against the no-loss floor and the common path.
+"""Benchmark: a Qwen2.5-shaped GRPO step — mp_grpo against the no-loss floor and the common path, on one GPU or
+split over a tensor-parallel group.
 
-    python scripts/bench_step.py --out docs/benchmarks
+    python scripts/bench_step.py --out docs/benchmarks                                  # TP = 1: step.{json,md,png}
+    torchrun --nproc_per_node 2 scripts/bench_step.py --shape 1.5b --seq 2048 --recompute selective \\
+        --out docs/benchmarks                                                           # TP = 2: step_tp.{json,md,png}
+    torchrun --nproc_per_node 4 scripts/bench_step.py --shape 7b ...                    # TP = 4 (7B shape)
 
 megatron-core GPTModel (local layer spec, bf16, ``Float16Module``, Megatron DDP with fp32 gradient buffers) in
-the Qwen2.5-1.5B and -0.5B shapes (``step_model.SHAPES``; V = 151936, tied embeddings), rows of 2048 and 8192
-tokens, selective and full activation recompute. The paths (``step_paths``): ``floor`` (the decoder alone;
-the bare output-layer matmuls timed apart and added), ``common`` (verl's Megatron path: fp32 logits,
-megatron-core's ``vocab_parallel_cross_entropy``, a torch PPO loss), mp_grpo's ``logits`` and ``fused`` paths,
-and on request ``logits_model_layer`` (the logits path on GPTModel's own output layer, before the batch-major
-layer). Rows, each for every path:
+the Qwen2.5-1.5B and -0.5B shapes (``step_model.SHAPES``; V = 151936, tied embeddings) and the -7B shape (V =
+152064, untied), rows of 2048 and 8192 tokens, selective and full activation recompute; under torchrun the model
+is split over ``--tp`` ranks (all of them: TP = world size; no sequence parallelism — the local spec's norms
+refuse it), every rank fed the same micro-batches. The paths (``step_paths``): ``floor`` (the decoder alone;
+the bare output-layer matmuls of this rank's vocabulary shard timed apart and added), ``common`` (verl's
+Megatron path: fp32 logits, megatron-core's ``vocab_parallel_cross_entropy``, a torch PPO loss), mp_grpo's
+``logits`` and ``fused`` paths, their fp32 logit precision (``logits_fp32``, ``fused_fp32``), the frameworks'
+fp32 head with TF32 on and off (``fp32_head_tf32``, ``fp32_head``), and on request ``logits_model_layer`` (the
+logits path on GPTModel's own output layer, before the batch-major layer). Rows, each for every path:
 
 - ``train``: one training ``forward_backward_func`` (forward, loss, backward, ``finalize_model_grads``) of one
   micro-batch of 8192 tokens (4 × 2048 or 1 × 8192): median time over ``--iters`` steps after ``--warmup``
-  (CUDA events, ``measure.timed_ms``), peak allocated memory of one step (weights and gradients included), and
-  the largest micro-batch B that fits (``--search``);
+  (CUDA events, ``measure.timed_ms``; under TP the slowest rank's median, every rank's kept), peak allocated
+  memory of one step (weights and gradients included; the largest over ranks), and the largest micro-batch B
+  that fits (``--search``);
 - ``forward``: the forward-only log-prob pass (old / reference policy) of the same micro-batch under
   ``no_grad`` (floor: decoder forward + the output matmul), same three figures;
-- ``step`` (``--step-configs``, default the 1.5B shape at 2048): a whole GRPO step of ``--step-micro-batches``
-  micro-batches — the forward-only pass (old log-probs), the training pass on them, megatron-core's Adam step
-  (fp32 master weights) — time and peak.
+- ``step`` (``--step-configs``, default the 1.5B shape at 2048 at TP = 1, none under TP): a whole GRPO step of
+  ``--step-micro-batches`` micro-batches — the forward-only pass (old log-probs), the training pass on them,
+  megatron-core's Adam step (fp32 master weights) — time and peak.
 
 The max-micro-batch search (``measure.largest_fitting``): probes run one step (or pass) at B and catch the
 out-of-memory error (``measure.fits_in_memory``: everything freed and the cache emptied between probes). The
-first probe is 2·B₀; the line through the peaks at B₀ and 2·B₀ predicts the largest B that fits in the free
-memory, which is probed next; then steps of 1, 2, 4, … and bisection. Capped at ``--max-tokens``.
+floor's first probe is 2·B₀; the line through the peaks at B₀ and 2·B₀ predicts the largest B that fits in the
+free memory, which is probed next; then steps of 1, 2, 4, … and bisection. The other paths start from the
+floor's largest B (its own first failure is the next probe): two probes when a path fits what the floor fits.
+``--search-paths`` limits the search to some paths. Capped at ``--max-tokens``. Under TP every rank probes the
+same B and a probe fits only where it fits on every rank (the memory figures are agreed first: the largest
+peak, the smallest free memory); the ranks run out of memory at the same allocation (the same shapes on every
+rank), and a rank left waiting in a collective is ended by the process group's timeout (``--collective-timeout``).
 
-Resumable: rows already in ``<out>/step.json`` are skipped (``--force`` measures them again); ``--shape``,
-``--seq``, ``--recompute``, ``--rows`` (``KIND`` or ``KIND:PATH``) and ``--paths`` select; the configurations run
-in the order 1.5B @ 2048 (selective, full), 0.5B @ 2048, 1.5B @ 8192, 0.5B @ 8192. ``--time-budget`` stops
-starting new rows after that many seconds. The JSON and ``step.md`` are rewritten after every row, ``step.png``
-at the end. ``--profile KIND:PATH ...`` (for ``--profile-configs``) writes ``step_profile.txt``: per pass the host
-time to issue it, its kernel time against its wall time (GPU idle), its memory statistics and its top kernels. Before timing, the loss paths are checked to give the same gradients on a tiny model
-(``check_paths``).
+Resumable: rows already in the JSON are skipped (``--force`` measures them again); ``--shape``, ``--seq``,
+``--recompute``, ``--rows`` (``KIND`` or ``KIND:PATH``) and ``--paths`` select; the configurations run in the
+order 1.5B @ 2048 (selective, full), 0.5B @ 2048, 1.5B @ 8192, 0.5B @ 8192 (then any other shape).
+``--time-budget`` stops starting new rows after that many seconds. The JSON and the markdown are rewritten after
+every row, the plot at the end; under TP also ``step_tp_scaling.png`` (each path's time and largest micro-batch
+against the floor's, per TP size). ``--profile KIND:PATH ...`` (for ``--profile-configs``) writes
+``step_profile.txt``: per pass the host time to issue it, its kernel time against its wall time (GPU idle), its
+memory statistics and its top kernels. Before timing, the loss paths are checked to give the same gradients on a
+tiny model (``check_paths``; under TP on every rank's shard).
 
-Needs a CUDA GPU, megatron-core, torch, triton, matplotlib.
+``--dry-run``: the whole driver on the CPU (gloo, Triton's interpreter) with the CPU stand-in model
+(``step_model.cpu_rig``: no attention) at tiny sizes and **stubbed measurements** (times from the host clock,
+memory from a fixed per-token model, a fake memory limit for the search) — a check of the script's plumbing
+(arguments, TP groups, the rows, the search, the reports), never a measurement: its reports say so and it
+refuses to write under ``docs/``.
+
+Needs (without ``--dry-run``) CUDA GPUs, megatron-core, torch, triton, matplotlib.
 """
 
 from __future__ import annotations
@@ -42,19 +63,21 @@ import argparse
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path as FilePath
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(FilePath(__file__).resolve().parents[1]))
 sys.path.insert(0, str(FilePath(__file__).resolve().parent))
 
-from measure import GiB, fits_in_memory, largest_fitting, median_ms, peak_bytes, timed_ms  # noqa: E402
-from step_model import SHAPES, Recompute, gpu_rig, synthetic_micro_batches  # noqa: E402
-from step_paths import Path, forward_pass, grpo_step, output_matmuls, training_pass  # noqa: E402
-from step_report import PLAN, Results, row_key, write_reports  # noqa: E402
+import measure  # noqa: E402
+from measure import GiB, largest_fitting  # noqa: E402
+from step_model import SHAPES, Recompute, cpu_rig, gpu_rig, synthetic_micro_batches  # noqa: E402
+from step_paths import Path, forward_pass, grpo_step, output_matmuls, training_pass, unavailable  # noqa: E402
+from step_report import PLAN, Results, report_name, row_key, write_reports  # noqa: E402
 
-DEVICE = "cuda"
 ALLOC_CONF = "expandable_segments:True"
 TIMING_TOKENS = 8192
 """Tokens of the timed micro-batch: B₀ = 8192 / S rows."""
@@ -65,38 +88,191 @@ same code (megatron-core's checkpointing only wraps the forward)."""
 DEFAULT_PATHS = (Path.FLOOR, Path.COMMON, Path.LOGITS, Path.FUSED)
 CHECK_RTOL = 1.6e-2
 """bf16 tolerance on the relative L2 error of the gradients of the loss paths against each other (tests/tolerances)."""
+COLLECTIVE_TIMEOUT_S = 300
+"""Default process-group timeout under TP: a rank left in a collective (a probe that ran out of memory on another
+rank only) ends the run after this long instead of NCCL's 10 minutes; rerun the command to resume."""
+DRY_SEQ = 12
+"""``--dry-run``: tokens per row of the stand-in model (timing micro-batches of 4 rows)."""
+DRY_HIDDEN, DRY_VOCAB = 16, 64
+"""``--dry-run``: the CPU stand-in's width and (global) vocabulary."""
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    if rank() == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def init_distributed() -> None:
-    """One process: a process group of size 1 (NCCL) and megatron-core's parallel_state at TP = 1."""
-    import torch.distributed as dist
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+class GpuMeter:
+    """The measurements on CUDA (``measure``), each agreed over the ranks by the caller."""
+
+    dry = False
+    device = "cuda"
+
+    def timed(self, run, iters: int, warmup: int) -> float:
+        return measure.timed_ms(run, iters, warmup=warmup)
+
+    def peak(self, run, *, tokens: int, path: Path, kind: str) -> int:
+        return measure.peak_bytes(run)
+
+    def fits(self, run, *, tokens: int, path: Path, kind: str) -> tuple[bool, int | None]:
+        return measure.fits_in_memory(run)
+
+    def matmul_ms(self, tokens: int, hidden: int, vocab: int, *, backward: bool, rep_ms: int = 200) -> float:
+        matmuls = output_matmuls(tokens, hidden, vocab, backward=backward, device=self.device)
+        ms = measure.median_ms(matmuls, warmup_ms=50, rep_ms=rep_ms)
+        del matmuls
+        self.cleanup()
+        return ms
+
+    def cleanup(self) -> None:
+        """Free what the last pass left: megatron-core's global memory buffer (the local attention writes its S × S
+        scores there, and the buffer keeps the largest size ever asked for: without this a probe at a large B
+        would stay resident through every later row), garbage cycles, the caching allocator's free blocks."""
+        import gc
+
+        from megatron.core import parallel_state as ps
+
+        if ps._GLOBAL_MEMORY_BUFFER is not None:
+            ps.get_global_memory_buffer().buffer.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def resting_bytes(self) -> int:
+        self.cleanup()
+        return torch.cuda.memory_allocated()
+
+    def usable_bytes(self) -> int:
+        return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name()
+
+
+class DryMeter(GpuMeter):
+    """``--dry-run``: every pass still runs (on the CPU), but its time is the host clock's and its memory a fixed
+    model — ``DRY_BASE`` + tokens × a per-path cost, against ``DRY_USABLE`` — so that the search has something to
+    find. Nothing here is a measurement."""
+
+    dry = True
+    device = "cpu"
+    DRY_BASE = 1 * GiB
+    DRY_USABLE = 2 * GiB
+    DRY_RUN_ROWS = 8
+    """Probes above this many rows are decided by the model alone (the pass is not run)."""
+    DRY_PER_TOKEN = {"floor": 1.0, "logits": 1.0, "fused": 1.0, "fused_fp32": 1.0, "logits_fp32": 1.02,
+                     "logits_model_layer": 1.2, "common": 1.3, "fp32_head_tf32": 1.4, "fp32_head": 1.4}
+
+    def _model_peak(self, tokens: int, path: Path, kind: str) -> int:
+        per_token = (GiB / (40 * DRY_SEQ)) * self.DRY_PER_TOKEN[Path(path).value] * (0.25 if kind == "forward" else 1)
+        return int(self.DRY_BASE + tokens * per_token)
+
+    def timed(self, run, iters: int, warmup: int) -> float:
+        for _ in range(warmup):
+            run()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    def peak(self, run, *, tokens: int, path: Path, kind: str) -> int:
+        run()
+        return self._model_peak(tokens, path, kind)
+
+    def fits(self, run, *, tokens: int, path: Path, kind: str) -> tuple[bool, int | None]:
+        peak = self._model_peak(tokens, path, kind)
+        if peak > self.DRY_USABLE:
+            return False, None
+        if tokens <= self.DRY_RUN_ROWS * DRY_SEQ:
+            run()
+        return True, peak
+
+    def matmul_ms(self, tokens: int, hidden: int, vocab: int, *, backward: bool, rep_ms: int = 200) -> float:
+        matmuls = output_matmuls(tokens, hidden, vocab, backward=backward, device="cpu", dtype=torch.float32)
+        return self.timed(matmuls, 3, 1)
+
+    def cleanup(self) -> None:
+        import gc
+
+        gc.collect()
+
+    def resting_bytes(self) -> int:
+        return self.DRY_BASE
+
+    def usable_bytes(self) -> int:
+        return self.DRY_USABLE
+
+    def device_name(self) -> str:
+        return "CPU DRY RUN (stubbed measurements)"
+
+
+METER: GpuMeter = GpuMeter()
+
+
+def agreed(value: float, op: str) -> float:
+    """``value`` as every rank will use it: the largest (``op="max"``) or smallest over the ranks."""
+    if world() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=METER.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def per_rank(value: float) -> list[float]:
+    """``value`` of every rank, in rank order."""
+    if world() == 1:
+        return [float(value)]
+    t = torch.tensor([float(value)], dtype=torch.float64, device=METER.device)
+    out = torch.empty(world(), dtype=torch.float64, device=METER.device)
+    dist.all_gather_into_tensor(out, t)
+    return [float(v) for v in out.tolist()]
+
+
+def past(deadline: float) -> bool:
+    """Whether the time budget is spent — on any rank (every rank then stops at the same row)."""
+    return agreed(float(time.monotonic() > deadline), "max") > 0
+
+
+def resting_gib() -> float:
+    return agreed(METER.resting_bytes(), "max") / GiB
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def init_distributed(tp: int, *, dry: bool, timeout_s: float) -> None:
+    """The process group (NCCL; gloo for ``--dry-run``) over every process and megatron-core's parallel_state at
+    TP = ``tp``, which must be the number of processes (one process: TP = 1)."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("gloo" if dry else "nccl", rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)), timeout=timedelta(seconds=timeout_s))
+    if tp != dist.get_world_size():
+        raise SystemExit(f"--tp {tp}: must equal the number of processes ({dist.get_world_size()}): every rank is one "
+                         "tensor-parallel rank (start the script with torchrun --nproc_per_node {tp})")
+    if not dry:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def cleanup() -> None:
-    """Free what the last pass left: megatron-core's global memory buffer (the local attention writes its S × S
-    scores there, and the buffer keeps the largest size ever asked for: without this a probe at a large B
-    would stay resident through every later row), garbage cycles, the caching allocator's free blocks."""
-    import gc
+def build_rig(shape_name: str, recompute: Recompute, seq: int):
+    if METER.dry:
+        from mp_grpo.megatron import ParallelGroups
 
-    from megatron.core import parallel_state as ps
-
-    if ps._GLOBAL_MEMORY_BUFFER is not None:
-        ps.get_global_memory_buffer().buffer.clear()
-    gc.collect()
-    torch.cuda.empty_cache()
+        return cpu_rig(ParallelGroups.from_parallel_state(), hidden=DRY_HIDDEN, vocab=DRY_VOCAB, seq_len=seq)
+    return gpu_rig(SHAPES[shape_name], recompute, seq_len=seq)
 
 
 def release_optimizer(rig, optimizer) -> None:
@@ -106,40 +282,48 @@ def release_optimizer(rig, optimizer) -> None:
             del param.main_param
     del optimizer
     rig.zero_grad()
-    cleanup()
+    METER.cleanup()
 
 
 def release_rig(rig) -> None:
     """Free the model: Megatron DDP keeps its gradient hooks' nodes (which hold it) in ``grad_accs``."""
     getattr(rig.model, "grad_accs", []).clear()
     rig.model = None
-    cleanup()
+    METER.cleanup()
 
 
-def resting_gib() -> float:
-    cleanup()
-    return torch.cuda.memory_allocated() / GiB
+def micro_batches(num: int, batch: int, seq: int, rig, *, seed: int):
+    return synthetic_micro_batches(num, batch, seq, rig.vocab, seed=seed, device=METER.device)
+
+
+def seq_of(seq: int) -> int:
+    """The rows' length actually run: ``seq`` (the dry run's stand-in: ``DRY_SEQ``)."""
+    return DRY_SEQ if METER.dry else seq
+
+
+def timing_rows(seq: int) -> int:
+    return max(1, TIMING_TOKENS // seq) if not METER.dry else 4
 
 
 # ------------------------------------------------------------------------------------------------ check
-def check_paths(seq: int = 128, batch: int = 2) -> float:
-    """The loss paths on the tiny shape: the same objective, so the same gradients (relative L2 against the
-    common path's, bf16 tolerance). Returns the worst error."""
-    rig = gpu_rig(SHAPES["tiny"], Recompute.SELECTIVE, seq_len=seq)
-    micro = synthetic_micro_batches(2, batch, seq, rig.vocab, seed=3, device=DEVICE)
+def check_paths(paths: list[Path], seq: int = 128, batch: int = 2) -> float:
+    """The loss paths on the tiny shape (dry run: the stand-in): the same objective, so the same gradients
+    (relative L2 against the common path's, on this rank's shard, bf16 tolerance; the worst over ranks)."""
+    seq = seq_of(seq)
+    rig = build_rig("tiny", Recompute.SELECTIVE, seq)
+    micro = micro_batches(2, batch, seq, rig, seed=3)
     grads = {}
-    for path in (Path.COMMON, Path.LOGITS, Path.FUSED, Path.LOGITS_MODEL_LAYER):
+    for path in [Path.COMMON, *[p for p in paths if p not in (Path.FLOOR, Path.COMMON)]]:
         rig.zero_grad()
         training_pass(rig, path, micro)()
         grads[path] = torch.cat([p.main_grad.flatten().double() for p in rig.model.parameters()])
     ref = grads.pop(Path.COMMON)
-    errors = {path.value: float((g - ref).norm() / ref.norm()) for path, g in grads.items()}
+    errors = {path.value: agreed(float((g - ref).norm() / ref.norm()), "max") for path, g in grads.items()}
     log(f"check: gradients of the loss paths vs the common path on the tiny model, relative L2: {errors}")
-    worst = max(errors.values())
+    worst = max(errors.values(), default=0.0)
     if not worst <= CHECK_RTOL:
         raise SystemExit(f"check failed: a loss path's gradients differ from the common path's by {worst:.3e}")
-    del rig
-    cleanup()
+    release_rig(rig)
     return worst
 
 
@@ -149,23 +333,28 @@ def pass_closure(rig, kind: str, path: Path, micro):
 
 
 def time_row(rig, kind: str, path: Path, seq: int, args) -> dict:
-    """Median time and peak of one pass on the timing micro-batch (floor: + the output matmuls)."""
-    b0 = max(1, TIMING_TOKENS // seq)
-    micro = synthetic_micro_batches(1, b0, seq, rig.vocab, seed=11, device=DEVICE)
+    """Median time and peak of one pass on the timing micro-batch (floor: + the output matmuls of this rank's
+    shard); under TP the slowest rank's figures, every rank's times kept."""
+    b0 = timing_rows(seq)
+    micro = micro_batches(1, b0, seq, rig, seed=11)
     run = pass_closure(rig, kind, path, micro)
-    row = {"B": b0, "tokens": b0 * seq, "resting_GiB": resting_gib(),
-           "ms": timed_ms(run, args.iters, warmup=args.warmup + (kind == "forward"))}
-    row["peak_bytes"] = peak_bytes(run)
+    resting = resting_gib()
+    ms = METER.timed(run, args.iters, args.warmup + (kind == "forward"))
+    row = {"B": b0, "tokens": b0 * seq, "resting_GiB": resting}
+    peak = METER.peak(run, tokens=b0 * seq, path=path, kind=kind)
+    row["peak_bytes"] = int(agreed(peak, "max"))
     row["peak_GiB"] = row["peak_bytes"] / GiB
     del run
-    cleanup()
+    METER.cleanup()
     if path == Path.FLOOR:
-        matmuls = output_matmuls(b0 * seq, rig.hidden, rig.vocab, backward=kind == "train", device=DEVICE)
-        row["decoder_ms"] = row["ms"]
-        row["matmul_ms"] = median_ms(matmuls, warmup_ms=50, rep_ms=200)
-        row["ms"] = row["decoder_ms"] + row["matmul_ms"]
-        del matmuls
-        cleanup()
+        matmul = METER.matmul_ms(b0 * seq, rig.hidden, rig.vocab // world(), backward=kind == "train")
+        row["decoder_ms"] = agreed(ms, "max")
+        row["matmul_ms"] = agreed(matmul, "max")
+        ms = ms + matmul
+    if world() > 1:
+        row["tp"] = world()
+        row["ms_per_rank"] = per_rank(ms)
+    row["ms"] = agreed(ms, "max")
     return row
 
 
@@ -178,37 +367,48 @@ def memory_model_guess(b0: int, p0: int, b1: int, p1: int | None, *, usable: int
     return int(b0 * (usable - base) / max(p0 - base, 1.0))
 
 
-def search_row(rig, kind: str, path: Path, seq: int, row: dict, args) -> dict:
-    """The largest micro-batch of ``seq``-token rows that fits (see the module docstring)."""
+def search_row(rig, kind: str, path: Path, seq: int, row: dict, args, floor: dict | None = None) -> dict:
+    """The largest micro-batch of ``seq``-token rows that fits (see the module docstring). ``floor``: the floor's
+    row of the same kind, searched before: its largest B is this path's first probe."""
     start = time.monotonic()
     limit = max(1, args.max_tokens // seq)
     b0, p0 = row["B"], row["peak_bytes"]
     peaks: dict[int, int] = {b0: p0}
 
     def fits(b: int) -> bool:
-        micro = synthetic_micro_batches(1, b, seq, rig.vocab, seed=13, device=DEVICE)
+        micro = micro_batches(1, b, seq, rig, seed=13)
         resting = resting_gib()
-        ok, peak = fits_in_memory(pass_closure(rig, kind, path, micro))
+        ok, peak = METER.fits(pass_closure(rig, kind, path, micro), tokens=b * seq, path=path, kind=kind)
+        ok = agreed(float(ok), "min") > 0  # a probe fits only where it fits on every rank
         log(f"  probe {kind}/{path.value} B = {b}: {'fits' if ok else 'out of memory'}"
-            + (f", peak {peak / GiB:.2f} GiB" if ok else "") + f" (resting {resting:.2f} GiB)")
+            + (f", peak {peak / GiB:.2f} GiB" if ok and peak else "") + f" (resting {resting:.2f} GiB)")
         if ok:
-            peaks[b] = peak
+            peaks[b] = int(agreed(peak, "max"))
         return ok
 
     base = int(resting_gib() * GiB)
-    usable = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
-    b1 = min(2 * b0, limit)
-    known_fit, known_failure = b0, None
-    if b1 > b0:
-        if fits(b1):
-            known_fit = b1
-        else:
-            known_failure = b1
-    guess = memory_model_guess(b0, p0, known_fit, peaks.get(known_fit), usable=usable, base=base)
-    search = largest_fitting(fits, guess, limit=limit, known_fit=known_fit, known_failure=known_failure)
+    usable = int(agreed(METER.usable_bytes(), "min"))
+    known_fit, known_failure, first = b0, None, []
+    if floor is not None and floor.get("max_B", 0) > b0:  # start where the floor stopped
+        guess = min(floor["max_B"], limit)
+    else:
+        b1 = min(2 * b0, limit)
+        if b1 > b0:
+            if fits(b1):
+                known_fit = b1
+            else:
+                known_failure = b1
+            first = [[b1, known_fit == b1]]
+        guess = memory_model_guess(b0, p0, known_fit, peaks.get(known_fit), usable=usable, base=base)
+    if known_fit >= limit:
+        search = measure.Search(largest=known_fit, first_failure=None, probes=[])
+    else:
+        search = largest_fitting(fits, guess, limit=limit, known_fit=known_fit, known_failure=known_failure)
     out = {"max_B": search.largest, "max_tokens": search.largest * seq, "first_failure_B": search.first_failure,
-           "guess_B": guess, "probes": [[b0, True]] + ([[b1, known_fit == b1]] if b1 > b0 else []) + search.probes,
+           "guess_B": guess, "probes": [[b0, True]] + first + [list(p) for p in search.probes],
            "search_s": time.monotonic() - start, "search_limit_tokens": args.max_tokens}
+    if floor is not None:
+        out["search_started_at_floor"] = True
     if search.largest in peaks:
         out["peak_GiB_at_max"] = peaks[search.largest] / GiB
     return out
@@ -223,8 +423,8 @@ def profile_row(rig, kind: str, path: Path, seq: int) -> str:
     (torch.profiler, CUDA activity) against their wall time (the difference: the GPU idle), the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    b0 = max(1, TIMING_TOKENS // seq)
-    micro = synthetic_micro_batches(1, b0, seq, rig.vocab, seed=11, device=DEVICE)
+    b0 = timing_rows(seq)
+    micro = micro_batches(1, b0, seq, rig, seed=11)
     run = pass_closure(rig, kind, path, micro)
     run()
     torch.cuda.synchronize()
@@ -246,37 +446,39 @@ def profile_row(rig, kind: str, path: Path, seq: int) -> str:
     events = prof.key_averages()
     kernel_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3 / PROFILE_STEPS
     wall_ms = start.elapsed_time(end) / PROFILE_STEPS
-    text = (f"### {kind} / {path.value}, B = {b0} x S = {seq}\n"
-            f"host time to issue one pass {issue_ms:.1f} ms; per pass: kernel time {kernel_ms:.1f} ms, wall {wall_ms:.1f} ms, "
-            f"GPU idle {wall_ms - kernel_ms:.1f} ms\n"
+    text = (f"### {kind} / {path.value}, B = {b0} x S = {seq}" + (f", TP = {world()} (rank 0)" if world() > 1 else "")
+            + f"\nhost time to issue one pass {issue_ms:.1f} ms; per pass: kernel time {kernel_ms:.1f} ms, wall "
+            f"{wall_ms:.1f} ms, GPU idle {wall_ms - kernel_ms:.1f} ms\n"
             f"memory of one pass: peak allocated {stats['allocated_bytes.all.peak'] / GiB:.2f} GiB, peak reserved "
             f"{stats['reserved_bytes.all.peak'] / GiB:.2f} GiB, allocations {stats['allocation.all.allocated']}, "
             f"allocator retries {stats['num_alloc_retries']}\n\n"
             + events.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=80) + "\n")
     del run, prof, events
-    cleanup()
+    METER.cleanup()
     return text
 
 
 def step_row(rig, path: Path, seq: int, optimizer, args) -> dict:
-    b0 = max(1, TIMING_TOKENS // seq)
-    micro = synthetic_micro_batches(args.step_micro_batches, b0, seq, rig.vocab, seed=17, device=DEVICE)
+    b0 = timing_rows(seq)
+    micro = micro_batches(args.step_micro_batches, b0, seq, rig, seed=17)
     run = grpo_step(rig, path, micro, optimizer)
-    row = {"B": b0, "micro_batches": len(micro), "tokens": b0 * seq * len(micro), "resting_GiB": resting_gib(),
-           "ms": timed_ms(run, args.iters, warmup=args.warmup)}
-    row["peak_bytes"] = peak_bytes(run)
+    row = {"B": b0, "micro_batches": len(micro), "tokens": b0 * seq * len(micro), "resting_GiB": resting_gib()}
+    ms = METER.timed(run, args.iters, args.warmup)
+    row["peak_bytes"] = int(agreed(METER.peak(run, tokens=row["tokens"], path=path, kind="train"), "max"))
     row["peak_GiB"] = row["peak_bytes"] / GiB
     del run
-    cleanup()
+    METER.cleanup()
     if path == Path.FLOOR:  # per micro-batch: the forward pass's matmul and the training pass's three
-        tokens = b0 * seq
-        fwd = median_ms(output_matmuls(tokens, rig.hidden, rig.vocab, backward=False, device=DEVICE), rep_ms=200)
-        cleanup()
-        fwd_bwd = median_ms(output_matmuls(tokens, rig.hidden, rig.vocab, backward=True, device=DEVICE), rep_ms=200)
-        cleanup()
-        row["decoder_ms"] = row["ms"]
-        row["matmul_ms"] = len(micro) * (fwd + fwd_bwd)
-        row["ms"] = row["decoder_ms"] + row["matmul_ms"]
+        tokens, v_local = b0 * seq, rig.vocab // world()
+        fwd = METER.matmul_ms(tokens, rig.hidden, v_local, backward=False)
+        fwd_bwd = METER.matmul_ms(tokens, rig.hidden, v_local, backward=True)
+        row["decoder_ms"] = agreed(ms, "max")
+        row["matmul_ms"] = agreed(len(micro) * (fwd + fwd_bwd), "max")
+        ms = ms + len(micro) * (fwd + fwd_bwd)
+    if world() > 1:
+        row["tp"] = world()
+        row["ms_per_rank"] = per_rank(ms)
+    row["ms"] = agreed(ms, "max")
     return row
 
 
@@ -286,102 +488,159 @@ def selected(kind: str, path: Path, rows: list[str] | None) -> bool:
 
 
 def run(args) -> Results:
-    results = Results.load(args.out / "step.json")
-    results.start(command=" ".join(["python scripts/bench_step.py", *sys.argv[1:]]))
+    tp = world()
+    results = Results.load(args.out / f"{args.report or report_name(tp)}.json")
+    launcher = "python" if tp == 1 else f"torchrun --nproc_per_node {tp}"
+    results.start(command=" ".join([launcher, "scripts/bench_step.py", *sys.argv[1:]]), device=METER.device_name(),
+                  dry_run=METER.dry)
     deadline = time.monotonic() + args.time_budget
-    paths = [Path(p) for p in args.paths]
+    paths = []
+    for p in map(Path, args.paths):
+        why = unavailable(p)
+        if why is None:
+            paths.append(p)
+        else:
+            log(f"path {p.value} skipped: {why}")
+            results.meta.setdefault("skipped_paths", {})[p.value] = why
     configs = [(s, q, r) for s, q, r in PLAN if s in args.shape and q in args.seq and r in args.recompute]
     configs += [(s, q, r) for s in args.shape for q in args.seq for r in args.recompute
                 if (s, q, r) not in configs]  # shapes or lengths outside the plan (the tiny smoke test)
     if args.check:
-        results.meta["check_worst_relative_l2"] = check_paths()
+        results.meta[f"check_worst_relative_l2{'' if tp == 1 else f'_tp{tp}'}"] = check_paths(paths)
+    step_configs = args.step_configs if args.step_configs is not None else (["1.5b@2048"] if tp == 1 else [])
+
+    def searched(kind: str, path: Path) -> bool:
+        return args.search_paths is None or path.value in args.search_paths or f"{kind}:{path.value}" in args.search_paths
+
     for shape_name, seq, recompute in configs:
-        shape = SHAPES[shape_name]
-        step_here = f"{shape_name}@{seq}" in args.step_configs
+        step_here = f"{shape_name}@{seq}" in step_configs
         todo = [(kind, path) for kind in KINDS for path in paths if selected(kind, path, args.rows)
                 and (kind != "step" or step_here) and (kind != "forward" or recompute == FORWARD_RECOMPUTE)
-                and (args.force or not results.complete(row_key(shape_name, seq, recompute, kind, path),
-                                                        search=args.search and kind != "step"))]
+                and (args.force or not results.complete(row_key(shape_name, seq, recompute, kind, path, tp),
+                                                        search=args.search and kind != "step" and searched(kind, path)))]
         profiles = [spec for spec in args.profile or [] if f"{shape_name}@{seq}@{recompute}" in args.profile_configs]
         if not todo and not profiles:
             continue
-        if time.monotonic() > deadline:
+        if past(deadline):
             log("time budget reached: rerun the same command to continue")
             break
-        log(f"=== {shape_name} @ {seq}, {recompute} recompute: {len(todo)} rows (resting {resting_gib():.2f} GiB) ===")
-        rig = gpu_rig(shape, Recompute(recompute), seq_len=seq)
+        run_seq = seq_of(seq)
+        log(f"=== {shape_name} @ {seq}, {recompute} recompute, TP = {tp}: {len(todo)} rows ===")
+        rig = build_rig(shape_name, Recompute(recompute), run_seq)
         # --- 1. times and peaks at the timing micro-batch (cheap) ---
         for kind, path in todo:
-            key = row_key(shape_name, seq, recompute, kind, path)
-            if kind == "step" or (not args.force and "ms" in results.row(key)) or time.monotonic() > deadline:
+            key = row_key(shape_name, seq, recompute, kind, path, tp)
+            if kind == "step" or (not args.force and "ms" in results.row(key)) or past(deadline):
                 continue
-            row = time_row(rig, kind, path, seq, args)
+            row = time_row(rig, kind, path, run_seq, args)
             results.update(key, row)
             log(f"{kind:<8} {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB "
                 f"(resting {row['resting_GiB']:.2f} GiB)")
-            write_reports(results, args.out, plot=False)
+            save(results, args)
         # --- 2. profiles ---
         for spec in profiles:
             kind, _, path = spec.partition(":")
-            if time.monotonic() > deadline:
+            if past(deadline) or METER.dry:
                 break
-            text = profile_row(rig, kind, Path(path), seq)
-            with open(args.out / "step_profile.txt", "a") as f:
-                f.write(f"## {shape_name} @ {seq}, {recompute} recompute ({results.meta.get('device')})\n{text}\n")
+            text = profile_row(rig, kind, Path(path), run_seq)
+            if rank() == 0:
+                with open(args.out / "step_profile.txt", "a") as f:
+                    f.write(f"## {shape_name} @ {seq}, {recompute} recompute ({results.meta.get('device')})\n{text}\n")
             log(text.splitlines()[1])
-        # --- 3. the largest micro-batches (before the optimizer exists: its state is no part of these rows) ---
+        # --- 3. the largest micro-batches (before the optimizer exists: its state is no part of these rows);
+        #        the floor first: the other paths start from its largest B ---
         if args.search:
-            for kind, path in todo:
-                key = row_key(shape_name, seq, recompute, kind, path)
-                if kind == "step" or "ms" not in results.row(key) or (not args.force and "max_B" in results.row(key)):
+            order = sorted(todo, key=lambda kp: (kp[0], kp[1] != Path.FLOOR))
+            for kind, path in order:
+                key = row_key(shape_name, seq, recompute, kind, path, tp)
+                if (kind == "step" or not searched(kind, path) or "ms" not in results.row(key)
+                        or (not args.force and "max_B" in results.row(key))):
                     continue
-                if time.monotonic() > deadline:
+                if past(deadline):
                     break
-                found = search_row(rig, kind, path, seq, results.row(key), args)
+                floor = results.row(row_key(shape_name, seq, recompute, kind, Path.FLOOR, tp))
+                floor = floor if path != Path.FLOOR and "max_B" in floor else None
+                found = search_row(rig, kind, path, run_seq, results.row(key), args, floor=floor)
                 results.update(key, found)
                 log(f"{kind:<8} {path.value:<18} max B = {found['max_B']} ({found['max_tokens']} tokens), "
                     f"{len(found['probes'])} probes, {found['search_s']:.0f} s")
-                write_reports(results, args.out, plot=False)
+                save(results, args)
         # --- 4. whole GRPO steps with megatron-core's optimizer ---
         step_todo = [path for kind, path in todo if kind == "step"]
-        if step_todo and time.monotonic() < deadline:
-            from mp_grpo.megatron.gpt import megatron_optimizer
-
-            optimizer = megatron_optimizer(rig.model, lr=1e-6, clip_grad=1.0, bf16=True)
+        if step_todo and not past(deadline):
+            optimizer = make_optimizer(rig)
             for path in step_todo:
-                if time.monotonic() > deadline:
+                if past(deadline):
                     break
-                row = step_row(rig, path, seq, optimizer, args)
-                results.update(row_key(shape_name, seq, recompute, "step", path), row)
+                row = step_row(rig, path, run_seq, optimizer, args)
+                results.update(row_key(shape_name, seq, recompute, "step", path, tp), row)
                 log(f"step     {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB")
-                write_reports(results, args.out, plot=False)
+                save(results, args)
             release_optimizer(rig, optimizer)
             del optimizer
         release_rig(rig)
         del rig
-    write_reports(results, args.out, plot=True)
+    save(results, args, plot=True)
     return results
 
 
+def make_optimizer(rig):
+    if METER.dry:  # the stand-in's parameters: plain SGD on main_grad, as the CPU tests step them
+        class Sgd:
+            def zero_grad(self) -> None:
+                pass
+
+            @torch.no_grad()
+            def step(self) -> None:
+                for p in rig.model.parameters():
+                    p.sub_(1e-6 * p.main_grad)
+
+        return Sgd()
+    from mp_grpo.megatron.gpt import megatron_optimizer
+
+    return megatron_optimizer(rig.model, lr=1e-6, clip_grad=1.0, bf16=True)
+
+
+def save(results: Results, args, *, plot: bool = False) -> None:
+    if rank() == 0:
+        write_reports(results, args.out, plot=plot, tp1_json=args.tp1_json)
+
+
 def main() -> None:
+    global METER
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=FilePath, default=FilePath("docs/benchmarks"))
     parser.add_argument("--shape", nargs="+", default=["1.5b", "0.5b"], choices=sorted(SHAPES))
     parser.add_argument("--seq", nargs="+", type=int, default=[2048, 8192])
     parser.add_argument("--recompute", nargs="+", default=[r.value for r in Recompute], choices=[r.value for r in Recompute])
+    parser.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                        help="tensor-parallel size: the number of processes (torchrun's --nproc_per_node)")
     parser.add_argument("--rows", nargs="+", metavar="KIND[:PATH]", help=f"kinds {', '.join(KINDS)}, optionally :path")
     parser.add_argument("--paths", nargs="+", default=[p.value for p in DEFAULT_PATHS], choices=[p.value for p in Path])
-    parser.add_argument("--step-configs", nargs="*", default=["1.5b@2048"], metavar="SHAPE@SEQ")
+    parser.add_argument("--search-paths", nargs="+", metavar="[KIND:]PATH",
+                        help="search the largest micro-batch of these paths only, in both kinds or in KIND "
+                             "(train / forward) only (default: every path run)")
+    parser.add_argument("--step-configs", nargs="*", default=None, metavar="SHAPE@SEQ",
+                        help="whole-step rows (default: 1.5b@2048 at TP = 1, none under TP)")
     parser.add_argument("--step-micro-batches", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3, help="timed steps per row (median)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=2**19, help="the search's cap on a micro-batch's tokens")
     parser.add_argument("--no-search", dest="search", action="store_false")
     parser.add_argument("--no-check", dest="check", action="store_false")
-    parser.add_argument("--force", action="store_true", help="measure rows already in step.json again")
+    parser.add_argument("--force", action="store_true", help="measure rows already in the JSON again")
     parser.add_argument("--profile", nargs="+", metavar="KIND:PATH", help="profile these passes (step_profile.txt)")
     parser.add_argument("--profile-configs", nargs="*", default=["1.5b@2048@selective"], metavar="SHAPE@SEQ@RECOMPUTE")
     parser.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; no new row starts after")
+    parser.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
+                        help="seconds a rank may wait in one collective (under TP) before the run ends")
+    parser.add_argument("--report", choices=["step", "step_tp"], default=None,
+                        help="the report to write: step (TP = 1 only) or step_tp (rows of every TP size); default: "
+                             "step at TP = 1, step_tp under TP")
+    parser.add_argument("--tp1-json", type=FilePath, default=None,
+                        help="TP = 1 rows for the TP-scaling plot (default: the step_tp.json's own TP = 1 rows)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, gloo, the stand-in model, stubbed measurements: a check of the script only")
     args = parser.parse_args()
     for spec in args.rows or []:
         kind, _, path = spec.partition(":")
@@ -391,13 +650,37 @@ def main() -> None:
         kind, _, path = spec.partition(":")
         if kind not in ("train", "forward") or path not in [p.value for p in Path]:
             parser.error(f"--profile: {spec!r} is not KIND:PATH with KIND train or forward")
+    for spec in args.search_paths or []:
+        kind, _, path = spec.rpartition(":")
+        if kind not in ("", "train", "forward") or path not in [p.value for p in Path]:
+            parser.error(f"--search-paths: {spec!r} is not PATH or KIND:PATH with KIND train or forward")
+    if args.tp < 1:
+        parser.error(f"--tp: must be ≥ 1, got {args.tp}")
+    if args.report == "step" and args.tp != 1:
+        parser.error(f"--report step: holds TP = 1 rows only, got --tp {args.tp} (use step_tp)")
+    if not args.dry_run:
+        for name in args.shape:
+            try:
+                SHAPES[name].check_tensor_parallel(args.tp)
+            except ValueError as err:
+                parser.error(str(err))
+    if args.dry_run:
+        docs = (FilePath(__file__).resolve().parents[1] / "docs").resolve()
+        if args.out.resolve() == docs or docs in args.out.resolve().parents:
+            parser.error(f"--out {args.out}: a dry run's stubbed figures never go under docs/")
+        METER = DryMeter()
+    elif not torch.cuda.is_available():
+        sys.exit("bench_step.py needs CUDA GPUs (or --dry-run)")
     args.out.mkdir(parents=True, exist_ok=True)
     # Before the first CUDA allocation: segments that grow in place, so that the search measures what the
     # passes hold rather than how the caching allocator's blocks happen to fragment.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
-    init_distributed()
+    init_distributed(args.tp, dry=args.dry_run, timeout_s=args.collective_timeout)
     results = run(args)
-    print(results.summary(), flush=True)
+    if rank() == 0:
+        print(results.summary(), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

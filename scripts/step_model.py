@@ -1,12 +1,15 @@
 """The model and data of ``bench_step.py``: a Qwen2.5-shaped megatron-core GPTModel and synthetic micro-batches.
 
 - :class:`ModelShape` / :data:`SHAPES`: Qwen2.5-0.5B and -1.5B (GQA, SwiGLU, RMSNorm, RoPE θ = 10⁶, QKV bias,
-  tied embeddings, V = 151936) and a tiny shape for smoke tests.
+  tied embeddings, V = 151936), Qwen2.5-7B (the same layout, untied embeddings, V = 152064; for TP = 4) and a
+  tiny shape for smoke tests (its heads and query groups divide by 4, so it runs at every TP size).
 - :func:`gpt_config`: their ``TransformerConfig`` with selective or full activation recompute, bf16, no dropout.
 - :class:`Rig`: what a step needs — the DDP-wrapped model, its config, the process groups, a
   ``forward_backward_func`` with Megatron's keyword signature, and the model-call keywords; :func:`gpu_rig`
-  builds it on the current GPU (megatron-core's local layer spec, ``Float16Module``, Megatron DDP with fp32
-  gradient buffers, ``finalize_model_grads``). The CPU tests build one from the CPU stand-ins.
+  builds it on the current GPU at the tensor-parallel size ``parallel_state`` was initialized with
+  (megatron-core's local layer spec, no sequence parallelism — the local spec's norms refuse it —,
+  ``Float16Module``, Megatron DDP with fp32 gradient buffers, ``finalize_model_grads``); :func:`cpu_rig` builds
+  one from the CPU stand-ins (``mp_grpo.train``: no attention) for the tests and ``bench_step.py --dry-run``.
 - :func:`synthetic_micro_batches`: padded micro-batches of full-length rows (a prompt, then a completion
   trained on), random tokens, one advantage per sequence.
 """
@@ -33,19 +36,29 @@ class ModelShape:
     query_groups: int
     ffn: int
     vocab: int
+    tied: bool = True
+    """Input embedding and output layer share one weight (Qwen2.5-0.5B / -1.5B; not -7B)."""
 
     def parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         head_dim = self.hidden // self.heads
         qkv = self.hidden * (self.heads + 2 * self.query_groups) * head_dim + (self.heads + 2 * self.query_groups) * head_dim
         layer = qkv + self.heads * head_dim * self.hidden + 3 * self.hidden * self.ffn + 2 * self.hidden
-        return self.layers * layer + self.vocab * self.hidden + self.hidden
+        return self.layers * layer + (1 if self.tied else 2) * self.vocab * self.hidden + self.hidden
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse a TP size the shape cannot be split over (heads, query groups, FFN, vocabulary)."""
+        for name in ("heads", "query_groups", "ffn", "vocab"):
+            if getattr(self, name) % tp:
+                raise ValueError(f"--tp: the {self.name} shape's {name} ({getattr(self, name)}) does not divide "
+                                 f"over {tp} tensor-parallel ranks")
 
 
 SHAPES = {
     "0.5b": ModelShape("0.5b", hidden=896, layers=24, heads=14, query_groups=2, ffn=4864, vocab=151936),
     "1.5b": ModelShape("1.5b", hidden=1536, layers=28, heads=12, query_groups=2, ffn=8960, vocab=151936),
-    "tiny": ModelShape("tiny", hidden=64, layers=2, heads=4, query_groups=2, ffn=128, vocab=1024),
+    "7b": ModelShape("7b", hidden=3584, layers=28, heads=28, query_groups=4, ffn=18944, vocab=152064, tied=False),
+    "tiny": ModelShape("tiny", hidden=64, layers=2, heads=8, query_groups=4, ffn=128, vocab=1024),
 }
 
 ROPE_BASE = 1_000_000
@@ -65,8 +78,9 @@ class Recompute(str, Enum):
     """``recompute_granularity="full"``, uniform, one layer per unit: only each layer's input is kept."""
 
 
-def gpt_config(shape: ModelShape, recompute: Recompute, *, bf16: bool = True):
-    """The ``TransformerConfig`` of ``shape`` (no dropout, initialized on the GPU)."""
+def gpt_config(shape: ModelShape, recompute: Recompute, *, bf16: bool = True, tp: int = 1):
+    """The ``TransformerConfig`` of ``shape`` at tensor-parallel size ``tp`` (no dropout, initialized on the GPU,
+    no sequence parallelism)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -80,6 +94,7 @@ def gpt_config(shape: ModelShape, recompute: Recompute, *, bf16: bool = True):
         recompute_granularity=recompute.value, recompute_method="uniform" if full else None,
         recompute_num_layers=1 if full else None,
         bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype, use_cpu_initialization=False,
+        tensor_model_parallel_size=tp,
     )
 
 
@@ -111,7 +126,8 @@ class Rig:
 
 
 def gpu_rig(shape: ModelShape, recompute: Recompute, *, seq_len: int, seed: int = 1234) -> Rig:
-    """``shape`` as megatron-core's GPTModel on the current GPU (``parallel_state`` initialized, TP = 1)."""
+    """``shape`` as megatron-core's GPTModel on the current GPU, split over ``parallel_state``'s tensor-parallel
+    group (initialized before; every rank of it builds the same model and feeds it the same micro-batches)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -119,13 +135,17 @@ def gpu_rig(shape: ModelShape, recompute: Recompute, *, seq_len: int, seed: int 
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    config = gpt_config(shape, recompute)
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    shape.check_tensor_parallel(tp)
+    config = gpt_config(shape, recompute, tp=tp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     gpt = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=shape.vocab, max_sequence_length=seq_len, parallel_output=True,
-        share_embeddings_and_output_weights=True, position_embedding_type="rope", rotary_base=ROPE_BASE,
+        share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope", rotary_base=ROPE_BASE,
     ).cuda()
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
@@ -134,6 +154,33 @@ def gpu_rig(shape: ModelShape, recompute: Recompute, *, seq_len: int, seed: int 
     config.no_sync_func = ddp.no_sync
     return Rig(model=ddp, groups=ParallelGroups.from_parallel_state(), forward_backward_func=get_forward_backward_func(),
                hidden=shape.hidden, vocab=shape.vocab, model_kwargs={"fp32_output": False})
+
+
+def cpu_rig(groups: ParallelGroups, *, hidden: int, vocab: int, seq_len: int, seed: int = 3) -> Rig:
+    """A :class:`Rig` from the CPU stand-ins at ``groups``' TP size: ``mp_grpo.train``'s GPT stand-in (megatron-core's
+    ``VocabParallelEmbedding`` + ``ColumnParallelLinear``, no attention, tied embeddings), its DDP with fp32
+    ``main_grad`` and megatron-core's ``finalize_model_grads`` in a micro-batch loop. The same full weights on
+    every layout (``seed``)."""
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+
+    from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
+    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
+    from mp_grpo.train.cpu_schedule import forward_backward_cpu
+
+    config = cpu_model_config(hidden_size=hidden, tensor_model_parallel_size=groups.tp_size)
+    config.finalize_model_grads_func = finalize_model_grads
+    model = CpuGPTStandIn(config, vocab_size=vocab, max_sequence_length=seq_len, tp_group=groups.tp,
+                          share_embeddings_and_output_weights=True)
+    model.load_full_weights(random_full_weights(config, vocab_size=vocab, max_sequence_length=seq_len, seed=seed))
+    model.word_embeddings.weight.zero_out_wgrad = True  # as GPTModel does for the tied weight
+    ddp = CpuDistributedDataParallel(config, DistributedDataParallelConfig(), model, dp_cp_group=groups.dp_cp,
+                                     main_grad=True)
+
+    def forward_backward_func(**kwargs):
+        kwargs.pop("seq_length"), kwargs.pop("micro_batch_size")
+        return forward_backward_cpu(groups=groups, **kwargs)
+
+    return Rig(model=ddp, groups=groups, forward_backward_func=forward_backward_func, hidden=hidden, vocab=vocab)
 
 
 def synthetic_micro_batches(num: int, batch: int, seq_len: int, vocab: int, *, seed: int,

@@ -15,6 +15,13 @@ Every path runs through the rig's ``forward_backward_func`` (Megatron's schedule
 - ``fused``: ``MegatronGRPO(output_path=FUSED)`` — the output layer fused with the loss, no logits held.
 - ``logits_model_layer``: the ``logits`` path as it was before the batch-major output layer — GPTModel's own
   output layer (its transposed copies) and the logits' gradient in a new buffer; kept to measure that change.
+- ``logits_fp32`` / ``fused_fp32``: the two mp_grpo paths with ``MegatronGRPO(logit_dtype=LogitDtype.FP32)`` —
+  the logits from the same bf16 operands kept in fp32 (the output GEMM's accumulator, never rounded to bf16).
+- ``fp32_head_tf32`` / ``fp32_head``: the frameworks' fp32 LM head, written from their public descriptions
+  (TRL's ``cast_lm_head_to_fp32``, NeMo-RL's ``fp32_lm_head``, torchtitan's ``CastLinear``): the output layer's
+  input (after ColumnParallelLinear's input mapping: the TP-summed gradient in backward) and its weight cast to
+  fp32, then ``F.linear`` — with TF32 on (NeMo-RL's ``tf32``) or off (TRL, torchtitan) for that pass — then the
+  common path's log-probs (megatron-core's ``vocab_parallel_cross_entropy``) and loss on the fp32 logits.
 
 The loss is the same objective on every path: PPO clip (ε = 0.2) with dual clip c = 3, token mean over the
 step's trained tokens, no entropy, no KL; without old log-probs the pass is on-policy (ratio 1: every token
@@ -23,11 +30,13 @@ has a gradient, as in the first mini-batch of a GRPO step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import Enum
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from mp_grpo.config import LossConfig, load_config
 from mp_grpo.config.job import OutputPath
@@ -35,6 +44,11 @@ from mp_grpo.megatron import IGNORE_INDEX, MegatronGRPO, MegatronScaling, MicroB
 from mp_grpo.megatron.forward_only import forward_logprobs
 from mp_grpo.megatron.fused_output import call_for_hidden_states
 from mp_grpo.ops import vocab_parallel_logprobs
+
+try:  # the logit precision setting (README, "Precision"); the fp32 rows need it
+    from mp_grpo import LogitDtype
+except ImportError:  # an mp_grpo without it: those rows are skipped, and the report says why
+    LogitDtype = None
 
 TEMPERATURE = 1.0
 """Sampling temperature of the rollouts (the common path still divides by it, as verl does)."""
@@ -56,6 +70,22 @@ class Path(str, Enum):
     LOGITS = "logits"
     FUSED = "fused"
     LOGITS_MODEL_LAYER = "logits_model_layer"
+    LOGITS_FP32 = "logits_fp32"
+    FUSED_FP32 = "fused_fp32"
+    FP32_HEAD_TF32 = "fp32_head_tf32"
+    FP32_HEAD = "fp32_head"
+
+
+MP_GRPO_FP32 = (Path.LOGITS_FP32, Path.FUSED_FP32)
+FP32_HEADS = {Path.FP32_HEAD_TF32: True, Path.FP32_HEAD: False}
+"""The frameworks' fp32 head paths and whether their fp32 GEMMs run on TF32 tensor cores."""
+
+
+def unavailable(path: Path) -> str | None:
+    """Why ``path`` cannot run with this mp_grpo (None: it can)."""
+    if Path(path) in MP_GRPO_FP32 and LogitDtype is None:
+        return "this mp_grpo has no logit precision setting (mp_grpo.LogitDtype)"
+    return None
 
 
 def loss_config() -> LossConfig:
@@ -155,9 +185,61 @@ def _model_layer_step(rig, grpo: MegatronGRPO, batch, micro: list[MicroBatch]):
 
 
 def _grpo(rig, path: Path, micro: list[MicroBatch]) -> MegatronGRPO:
-    output_path = OutputPath.FUSED if path == Path.FUSED else OutputPath.LOGITS
+    output_path = OutputPath.FUSED if path in (Path.FUSED, Path.FUSED_FP32) else OutputPath.LOGITS
+    precision = {} if path not in MP_GRPO_FP32 else {"logit_dtype": LogitDtype.FP32}
     return MegatronGRPO(loss_config(), temperature=TEMPERATURE, calculate_per_token_loss=False,
-                        num_microbatches=len(micro), groups=rig.groups, with_entropy=False, output_path=output_path)
+                        num_microbatches=len(micro), groups=rig.groups, with_entropy=False, output_path=output_path,
+                        **precision)
+
+
+# ------------------------------------------------------------------------------------- the frameworks' fp32 head
+@contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """fp32 matmuls on TF32 tensor cores (``enabled``) or in IEEE fp32 for the duration, restored after. Uses the
+    ``fp32_precision`` setting where torch has it (mixing it with the legacy ``allow_tf32`` flag is an error)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        before = matmul.fp32_precision
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = before
+    else:  # pragma: no cover - torch < 2.9
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = enabled
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = before
+
+
+def fp32_head_logits(rig, model, mb: MicroBatch) -> torch.Tensor:
+    """The frameworks' fp32 head: the output layer's mapped input and weight cast to fp32, ``F.linear`` —
+    ``[B, S, V_local]`` fp32 logits (the model's decoder and the input mapping run as on the fused path)."""
+    hidden, weight = call_for_hidden_states(model, mb.input_ids, mb.position_ids, None, **rig.model_kwargs)
+    return F.linear(hidden.float(), weight.weight.float())
+
+
+def _fp32_head_step(rig, micro: list[MicroBatch], forward_only: bool):
+    """The common path's loss on the fp32 head's logits (see :func:`_common_step`)."""
+    denominator = _trained_tokens(micro)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        logits = fp32_head_logits(rig, model, mb)
+
+        def loss_func(out):
+            logprobs = common_logprobs(out, mb.targets, mb.loss_mask)
+            if forward_only:
+                return logprobs.new_zeros(()), {"logprobs": logprobs}
+            old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
+            loss = common_ppo_loss(logprobs, old, _token_advantages(mb), mb.loss_mask, denominator=denominator)
+            return loss * len(micro), {}
+
+        return logits, loss_func
+
+    return forward_step
 
 
 # ------------------------------------------------------------------------------------- passes
@@ -168,6 +250,14 @@ def training_pass(rig, path: Path, micro: list[MicroBatch]) -> Callable[[], list
         step = _floor_step(rig, {}, forward_only=False)
     elif path == Path.COMMON:
         step = _common_step(micro, forward_only=False)
+    elif path in FP32_HEADS:
+        schedule = partial(rig.schedule, _fp32_head_step(rig, micro, forward_only=False), micro, forward_only=False)
+
+        def run():
+            with tf32_matmuls(FP32_HEADS[path]):  # forward and backward GEMMs alike
+                return schedule()
+
+        return run
     else:
         grpo = _grpo(rig, path, micro)
         batch = grpo.global_batch(micro, step=0)
@@ -182,7 +272,8 @@ def forward_pass(rig, path: Path, micro: list[MicroBatch]) -> Callable[[], list[
     """The forward-only log-prob pass (old / reference policy) over ``micro`` on ``path``, under ``no_grad``:
     the log-probs per micro-batch (the floor: None — the decoder alone, no output layer)."""
     path = Path(path)
-    grpo = None if path in (Path.FLOOR, Path.COMMON) else _grpo(rig, path, micro)  # once, as a training loop does
+    plain = (Path.FLOOR, Path.COMMON, *FP32_HEADS)
+    grpo = None if path in plain else _grpo(rig, path, micro)  # once, as a training loop does
 
     def run():
         with torch.no_grad():
@@ -192,6 +283,10 @@ def forward_pass(rig, path: Path, micro: list[MicroBatch]) -> Callable[[], list[
             if path == Path.COMMON:
                 return [d["logprobs"] for d in rig.schedule(_common_step(micro, forward_only=True), micro,
                                                             forward_only=True)]
+            if path in FP32_HEADS:
+                with tf32_matmuls(FP32_HEADS[path]):
+                    return [d["logprobs"] for d in rig.schedule(_fp32_head_step(rig, micro, forward_only=True), micro,
+                                                                forward_only=True)]
             if path == Path.LOGITS_MODEL_LAYER:
                 def step(data_iterator, model):
                     mb = next(data_iterator)
@@ -229,7 +324,8 @@ def grpo_step(rig, path: Path, micro: list[MicroBatch], optimizer) -> Callable[[
 
 def output_matmuls(tokens: int, hidden: int, vocab: int, *, backward: bool, device, dtype=torch.bfloat16):
     """The bare output layer, timed apart for the floor: ``h @ Wᵀ`` (forward-only pass) or that and its two
-    backward GEMMs from a random logits gradient (training pass). Random operands, made once."""
+    backward GEMMs from a random logits gradient (training pass). Random operands, made once. Under tensor
+    parallelism ``vocab`` is this rank's shard (V / TP)."""
     gen = torch.Generator(device=device).manual_seed(5)
     h = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype).requires_grad_(backward)
     w = (torch.randn(vocab, hidden, device=device, generator=gen) * hidden**-0.5).to(dtype).requires_grad_(backward)

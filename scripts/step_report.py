@@ -1,9 +1,16 @@
-"""Results and reports of ``bench_step.py``: ``step.json`` (resumable), ``step.md`` (tables, targets, predictions
-beside the measurements) and ``step.png``.
+"""Results and reports of ``bench_step.py``: ``step.json`` (TP = 1, resumable), ``step.md`` (tables, targets,
+predictions beside the measurements) and ``step.png``; under tensor parallelism ``step_tp.{json,md,png}`` (rows
+of every TP size, keyed by it; TP = 1 rows measured in the same session may sit there too) and
+``step_tp_scaling.png`` (each path against the floor, per TP size).
 
 The targets, on every configuration: in the training and the forward-only passes the fused path takes ≤ 1.01×
 the floor's time and fits ≥ 0.95× its tokens and the logits path takes ≤ 1.02× the floor's time; the whole step
 is held to the same time targets; the forward-only pass on the logits path fits ≥ 2× the common path's tokens.
+In the TP report also: the logits path fits ≥ 0.95× the floor's tokens; the fp32 fused path takes ≤ 1.02× the
+floor's time in both passes and fits the floor's largest micro-batch (≥ 1.0×). A dry run's report
+(``bench_step.py --dry-run``) is titled as one and carries no targets.
+``python scripts/step_report.py --merge A/step_tp.json B/step_tp.json --out DIR``: the TP rows of several runs (e.g.
+two device calls) in one report.
 The predictions were written before the runs that measured the rows.
 """
 
@@ -19,14 +26,26 @@ PLAN = [
     ("1.5b", 8192, "selective"), ("1.5b", 8192, "full"), ("0.5b", 8192, "selective"), ("0.5b", 8192, "full"),
 ]
 """The order the configurations run in: the headline (1.5B at 2048 tokens) first."""
-PATH_ORDER = ["floor", "common", "logits_model_layer", "logits", "fused"]
+PATH_ORDER = ["floor", "common", "logits_model_layer", "logits", "fused", "logits_fp32", "fused_fp32",
+              "fp32_head_tf32", "fp32_head"]
 PATH_NAMES = {
     "floor": "floor: decoder, no output layer, no loss + bare output matmuls timed apart",
     "common": "common: fp32 logits, megatron-core vocab_parallel_cross_entropy, torch PPO loss (verl's Megatron path)",
     "logits_model_layer": "mp_grpo logits path on GPTModel's own output layer (before the batch-major layer)",
     "logits": "mp_grpo logits path (GRPOLoss.on_logits, batch-major output layer)",
     "fused": "mp_grpo fused output layer + loss",
+    "logits_fp32": "mp_grpo logits path, fp32 logit precision (MegatronGRPO(logit_dtype=LogitDtype.FP32))",
+    "fused_fp32": "mp_grpo fused path, fp32 logit precision",
+    "fp32_head_tf32": "the frameworks' fp32 head: output-layer input and weight cast to fp32, F.linear on TF32 "
+                      "tensor cores (NeMo-RL's tf32), then the common path's log-probs and loss",
+    "fp32_head": "the same fp32 head with TF32 off (TRL's cast_lm_head_to_fp32, torchtitan)",
 }
+REPORT_NAMES = {1: "step"}
+"""The JSON / markdown / plot base name per TP size of the run that writes them (``step_tp`` otherwise)."""
+
+
+def report_name(tp: int) -> str:
+    return REPORT_NAMES.get(tp, "step_tp")
 KIND_TITLES = {
     "train": "Training pass: forward + loss + backward of one micro-batch (forward_backward_func, finalize_model_grads)",
     "forward": "Forward-only log-prob pass (old / reference policy), no_grad",
@@ -49,6 +68,9 @@ TARGET_FUSED_TIME = 1.01
 TARGET_FUSED_TOKENS = 0.95
 TARGET_LOGITS_TIME = 1.02
 TARGET_FORWARD_TOKENS_VS_COMMON = 2.0
+TARGET_LOGITS_TOKENS = 0.95
+TARGET_FP32_FUSED_TIME = 1.02
+TARGET_FP32_FUSED_TOKENS = 1.0
 
 # (shape, seq, kind, path, metric) -> predicted value, both recompute modes unless the key names one.
 # Written before the first run from the independent harness's table and the change's arithmetic:
@@ -89,8 +111,72 @@ CHANGE_PREDICTIONS = {
 }
 
 
-def row_key(shape: str, seq: int, recompute: str, kind: str, path) -> str:
-    return f"{shape}|{seq}|{recompute}|{kind}|{getattr(path, 'value', path)}"
+# (tp, shape, seq, kind, path, metric) -> predicted value, selective recompute, for the TP report. Written before
+# the run that measures them, from the TP = 1 rows above, the independent harness's TP = 1 fp32-head anchor
+# (1.085× / 1.497× the floor, 16384 tokens against 20480) and this arithmetic:
+# - under TP every rank's decoder does a little more than 1/TP of the work (norms, residuals and the TP all-reduces
+#   are not split), and every loss path's overhead scales with N × V_local, so the ratios to the floor shrink a
+#   little at TP = 2 and more at TP = 4, where the 7B decoder is 4.7× the 1.5B's per token against an output layer
+#   of 2.3× (H 3584 vs 1536); the output layer's input mapping (an [N, H] all-reduce of the hidden state's gradient)
+#   runs on every path, the floor's too; the mp_grpo paths add the log-prob all-gather (~30 µs);
+# - fp32 logit precision: the logits path writes and reads fp32 logits (2× the bytes: +4 B an element forward, and
+#   the gradient's conversion for the bf16 GEMMs ~+6 B in backward: ~+17 GB at 8192 × 151936 ≈ +6 ms of 454 →
+#   +1.3 %), and holds them at twice the size (5 GB at 8192 tokens, TP = 1: some of the floor's largest
+#   micro-batch lost); the fused path writes and reads fp32 chunks only (+4 B an element: +1.7 ms, +0.4 %; the
+#   chunk buffers are small: the floor's largest micro-batch kept);
+# - the frameworks' fp32 head: TF32 GEMMs replace the bf16 GEMM and Float16Module's upcast of the logits (+~5 ms
+#   at TP = 1 as the anchor measured), then the common path's costs; TF32 off: fp32 GEMMs at ~50 of H100's
+#   67 TFLOP/s (3 × 2·N·H·V_local: 11.5 TFLOP at TP = 1, 1.5B: +~200 ms); both hold the common path's fp32
+#   logits, their gradient and the fp32 weight copy: the common path's largest micro-batch.
+PREDICTIONS_TP = {
+    (1, "1.5b", 2048, "train", "logits_fp32", "time_vs_floor"): 1.018,
+    (1, "1.5b", 2048, "train", "fused_fp32", "time_vs_floor"): 1.014,
+    (1, "1.5b", 2048, "train", "fp32_head_tf32", "time_vs_floor"): 1.10,
+    (1, "1.5b", 2048, "train", "fp32_head", "time_vs_floor"): 1.50,
+    (1, "1.5b", 2048, "train", "logits_fp32", "tokens_vs_floor"): 0.90,
+    (1, "1.5b", 2048, "train", "fused_fp32", "tokens_vs_floor"): 1.00,
+    (1, "1.5b", 2048, "train", "fp32_head_tf32", "tokens_vs_floor"): 0.80,
+    (1, "1.5b", 2048, "forward", "logits_fp32", "time_vs_floor"): 1.014,
+    (1, "1.5b", 2048, "forward", "fused_fp32", "time_vs_floor"): 1.015,
+    (1, "1.5b", 2048, "forward", "fp32_head_tf32", "time_vs_floor"): 1.19,
+    (1, "1.5b", 2048, "forward", "fp32_head", "time_vs_floor"): 1.68,
+    (2, "1.5b", 2048, "train", "common", "time_vs_floor"): 1.085,
+    (2, "1.5b", 2048, "train", "logits", "time_vs_floor"): 1.006,
+    (2, "1.5b", 2048, "train", "fused", "time_vs_floor"): 1.010,
+    (2, "1.5b", 2048, "train", "logits_fp32", "time_vs_floor"): 1.017,
+    (2, "1.5b", 2048, "train", "fused_fp32", "time_vs_floor"): 1.014,
+    (2, "1.5b", 2048, "train", "fp32_head_tf32", "time_vs_floor"): 1.10,
+    (2, "1.5b", 2048, "train", "fp32_head", "time_vs_floor"): 1.48,
+    (2, "1.5b", 2048, "train", "logits", "tokens_vs_floor"): 1.00,
+    (2, "1.5b", 2048, "train", "fused", "tokens_vs_floor"): 1.00,
+    (2, "1.5b", 2048, "train", "logits_fp32", "tokens_vs_floor"): 0.95,
+    (2, "1.5b", 2048, "train", "fused_fp32", "tokens_vs_floor"): 1.00,
+    (2, "1.5b", 2048, "forward", "logits", "time_vs_floor"): 1.004,
+    (2, "1.5b", 2048, "forward", "fused", "time_vs_floor"): 1.005,
+    (2, "1.5b", 2048, "forward", "logits_fp32", "time_vs_floor"): 1.014,
+    (2, "1.5b", 2048, "forward", "fused_fp32", "time_vs_floor"): 1.015,
+    (2, "1.5b", 2048, "forward", "fused", "tokens_vs_floor"): 1.00,
+    (2, "1.5b", 2048, "forward", "fused_fp32", "tokens_vs_floor"): 1.00,
+    (4, "7b", 2048, "train", "common", "time_vs_floor"): 1.03,
+    (4, "7b", 2048, "train", "logits", "time_vs_floor"): 1.003,
+    (4, "7b", 2048, "train", "fused", "time_vs_floor"): 1.004,
+    (4, "7b", 2048, "train", "logits_fp32", "time_vs_floor"): 1.007,
+    (4, "7b", 2048, "train", "fused_fp32", "time_vs_floor"): 1.006,
+    (4, "7b", 2048, "train", "fp32_head_tf32", "time_vs_floor"): 1.06,
+    (4, "7b", 2048, "train", "fp32_head", "time_vs_floor"): 1.45,
+    (4, "7b", 2048, "train", "logits", "tokens_vs_floor"): 1.00,
+    (4, "7b", 2048, "train", "fused", "tokens_vs_floor"): 1.00,
+    (4, "7b", 2048, "train", "logits_fp32", "tokens_vs_floor"): 1.00,
+    (4, "7b", 2048, "train", "fused_fp32", "tokens_vs_floor"): 1.00,
+    (4, "7b", 2048, "forward", "logits", "time_vs_floor"): 1.002,
+    (4, "7b", 2048, "forward", "fused", "time_vs_floor"): 1.003,
+    (4, "7b", 2048, "forward", "fused_fp32", "time_vs_floor"): 1.006,
+    (4, "7b", 2048, "forward", "fused", "tokens_vs_floor"): 1.00,
+}
+
+
+def row_key(shape: str, seq: int, recompute: str, kind: str, path, tp: int = 1) -> str:
+    return f"{shape}|{seq}|{recompute}|{kind}|{getattr(path, 'value', path)}|{int(tp)}"
 
 
 @dataclass
@@ -106,10 +192,20 @@ class Results:
         if not path.exists():
             return cls(path)
         data = json.loads(path.read_text())
-        rows = {row_key(r["shape"], r["seq"], r["recompute"], r["kind"], r["path"]): r for r in data["rows"]}
+        rows = {row_key(r["shape"], r["seq"], r["recompute"], r["kind"], r["path"], r.get("tp", 1)): r
+                for r in data["rows"]}
         return cls(path, data.get("meta", {}), rows)
 
-    def start(self, command: str) -> None:
+    @property
+    def tp_report(self) -> bool:
+        """The tensor-parallel report (``step_tp``): rows of several TP sizes, a TP column."""
+        return self.path.stem != "step"
+
+    @property
+    def dry_run(self) -> bool:
+        return bool(self.meta.get("dry_run"))
+
+    def start(self, command: str, *, device: str | None = None, dry_run: bool = False) -> None:
         import torch
 
         versions = {"torch": torch.__version__, "python": platform.python_version()}
@@ -120,21 +216,28 @@ class Results:
             versions.update(megatron_core=megatron.core.__version__, triton=triton.__version__)
         except ImportError:
             pass
-        if torch.cuda.is_available():
+        if device is not None:
+            versions["device"] = device
+        elif torch.cuda.is_available():
             versions["device"] = torch.cuda.get_device_name()
         import os
 
-        self.meta.setdefault("runs", []).append({"command": command, **versions,
-                                                  "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")})
+        run = {"command": command, **versions, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+        if dry_run:
+            run["dry_run"] = True
+            self.meta["dry_run"] = True
+        self.meta.setdefault("runs", []).append(run)
         self.meta.update(versions)
 
     def row(self, key: str) -> dict:
         return self.rows.get(key, {})
 
     def update(self, key: str, values: dict) -> None:
-        shape, seq, recompute, kind, path = key.split("|")
-        row = self.rows.setdefault(key, {"shape": shape, "seq": int(seq), "recompute": recompute, "kind": kind,
-                                         "path": path})
+        shape, seq, recompute, kind, path, tp = key.split("|")
+        fields = {"shape": shape, "seq": int(seq), "recompute": recompute, "kind": kind, "path": path}
+        if int(tp) != 1 or self.tp_report:
+            fields["tp"] = int(tp)
+        row = self.rows.setdefault(key, fields)
         row.update(values)
 
     def complete(self, key: str, *, search: bool) -> bool:
@@ -145,31 +248,39 @@ class Results:
         ordered = sorted(self.rows.values(), key=_order)
         self.path.write_text(json.dumps({"meta": self.meta, "rows": ordered}, indent=1))
 
-    def groups(self):
-        """``{(shape, seq, recompute, kind): {path: row}}`` in plan order."""
+    def groups(self, tp: int | None = 1):
+        """``{(shape, seq, recompute, kind): {path: row}}`` of the rows at TP = ``tp`` in plan order; ``tp=None``:
+        every TP size, keyed ``(shape, seq, recompute, kind, tp)``."""
         out: dict = {}
         for r in sorted(self.rows.values(), key=_order):
-            out.setdefault((r["shape"], r["seq"], r["recompute"], r["kind"]), {})[r["path"]] = r
+            where = (r["shape"], r["seq"], r["recompute"], r["kind"])
+            if tp is None:
+                out.setdefault((*where, r.get("tp", 1)), {})[r["path"]] = r
+            elif r.get("tp", 1) == tp:
+                out.setdefault(where, {})[r["path"]] = r
         return out
+
+    def tp_sizes(self) -> list[int]:
+        return sorted({r.get("tp", 1) for r in self.rows.values()})
 
     def summary(self) -> str:
         lines = []
-        for (shape, seq, rec, kind), rows in self.groups().items():
+        for (shape, seq, rec, kind, tp), rows in self.groups(tp=None).items():
             floor = rows.get("floor", {})
             for name in PATH_ORDER:
                 r = rows.get(name)
                 if r and "ms" in r:
                     ratio = f"{r['ms'] / floor['ms']:.3f}x" if "ms" in floor else "  —  "
                     tokens = r.get("max_tokens", "—")
-                    lines.append(f"{shape:>5} {seq:>5} {rec:<9} {kind:<7} {name:<18} {r['ms']:9.1f} ms {ratio:>7} "
-                                 f"{r['peak_GiB']:6.2f} GiB  max tokens {tokens}")
+                    lines.append(f"TP {tp} {shape:>5} {seq:>5} {rec:<9} {kind:<7} {name:<18} {r['ms']:9.1f} ms "
+                                 f"{ratio:>7} {r['peak_GiB']:6.2f} GiB  max tokens {tokens}")
         return "\n".join(lines)
 
 
 def _order(r: dict):
     plan = [(s, q, c) for s, q, c in PLAN]
     where = (r["shape"], r["seq"], r["recompute"])
-    return (plan.index(where) if where in plan else len(plan), r["shape"], r["seq"], r["recompute"],
+    return (r.get("tp", 1), plan.index(where) if where in plan else len(plan), r["shape"], r["seq"], r["recompute"],
             list(("train", "forward", "step")).index(r["kind"]), PATH_ORDER.index(r["path"]))
 
 
@@ -191,37 +302,52 @@ def ratios(rows: dict) -> dict:
 
 
 def targets(results: Results) -> list[str]:
-    """One line per target and configuration: met or not, by how much."""
+    """One line per target and configuration: met or not, by how much (none for a dry run)."""
+    if results.dry_run:
+        return ["- a dry run: stubbed measurements, no target is checked"]
     lines = []
-    for (shape, seq, rec, kind), rows in results.groups().items():
-        r = ratios(rows)
-        where = f"{shape} @ {seq}, {rec}"
-        checks = [("fused", "time_vs_floor", TARGET_FUSED_TIME, True), ("logits", "time_vs_floor", TARGET_LOGITS_TIME, True)]
-        if kind in ("train", "forward"):
-            checks.insert(1, ("fused", "tokens_vs_floor", TARGET_FUSED_TOKENS, False))
-        if kind == "forward":
-            checks.append(("logits", "tokens_vs_common", TARGET_FORWARD_TOKENS_VS_COMMON, False))
-        for path, metric, limit, at_most in checks:
-            value = r.get(path, {}).get(metric)
-            if value is None:
-                lines.append(f"- {where}, {kind}, {path} {metric}: not measured")
-                continue
-            met = value <= limit if at_most else value >= limit
-            why = ""
-            if not met and metric == "tokens_vs_common" and r.get("common", {}).get("tokens_vs_floor", 0) >= 1:
-                why = (" — the common path already fits the floor's own largest micro-batch: the decoder (the local "
-                       "spec's S × S attention scores), not the loss, bounds every path")
-            lines.append(f"- {where}, {kind}, {path} {metric.replace('_', ' ')} = {value:.4f} "
-                         f"(target {'≤' if at_most else '≥'} {limit}): {'met' if met else 'NOT MET'}{why}")
+    for tp in results.tp_sizes():
+        for (shape, seq, rec, kind), rows in results.groups(tp).items():
+            r = ratios(rows)
+            where = f"{shape} @ {seq}, {rec}" + (f", TP = {tp}" if results.tp_report else "")
+            checks = [("fused", "time_vs_floor", TARGET_FUSED_TIME, True), ("logits", "time_vs_floor", TARGET_LOGITS_TIME, True)]
+            if kind in ("train", "forward"):
+                checks.insert(1, ("fused", "tokens_vs_floor", TARGET_FUSED_TOKENS, False))
+            if kind == "forward":
+                checks.append(("logits", "tokens_vs_common", TARGET_FORWARD_TOKENS_VS_COMMON, False))
+            if results.tp_report:  # the TP issue's targets and the fp32 precision's; only the paths that ran
+                if kind in ("train", "forward"):
+                    checks.insert(3, ("logits", "tokens_vs_floor", TARGET_LOGITS_TOKENS, False))
+                    checks += [("fused_fp32", "time_vs_floor", TARGET_FP32_FUSED_TIME, True)]
+                if kind == "train":
+                    checks += [("fused_fp32", "tokens_vs_floor", TARGET_FP32_FUSED_TOKENS, False)]
+                checks = [c for c in checks if c[0] in rows and (c[1] != "tokens_vs_common" or "common" in r
+                                                                 and "max_tokens" in rows["common"])]
+            for path, metric, limit, at_most in checks:
+                value = r.get(path, {}).get(metric)
+                if value is None:
+                    lines.append(f"- {where}, {kind}, {path} {metric}: not measured")
+                    continue
+                met = value <= limit if at_most else value >= limit
+                why = ""
+                if not met and metric == "tokens_vs_common" and r.get("common", {}).get("tokens_vs_floor", 0) >= 1:
+                    why = (" — the common path already fits the floor's own largest micro-batch: the decoder (the local "
+                           "spec's S × S attention scores), not the loss, bounds every path")
+                lines.append(f"- {where}, {kind}, {path} {metric.replace('_', ' ')} = {value:.4f} "
+                             f"(target {'≤' if at_most else '≥'} {limit}): {'met' if met else 'NOT MET'}{why}")
     return lines
 
 
 # ------------------------------------------------------------------------------------------------ reports
-def write_reports(results: Results, out: FilePath, *, plot: bool) -> None:
+def write_reports(results: Results, out: FilePath, *, plot: bool, tp1_json: FilePath | None = None) -> None:
     results.save()
-    (out / "step.md").write_text(markdown(results))
+    name = results.path.stem
+    (out / f"{name}.md").write_text(markdown_tp(results) if results.tp_report else markdown(results))
     if plot and results.rows:
-        plot_results(results, out / "step.png")
+        plot_results(results, out / f"{name}.png")
+        if results.tp_report:
+            tp1 = Results.load(tp1_json) if tp1_json is not None else None
+            plot_tp_scaling(results, out / "step_tp_scaling.png", tp1=tp1)
 
 
 def _fmt_tokens(r: dict) -> str:
@@ -257,7 +383,7 @@ def markdown(results: Results) -> str:
         "ratios to the floor understate the gaps a TE user sees. The `common` path calls the model as verl does, "
         "with `Float16Module`'s default fp32 output.",
         "",
-        "Paths: " + "; ".join(f"`{k}` = {v}" for k, v in PATH_NAMES.items()) + ".",
+        "Paths: " + "; ".join(f"`{k}` = {v}" for k, v in PATH_NAMES.items() if k in _paths_present(results)) + ".",
         "",
         f"Commands: {commands}",
         "",
@@ -312,6 +438,16 @@ def _predictions(title: str, predictions: dict, results: Results) -> list[str]:
     return lines + [""]
 
 
+COLORS = {"floor": "tab:gray", "common": "tab:red", "logits_model_layer": "tab:purple", "logits": "tab:blue",
+          "fused": "tab:green", "logits_fp32": "tab:cyan", "fused_fp32": "tab:olive", "fp32_head_tf32": "tab:orange",
+          "fp32_head": "tab:brown"}
+
+
+def _paths_present(results: Results) -> list[str]:
+    present = {r["path"] for r in results.rows.values()}
+    return [p for p in PATH_ORDER if p in present]
+
+
 def plot_results(results: Results, path: FilePath) -> None:
     import matplotlib
 
@@ -321,25 +457,28 @@ def plot_results(results: Results, path: FilePath) -> None:
     panels = [("train", "time_vs_floor", "training pass: time / floor"),
               ("train", "max_tokens", "training pass: max tokens per micro-batch"),
               ("forward", "max_tokens", "forward-only pass: max tokens per micro-batch")]
-    groups = results.groups()
+    tp_report = results.tp_report
+    groups = results.groups(tp=None if tp_report else 1)
     n = max(len([k for k in groups if k[3] == kind]) for kind in ("train", "forward"))
+    present = _paths_present(results)
+    width = 0.8 / max(len(present), 5)
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.6 * n + 3), 11))
-    colors = {"floor": "tab:gray", "common": "tab:red", "logits_model_layer": "tab:purple", "logits": "tab:blue",
-              "fused": "tab:green"}
-    width = 0.16
     for ax, (kind, metric, title) in zip(axes, panels):
         labels = []
         configs = [k for k in groups if k[3] == kind]
-        for i, (shape, seq, rec, _) in enumerate(configs):
-            rows = groups[(shape, seq, rec, kind)]
-            labels.append(f"{shape} S={seq}" + (f"\n{rec} recompute" if kind == "train" else ""))
+        for i, key in enumerate(configs):
+            shape, seq, rec = key[:3]
+            rows = groups[key]
+            labels.append((f"TP = {key[4]}, " if tp_report else "") + f"{shape} S={seq}"
+                          + (f"\n{rec} recompute" if kind == "train" else ""))
             x_ratios = ratios(rows)
-            for j, name in enumerate(PATH_ORDER):
+            for j, name in enumerate(present):
                 r = rows.get(name, {})
                 value = x_ratios.get(name, {}).get(metric) if metric == "time_vs_floor" else r.get(metric)
                 if value is None:
                     continue
-                ax.bar(i + (j - 2) * width, value, width, color=colors[name], label=name if i == 0 else None)
+                ax.bar(i + (j - (len(present) - 1) / 2) * width, value, width, color=COLORS[name],
+                       label=name if name not in ax.get_legend_handles_labels()[1] else None)
         ax.set_xticks(range(len(configs)))
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(title, fontsize=10)
@@ -348,7 +487,165 @@ def plot_results(results: Results, path: FilePath) -> None:
             ax.axhline(TARGET_LOGITS_TIME, color="tab:blue", linestyle="--", linewidth=0.8)
             ax.set_ylim(0.95, None)
         ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
-    fig.suptitle(f"GRPO step, Qwen2.5 shapes, local layer spec, bf16 — {results.meta.get('device', '')}", fontsize=10)
+    what = "tensor parallel" if tp_report else "local layer spec"
+    fig.suptitle(_dry_prefix(results) + f"GRPO step, Qwen2.5 shapes, {what}, bf16 — {results.meta.get('device', '')}",
+                 fontsize=10)
     fig.tight_layout(h_pad=2.5)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _dry_prefix(results: Results) -> str:
+    return "DRY RUN (CPU, stubbed measurements) — " if results.dry_run else ""
+
+
+def plot_tp_scaling(results: Results, path: FilePath, *, tp1: Results | None = None) -> None:
+    """Per TP size (its model shape named): each path's time and largest micro-batch against the floor's, training
+    and forward-only passes (selective recompute, S = 2048 where measured). TP = 1 rows from ``tp1`` where the
+    TP report has none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs: dict[int, dict] = {}
+    for source in ([tp1] if tp1 is not None else []) + [results]:
+        for (shape, seq, rec, kind, tp), rows in source.groups(tp=None).items():
+            if rec == "selective" and (tp not in configs or configs[tp].get("source") is not results or source is results):
+                entry = configs.setdefault(tp, {"source": source, "shape": shape, "seq": seq, "rows": {}})
+                if entry["source"] is not source:
+                    entry.update(source=source, shape=shape, seq=seq, rows={})
+                if (shape, seq) == (entry["shape"], entry["seq"]):
+                    entry["rows"][kind] = rows
+    if not configs:
+        return
+    sizes = sorted(configs)
+    panels = [("train", "time_vs_floor", "training pass: time / floor"),
+              ("forward", "time_vs_floor", "forward-only log-prob pass: time / floor"),
+              ("train", "tokens_vs_floor", "training pass: largest micro-batch / floor's"),
+              ("forward", "tokens_vs_floor", "forward-only pass: largest micro-batch / floor's")]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for ax, (kind, metric, title) in zip(axes.flat, panels):
+        for name in PATH_ORDER:
+            if name == "floor":
+                continue
+            xs, ys = [], []
+            for i, tp in enumerate(sizes):
+                value = ratios(configs[tp]["rows"].get(kind, {})).get(name, {}).get(metric)
+                if value is not None:
+                    xs.append(i)
+                    ys.append(value)
+            if ys:
+                ax.plot(xs, ys, marker="o", color=COLORS[name], label=name)
+        ax.axhline(1.0, color="tab:gray", linewidth=0.8)
+        if metric == "time_vs_floor":
+            ax.axhline(TARGET_FUSED_TIME, color="tab:green", linestyle="--", linewidth=0.8)
+            ax.axhline(TARGET_LOGITS_TIME, color="tab:blue", linestyle="--", linewidth=0.8)
+            ax.set_yscale("log")
+        else:
+            ax.axhline(TARGET_FUSED_TOKENS, color="tab:green", linestyle="--", linewidth=0.8)
+        ax.set_xticks(range(len(sizes)))
+        ax.set_xticklabels([f"TP = {tp}\n{configs[tp]['shape']} S={configs[tp]['seq']}" for tp in sizes], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(_dry_prefix(results) + "GRPO step under tensor parallelism: each path against the no-loss floor "
+                 f"(selective recompute) — {results.meta.get('device', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown_tp(results: Results) -> str:
+    """The TP report (``step_tp.md``): every TP size's rows, targets, predictions."""
+    meta = results.meta
+    commands = "; ".join(f"`{run['command']}`" for run in meta.get("runs", []))
+    title = "# A GRPO step under tensor parallelism"
+    lines = [f"{title} — {meta.get('device', '?')}", ""]
+    if results.dry_run:
+        lines += ["**DRY RUN — not a measurement.** `bench_step.py --dry-run` ran the driver on the CPU with the CPU "
+                  "stand-in model (no attention), gloo and Triton's interpreter; times are host-clock times of the "
+                  "stand-in, memory figures and the search's limit a fixed model. It checks the script's plumbing only.",
+                  ""]
+    shapes = sorted({r["shape"] for r in results.rows.values()})
+    lines += [
+        "megatron-core GPTModel with the **local layer spec** (no Transformer Engine), bf16 (`Float16Module`), Megatron "
+        "DDP with fp32 gradient buffers, split over TP ranks (TP = world size, no sequence parallelism: the local "
+        "spec's norms refuse it; every rank fed the same micro-batches), shapes " + ", ".join(shapes) + " "
+        "(1.5b: H 1536, 28 layers, 12 heads, 2 query groups, FFN 8960, V = 151936, tied embeddings; 7b: H 3584, 28 "
+        "layers, 28 heads, 4 query groups, FFN 18944, V = 152064, untied). Padded rows of S tokens (the first S/8 a "
+        "prompt), random tokens, through megatron-core's `forward_backward_func`. Times: the slowest rank's median "
+        "over a few steps (CUDA events) of one micro-batch of 8192 tokens; the floor's output matmuls are this "
+        "rank's vocabulary shard's (V / TP columns); peak: the largest over ranks of the allocated memory during one "
+        "step; max tokens: the largest micro-batch that runs on every rank (probes agreed over the ranks; the mp_grpo "
+        "and other paths start from the floor's largest B, so `≥` is not used there: the next probe is the floor's "
+        "first failure). Same objective on every path (PPO clip 0.2, dual clip 3, token mean, on-policy). "
+        f"torch {meta.get('torch')}, triton {meta.get('triton')}, megatron-core {meta.get('megatron_core')}, "
+        f"`PYTORCH_CUDA_ALLOC_CONF={meta.get('runs', [{}])[-1].get('PYTORCH_CUDA_ALLOC_CONF')}`.",
+        "",
+        "Paths: " + "; ".join(f"`{k}` = {v}" for k, v in PATH_NAMES.items() if k in _paths_present(results)) + ".",
+        "",
+    ]
+    if meta.get("skipped_paths"):
+        lines += ["Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in meta["skipped_paths"].items()) + ".", ""]
+    lines += [f"Commands: {commands}", ""]
+    for kind in ("train", "forward", "step"):
+        groups = {k: v for k, v in results.groups(tp=None).items() if k[3] == kind}
+        if not groups:
+            continue
+        lines += [f"## {KIND_TITLES[kind]}", "",
+                  "| TP | model | S | recompute | path | ms (per rank) | × floor | peak GiB | max B | max tokens | × floor | "
+                  "× common |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (shape, seq, rec, _, tp), rows in groups.items():
+            r_all = ratios(rows)
+            for name in PATH_ORDER:
+                r = rows.get(name)
+                if not r or "ms" not in r:
+                    continue
+                x = r_all.get(name, {})
+                time_ratio = f"{x['time_vs_floor']:.3f}" if "time_vs_floor" in x else "—"
+                ms = f"{r['ms']:.1f}" + (f" ({r['decoder_ms']:.1f} + {r['matmul_ms']:.1f})" if "matmul_ms" in r else "")
+                if len(r.get("ms_per_rank", [])) > 1:
+                    ms += " [" + " / ".join(f"{v:.1f}" for v in r["ms_per_rank"]) + "]"
+                tok_f = f"{x['tokens_vs_floor']:.2f}" if "tokens_vs_floor" in x else "—"
+                tok_c = f"{x['tokens_vs_common']:.2f}" if "tokens_vs_common" in x else "—"
+                lines.append(f"| {tp} | {shape} | {seq} | {rec} | {name} | {ms} | {time_ratio} | {r['peak_GiB']:.2f} | "
+                             f"{r.get('max_B', '—')} | {_fmt_tokens(r)} | {tok_f} | {tok_c} |")
+        lines.append("")
+    lines += ["## Targets", "", *targets(results), ""]
+    lines += ["## Predictions (written before the run) and measurements (selective recompute)", "",
+              "| TP | model | S | row | path | metric | predicted | measured |", "|---|---|---|---|---|---|---|---|"]
+    groups = results.groups(tp=None)
+    for (tp, shape, seq, kind, path, metric), predicted in PREDICTIONS_TP.items():
+        value = ratios(groups.get((shape, seq, "selective", kind, tp), {})).get(path, {}).get(metric)
+        lines.append(f"| {tp} | {shape} | {seq} | {kind} | {path} | {metric.replace('_', ' ')} | {predicted} | "
+                     f"{'—' if value is None else f'{value:.3f}'} |")
+    return "\n".join(lines + [""])
+
+
+def merge(sources: list[FilePath], out: FilePath) -> Results:
+    """The rows of several ``step_tp.json`` files (runs of different calls) in one ``out/step_tp.json``, its markdown
+    and plots; a row measured in two files is taken from the later file. Dry-run files are refused."""
+    merged = Results(out / "step_tp.json")
+    for source in sources:
+        part = Results.load(source)
+        if not part.rows:
+            raise SystemExit(f"--merge: {source} holds no rows")
+        if part.dry_run:
+            raise SystemExit(f"--merge: {source} is a dry run's (stubbed figures): never merged into a report")
+        for run in part.meta.get("runs", []):
+            merged.meta.setdefault("runs", []).append(run)
+        merged.meta.update({k: v for k, v in part.meta.items() if k != "runs"})
+        merged.rows.update(part.rows)
+    out.mkdir(parents=True, exist_ok=True)
+    write_reports(merged, out, plot=True)
+    return merged
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Regenerate the step reports, or merge TP reports of several runs.")
+    parser.add_argument("--merge", nargs="+", type=FilePath, metavar="STEP_TP_JSON", required=True)
+    parser.add_argument("--out", type=FilePath, required=True)
+    args = parser.parse_args()
+    print(merge(args.merge, args.out).summary())

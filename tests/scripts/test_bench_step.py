@@ -6,11 +6,13 @@
 - The common path's loss (``step_paths.common_ppo_loss``, verl's vanilla PPO loss written from its description)
   against the float64 reference of verl's loss in ``tests/reference.py``, value and gradient.
 - The row builders on the CPU stand-ins (2 gloo ranks, TP = 2, megatron-core's ``parallel_state``, tied
-  embeddings, fp32 ``main_grad``): the common, logits, logits-on-the-model's-layer and fused training passes give
-  the same gradients (one objective); the floor's pass reaches every decoder parameter and not through the
-  output layer; the forward-only passes give the float64 log-probs; a whole GRPO step feeds its forward-only
-  log-probs to the training pass and steps the optimizer.
-- The report: results saved and loaded (resume), ratios, target lines, markdown and plot.
+  embeddings, fp32 ``main_grad``): the common, logits, logits-on-the-model's-layer and fused training passes, their
+  fp32 logit precision and the frameworks' fp32 head (TF32 on and off) give the same gradients (one objective);
+  the floor's pass reaches every decoder parameter and not through the output layer; the forward-only passes give
+  the float64 log-probs; a whole GRPO step feeds its forward-only log-probs to the training pass and steps the
+  optimizer.
+- The report: results saved and loaded (resume), ratios, target lines, markdown and plot; the TP report
+  (``step_tp``: rows keyed by TP size, the extra targets, the TP-scaling plot) and a dry run's report.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import measure  # noqa: E402
 import step_report  # noqa: E402
 from step_paths import Path as StepPath  # noqa: E402
-from step_paths import common_ppo_loss  # noqa: E402
+from step_paths import common_ppo_loss, unavailable  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- the search
@@ -126,28 +128,10 @@ def test_common_ppo_loss_equals_verl_reference(seed: int) -> None:
 
 # ------------------------------------------------------------------------------------------- the rows on CPU
 def _cpu_rig(groups, seq: int):
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from step_model import Rig
+    from step_model import cpu_rig
 
-    from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
-    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
-    from mp_grpo.train.cpu_schedule import forward_backward_cpu
-
-    hidden, vocab = 16, 64
-    config = cpu_model_config(hidden_size=hidden, tensor_model_parallel_size=groups.tp_size)
-    config.finalize_model_grads_func = finalize_model_grads
-    model = CpuGPTStandIn(config, vocab_size=vocab, max_sequence_length=seq, tp_group=groups.tp,
-                          share_embeddings_and_output_weights=True)
-    model.load_full_weights(random_full_weights(config, vocab_size=vocab, max_sequence_length=seq, seed=3))
-    model.word_embeddings.weight.zero_out_wgrad = True  # as GPTModel does for the tied weight
-    ddp = CpuDistributedDataParallel(config, DistributedDataParallelConfig(), model, dp_cp_group=groups.dp_cp,
-                                     main_grad=True)
-
-    def fbf(**kwargs):
-        kwargs.pop("seq_length"), kwargs.pop("micro_batch_size")
-        return forward_backward_cpu(groups=groups, **kwargs)
-
-    return Rig(model=ddp, groups=groups, forward_backward_func=fbf, hidden=hidden, vocab=vocab), model
+    rig = cpu_rig(groups, hidden=16, vocab=64, seq_len=seq)
+    return rig, rig.model.module
 
 
 def _full_grads(model) -> dict[str, torch.Tensor]:
@@ -181,12 +165,13 @@ def case_rows(tp: int) -> None:
         micro = synthetic_micro_batches(2, 2, seq, rig.vocab, seed=5, device="cpu")
         # --- training passes: one objective, one gradient ---
         grads = {}
-        for path in StepPath:
+        available = [p for p in StepPath if unavailable(p) is None]  # the fp32 rows need mp_grpo.LogitDtype
+        for path in available:
             rig.zero_grad()
             training_pass(rig, path, micro)()
             grads[path] = _full_grads(model)
         ref = grads[StepPath.COMMON]
-        for path in (StepPath.LOGITS, StepPath.FUSED, StepPath.LOGITS_MODEL_LAYER):
+        for path in (p for p in available if p not in (StepPath.COMMON, StepPath.FLOOR)):
             for name, g in ref.items():
                 assert_close(grads[path][name], g, torch.float32, msg=f"{path.value} grad of {name}")
         floor = grads[StepPath.FLOOR]
@@ -204,7 +189,7 @@ def case_rows(tp: int) -> None:
                 dist.all_gather(parts, local.contiguous(), group=groups.tp)
                 full_logits.append(torch.cat(parts, dim=-1))
         assert forward_pass(rig, StepPath.FLOOR, micro)() is None
-        for path in (StepPath.COMMON, StepPath.LOGITS, StepPath.FUSED, StepPath.LOGITS_MODEL_LAYER):
+        for path in (p for p in available if p != StepPath.FLOOR):
             out = forward_pass(rig, path, micro)()
             for i, (lp, logits, mb) in enumerate(zip(out, full_logits, micro)):
                 expected, _ = logprobs_reference(logits, mb.targets)
@@ -281,6 +266,73 @@ def test_results_resume_and_report(tmp_path: Path) -> None:
     bounded = [t for t in step_report.targets(again) if "8192" in t and "tokens vs common" in t]
     assert len(bounded) == 1 and "NOT MET — the common path already fits the floor's own" in bounded[0]
     assert (tmp_path / "step.png").stat().st_size > 10_000
+
+
+def test_tp_report(tmp_path: Path) -> None:
+    """step_tp: rows of TP = 1, 2 and 4 side by side (keyed by TP size), the TP targets (the logits path's tokens, the
+    fp32 fused path's time and tokens), the predictions table, the TP-scaling plot; a dry run's report says so."""
+    assert step_report.report_name(1) == "step" and step_report.report_name(4) == "step_tp"
+    results = step_report.Results.load(tmp_path / "step_tp.json")
+    results.start(command="torchrun --nproc_per_node 2 scripts/bench_step.py", device="NVIDIA H100 80GB HBM3")
+    rows = {"floor": (100.0, 1000), "logits": (100.4, 1000), "fused": (100.8, 1000), "fused_fp32": (101.5, 1000),
+            "logits_fp32": (101.9, 900), "fp32_head": (150.0, 800)}
+    for tp, shape in ((1, "1.5b"), (2, "1.5b"), (4, "7b")):
+        for kind in ("train", "forward"):
+            for name, (ms, tokens) in rows.items():
+                key = step_report.row_key(shape, 2048, "selective", kind, name, tp)
+                results.update(key, {"B": 4, "tokens": 8192, "ms": ms * tp, "peak_bytes": 2**30, "peak_GiB": 1.0,
+                                     "max_B": tokens // 2048, "max_tokens": tokens, "first_failure_B": tokens // 2048 + 1,
+                                     **({"ms_per_rank": [ms * tp] * tp} if tp > 1 else {})})
+    step_report.write_reports(results, tmp_path, plot=True)
+    again = step_report.Results.load(tmp_path / "step_tp.json")
+    assert again.rows == results.rows and again.tp_sizes() == [1, 2, 4]
+    assert all(r["tp"] in (1, 2, 4) for r in again.rows.values())  # the TP report keys every row, TP = 1 included
+    text = (tmp_path / "step_tp.md").read_text()
+    assert "| 4 | 7b | 2048 | selective | fused_fp32 | 406.0 [406.0 / 406.0 / 406.0 / 406.0] | 1.015 |" in text
+    targets = step_report.targets(again)
+    assert any("7b @ 2048, selective, TP = 4, train, fused_fp32 time vs floor = 1.0150 (target ≤ 1.02): met" in t
+               for t in targets)
+    assert any("TP = 2, train, logits tokens vs floor = 1.0000 (target ≥ 0.95): met" in t for t in targets)
+    assert any("TP = 1, forward, fused_fp32 time vs floor = 1.0150 (target ≤ 1.02): met" in t for t in targets)
+    assert "| 4 | 7b | 2048 | train | fused | time vs floor | 1.004 | 1.008 |" in text  # prediction beside measurement
+    assert (tmp_path / "step_tp_scaling.png").stat().st_size > 10_000 and (tmp_path / "step_tp.png").exists()
+    # the TP = 1 report is untouched by TP rows: its keys and rows carry no TP
+    plain = step_report.Results.load(tmp_path / "step.json")
+    plain.update(step_report.row_key("1.5b", 2048, "selective", "train", "floor"), {"ms": 1.0})
+    assert "tp" not in next(iter(plain.rows.values()))
+    # a dry run: titled as one, no targets checked
+    dry = step_report.Results.load(tmp_path / "dry" / "step_tp.json")
+    (tmp_path / "dry").mkdir()
+    dry.start(command="bench_step.py --dry-run", device="CPU", dry_run=True)
+    dry.rows = again.rows
+    step_report.write_reports(dry, tmp_path / "dry", plot=False)
+    text = (tmp_path / "dry" / "step_tp.md").read_text()
+    assert "DRY RUN — not a measurement" in text and step_report.targets(dry) == [
+        "- a dry run: stubbed measurements, no target is checked"]
+
+
+def test_tp_report_merge(tmp_path: Path) -> None:
+    """Two device calls' step_tp.json files in one report: every row kept (the later file wins a row measured in
+    both), both runs' commands; a dry run's file refused."""
+    parts = []
+    for i, (tp, ms) in enumerate(((2, 100.0), (4, 200.0))):
+        results = step_report.Results.load(tmp_path / f"run{i}" / "step_tp.json")
+        (tmp_path / f"run{i}").mkdir()
+        results.start(command=f"run {i}", device="H100")
+        for name in ("floor", "fused"):
+            results.update(step_report.row_key("1.5b", 2048, "selective", "train", name, tp),
+                           {"ms": ms + (name == "fused"), "peak_GiB": 1.0, "peak_bytes": 2**30, "B": 4, "tokens": 8192})
+        results.save()
+        parts.append(results.path)
+    merged = step_report.merge(parts, tmp_path / "merged")
+    assert merged.tp_sizes() == [2, 4] and [r["command"] for r in merged.meta["runs"]] == ["run 0", "run 1"]
+    assert "| 4 | 1.5b | 2048 | selective | fused | 201.0 | 1.005 |" in (tmp_path / "merged" / "step_tp.md").read_text()
+    dry = step_report.Results.load(tmp_path / "dry.json")
+    dry.start(command="dry", device="CPU", dry_run=True)
+    dry.update(step_report.row_key("1.5b", 2048, "selective", "train", "floor", 2), {"ms": 1.0, "peak_GiB": 1.0})
+    dry.save()
+    with pytest.raises(SystemExit, match="dry run"):
+        step_report.merge([dry.path], tmp_path / "merged2")
 
 
 if __name__ == "__main__":

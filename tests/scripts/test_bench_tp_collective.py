@@ -1,0 +1,51 @@
+"""scripts/bench_tp_collective.py's bookkeeping on CPU, without ranks: the merge of every rank's timings into one row
+(the slowest rank's median, the host clocks' spread), the ratio to the no-collective twin in the same mode, the
+report with the predictions beside the measurements, and the plot. (The whole script runs on CPU under gloo with
+``--dry-run``: ``.coord``'s GPU step runs it that way first.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tests.distributed import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import bench_tp_collective as btc  # noqa: E402
+
+
+def _rank_row(variant: str, mode: str, part: str, ms: float, start: float, twin: str | None) -> dict:
+    return {"V": 151936, "N": 16384, "tp": 2, "variant": variant, "twin": twin, "mode": mode, "part": part,
+            "ms": ms, "times": [ms, ms + 0.1, ms - 0.1], "starts": [start, start + 1.0, start + 2.0],
+            "phases": {"forward": [0.5, 0.2], "backward": [ms, 0.3]} if part == "fwd_bwd" else {},
+            "cuda_mallocs": 0, "alloc_retries": 0}
+
+
+def test_merge_ranks_ratio_report_and_plot(tmp_path: Path) -> None:
+    rows = []
+    for variant, twin, ms in (("op local", None, 1.0), ("op tp", "op local", 1.1)):
+        for mode in ("eager", "host_ahead"):
+            for part in btc.PARTS:
+                per_rank = [_rank_row(variant, mode, part, ms, 100.0, twin),
+                            _rank_row(variant, mode, part, ms + 0.2, 100.00005, twin)]
+                rows.append(btc.merge_ranks(per_rank))
+    eager = next(r for r in rows if (r["variant"], r["mode"], r["part"]) == ("op tp", "eager", "fwd_bwd"))
+    assert eager["ms"] == 1.3 and eager["ms_per_rank"] == [1.1, 1.3]  # the slowest rank's median
+    assert abs(eager["start_spread_us"]["median"] - 50.0) < 1e-3  # 50 µs between the ranks' host clocks
+    assert abs(btc.ratio(rows, eager) - 1.3 / 1.2) < 1e-12  # against the twin's slowest rank, same mode and part
+    failed = btc.merge_ranks([{**_rank_row("op tp", "graph", "fwd", 1.0, 0.0, "op local")},
+                              {"V": 151936, "variant": "op tp", "mode": "graph", "part": "fwd", "error": "boom"}])
+    assert failed["error"] == "boom" and "ms" not in failed
+    result = {"tp": 2, "tokens": 16384, "vocab": [151936], "iters": 3, "device": "NVIDIA H100 80GB HBM3",
+              "torch": "x", "triton": "y", "command": "torchrun ...", "dry_run": False,
+              "manual_gradient_bitwise_equal_to_op": {"151936": {"manual tp": True}}, "rows": rows + [failed]}
+    btc.write_report(result, tmp_path)
+    text = (tmp_path / "tp_collective_tp2.md").read_text()
+    assert "| op tp | eager | 1.300 [1.100 / 1.300] | 1.083 |" in text
+    assert "| 151936 | fwd_bwd | eager | 1.01 | 1.083 |" in text  # prediction beside the measurement
+    assert "manual tp: yes" in text and "boom" in text
+    assert json.loads((tmp_path / "tp_collective_tp2.json").read_text())["rows"][0]["variant"] == "op local"
+    btc.plot(tmp_path)
+    assert (tmp_path / "tp_collective.png").stat().st_size > 10_000
