@@ -46,6 +46,9 @@ mask, and a collective only to check that the ranks agree. Such a batch checks w
 micro-batch never has more valid tokens or sequences than the step); the checks of its inputs are in
 :mod:`mp_grpo.loss.step_counts`.
 
+**Unnormalized.** :meth:`GlobalBatch.unnormalized` is the account of a loop that divides by the step's count
+itself, once, after the step (NeMo-RL's split-API trainers): N = S = 1, for objectives linear in that count.
+
 Every rank of ``group`` must call the constructor (it makes collectives), with its own micro-batches.
 Tensor-parallel ranks hold copies of the same tokens: ``group`` never includes them.
 """
@@ -67,7 +70,8 @@ from mp_grpo.loss.fingerprint import Fingerprint, RankDisagreementError, fingerp
 from mp_grpo.loss.mask_identity import StaleGlobalBatchError, check_known_mask
 from mp_grpo.loss.sequence import SequenceLayout
 from mp_grpo.loss.step_counts import (
-    COUNTS, STEP_STATISTICS, check_counts, check_device, check_sequence_count, check_within_counts,
+    COUNTS, STEP_STATISTICS, check_counts, check_device, check_linear_in_counts, check_sequence_count,
+    check_within_counts,
 )
 from mp_grpo.loss.step_inputs import (
     as_list, finite_log_ratios, is_weight_sums, k3_sum, nonfinite_positions, per_micro_batch, resolve_layouts,
@@ -125,6 +129,8 @@ class GlobalBatch:
     missing_counts: tuple[str, ...] = ()
     """Counts a :meth:`from_counts` batch was not given (NaN in their fields): ``valid_sequences``,
     ``all_sequences``, ``micro_batches``, ``all_positions``. :meth:`check_config` refuses a config that needs one."""
+    normalized: bool = True
+    """False for a batch of :meth:`unnormalized`: N = S = 1 stand in for counts the loop applies after the step."""
 
     # ------------------------------------------------------------------------------------------ build
     @classmethod
@@ -296,6 +302,28 @@ class GlobalBatch:
         )
 
     @classmethod
+    def unnormalized(cls, *, device: torch.device | str, step: int | None = None) -> GlobalBatch:
+        """The account of a loop that normalizes once per step, after its micro-batches: N = S = 1.
+
+        Each share is then the micro-batch's unnormalized sum Σ_t c_t / D_t(N = S = 1) (see
+        :mod:`mp_grpo.loss.aggregation`), and the loop multiplies the summed gradients (and the shares) by 1/N
+        for ``aggregation.mode=token_mean``, by 1/S for the seq_mean modes — NeMo-RL's split-API trainers, which
+        call their loss with placeholder counts of 1 and rescale once per optimizer step. The result equals the
+        shares of :meth:`from_counts` with the step's counts when the objective is linear in that one count;
+        :meth:`check_config` refuses a config for which it is not (``step_counts.nonlinear_in_counts``: the
+        step-level statistics, the positive-example NLL's own divisor, a regularizer mode dividing by the other
+        count). The counts bound no micro-batch: :meth:`check_micro_batch` checks only its type and device.
+        """
+        device = check_device(device)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        one = torch.ones((), dtype=torch.float64, device=device)
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+        return cls(valid_tokens=one, valid_sequences=one, all_sequences=one, num_micro_batches=nan, all_positions=nan,
+                   micro_batch_shapes=(), step=step, missing_counts=("micro_batches", "all_positions"),
+                   normalized=False)
+
+    @classmethod
     def _build(
         cls,
         config: LossConfig | None,
@@ -465,6 +493,8 @@ class GlobalBatch:
         if loss_mask.device != self.valid_tokens.device:
             raise ValueError(f"batch.valid_tokens is on {self.valid_tokens.device} but {name} is on {loss_mask.device}: "
                              "build the GlobalBatch on the tokens' device")
+        if not self.normalized:  # placeholder counts bound nothing
+            return
         if not self.masks:  # built from counts: what the counts bound
             bounds = {field: getattr(self, field) for field in ("valid_tokens", "valid_sequences", "all_sequences")
                       if field not in self.missing_counts}
@@ -474,7 +504,11 @@ class GlobalBatch:
 
     def check_config(self, config: LossConfig) -> None:
         """Raise unless this batch holds the step-level quantities ``config`` needs, computed for ``config``
-        (and, for a :meth:`from_counts` batch, the sequence count its aggregation divides by)."""
+        (and, for a :meth:`from_counts` batch, the sequence count its aggregation divides by); for an
+        :meth:`unnormalized` batch, that ``config``'s objective is linear in the count the loop divides by."""
+        if not self.normalized:
+            check_linear_in_counts(config, "batch (GlobalBatch.unnormalized)")
+            return
         if self.config is None:
             needs = [stat for stat in STEP_STATISTICS if stat.needed(config)]
             if needs and self.masks:

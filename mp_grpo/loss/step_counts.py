@@ -62,6 +62,38 @@ STEP_STATISTICS = (
 """The step-level quantities (``GlobalBatch.from_rollouts`` computes them; ``from_counts`` takes them)."""
 
 COUNTS = ("valid_tokens", "valid_sequences", "all_sequences", "micro_batches")
+
+def divides_by_tokens(mode: Aggregation) -> bool:
+    """Whether ``mode``'s divisor D_t is N (token_mean) rather than a multiple of S (the seq_mean modes)."""
+    return mode == Aggregation.TOKEN_MEAN
+
+
+def nonlinear_in_counts(config: LossConfig) -> list[str]:
+    """The settings of ``config`` whose objective is not one sum over tokens divided by N alone or by S alone —
+    each ``"key: reason"``. Without any, the share with N = S = 1 times 1/N (token_mean) or 1/S (the seq_mean
+    modes) is the share with the step's counts (:meth:`GlobalBatch.unnormalized`)."""
+    found = [f"{stat.key}: needs {stat.name}, a pass over the whole step ({stat.computes})"
+             for stat in STEP_STATISTICS if stat.needed(config)]
+    if config.nll.positive_coef != 0.0:
+        found.append(f"nll.positive_coef={config.nll.positive_coef}: the NLL term is divided by the positive "
+                     "examples' valid-token count, not by N or S")
+    agg = config.aggregation
+    regularized = config.kl.coef != 0.0 or config.entropy.bonus_coef != 0.0 or config.entropy.adaptive
+    if regularized and divides_by_tokens(agg.mode) != divides_by_tokens(agg.regularizer):
+        def divisor(mode: Aggregation) -> str:
+            return "N" if divides_by_tokens(mode) else "S"
+        found.append(f"aggregation.regularizer_mode={agg.regularizer.value}: the KL / entropy terms divide by "
+                     f"{divisor(agg.regularizer)}, the policy term (aggregation.mode={agg.mode.value}) by "
+                     f"{divisor(agg.mode)}")
+    return found
+
+
+def check_linear_in_counts(config: LossConfig, caller: str) -> None:
+    """Raise ``ValueError`` (one line, ``caller`` first) naming each setting of :func:`nonlinear_in_counts`."""
+    found = nonlinear_in_counts(config)
+    if found:
+        raise ValueError(f"{caller}: unnormalized sums rescaled once per step by 1/N or 1/S need an objective linear "
+                         f"in that one count; not so with {'; '.join(found)} — switch it off on this path")
 """The counts ``GlobalBatch.from_counts`` takes (valid_tokens required)."""
 
 

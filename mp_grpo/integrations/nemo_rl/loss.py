@@ -4,6 +4,11 @@ The one line a user changes, in the launcher after ``setup(...)`` (``examples/ru
 
     loss_fn = MPGRPOLossFn.from_master_config(master_config, "nemo_rl_grpo")
 
+or, for the asynchronous SingleController trainer, after ``setup_single_controller(...)``
+(``examples/run_grpo_single_controller.py``)::
+
+    actor_args.loss_fn = MPGRPOLossFn.from_master_config(config, "nemo_rl_grpo")
+
 Schedule of :meth:`MPGRPOLossFn.__call__` (NeMo-RL calls it once per micro-batch — once per sequence with
 sequence packing — with ``global_valid_toks`` / ``global_valid_seqs``, the step's counts over the DP group)
 
@@ -12,8 +17,15 @@ sequence packing — with ``global_valid_toks`` / ``global_valid_seqs``, the ste
    sequence and cut like the logits (NeMo-RL's load-balanced CP split).
 2. The step's :class:`~mp_grpo.GlobalBatch` from NeMo-RL's counts (:func:`step_account`:
    :meth:`GlobalBatch.from_counts`, N = ``global_valid_toks``, S = ``global_valid_seqs``); no collective. A
-   micro-batch with more valid tokens than the step is refused (NeMo-RL's split-API trainers, which pass
-   placeholder counts of 1 and rescale afterwards, are not supported).
+   micro-batch with more valid tokens than the step is refused. Both counts exactly 1 are the placeholders of
+   NeMo-RL's split-API trainers (``train_microbatch`` in ``megatron_policy_worker.py``: every micro-batch
+   with ``global_valid_* = 1``, then at ``finish_train_step`` the gradients × 1/N — N = ``global_valid_toks``
+   for ``TOKEN_LEVEL``, ``global_valid_seqs`` for ``SEQUENCE_LEVEL`` — and each metric × 1/its advertised
+   denominator): :meth:`GlobalBatch.unnormalized` (N = S = 1), so the call returns the raw sums whose rescale is
+   the synchronous call's; a config not linear in that one count is refused then (the step-level statistics
+   at construction, :func:`~mp_grpo.loss.step_counts.nonlinear_in_counts` at the first such call). The
+   decision reads the two counts on the host once per pair of count tensors (NeMo-RL hands every micro-batch
+   of a step the same two).
 3. GRPOLoss: ``loss(logprobs, ...)`` (log-prob input) or ``loss.on_logits(logits, target, ...)`` on the TP group
    from megatron-core's ``parallel_state`` (logit input; the fused path on a GPU: the loss's backward inside
    the log-prob backward kernel). Temperature 1: NeMo-RL's Megatron worker divides the logits by the
@@ -44,6 +56,7 @@ from mp_grpo.integrations.nemo_rl.interfaces import LossInputType, LossType
 from mp_grpo.integrations.nemo_rl.metrics import metric_normalizations, nemo_rl_metrics
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.grpo_loss import GRPOLoss, LossBackend
+from mp_grpo.loss.step_counts import STEP_STATISTICS, check_linear_in_counts
 from mp_grpo.loss.sequence import PaddedSequences
 from mp_grpo.megatron.groups import ParallelGroups
 from mp_grpo.ops.sampling_filter import SamplingFilter
@@ -62,14 +75,20 @@ class InputType(str, Enum):
 
 
 STEP_LEVEL_FEATURES = (
-    ("rollout_correction.normalize_weights", lambda c: c.rollout_correction.normalize_weights,
-     "the global mean of the IS weights"),
-    ("entropy.top_quantile < 1", lambda c: c.entropy.top_quantile < 1.0, "the quantile of the step's entropies"),
-    ("mismatch.skip_threshold", lambda c: c.mismatch.skip_threshold is not None, "the step's mean k3(old ‖ rollout)"),
-    ("entropy.adaptive", lambda c: c.entropy.adaptive, "a coefficient updated once per step"),
+    *((stat.key, stat.needed, stat.computes) for stat in STEP_STATISTICS),
+    ("entropy.adaptive", lambda c: c.entropy.adaptive, "a coefficient updated once per step from its mean entropy"),
 )
-"""Options that need a pass over the whole step before its first micro-batch; NeMo-RL hands a loss only the
-step's two counts, so they are refused."""
+"""Options that need a pass over the whole step before its first micro-batch (``step_counts.STEP_STATISTICS``)
+or a coefficient updated between steps; NeMo-RL hands a loss only the step's two counts, so they are refused."""
+
+PLACEHOLDER_COUNT = 1.0
+"""``global_valid_toks`` and ``global_valid_seqs`` of NeMo-RL's split-API trainers (``placeholder_n =
+torch.tensor(1.0)`` in ``MegatronPolicyWorker._train_microbatch_body``): both exactly this value mark the call as
+one whose raw sums NeMo-RL rescales after the step. A real step of one sequence with one valid token has the same
+counts; there raw sums and normalized shares are equal, and only the micro-batch bound check is left out."""
+
+SPLIT_API = "NeMo-RL's split-API trainer (placeholder counts global_valid_toks = global_valid_seqs = 1)"
+"""How the refusals on the asynchronous path name it."""
 
 _SEQUENCE_LEVEL = (Aggregation.SEQ_MEAN_TOKEN_MEAN, Aggregation.SEQ_MEAN_TOKEN_SUM, Aggregation.SEQ_MEAN_TOKEN_SUM_NORM)
 
@@ -167,6 +186,8 @@ class MPGRPOLossFn:
         self.reference_policy_kl_penalty = config.kl.coef
         self._groups = groups
         self._loss: GRPOLoss | None = None
+        self._counts_seen: tuple | None = None  # see _is_placeholder
+        self._unnormalized: GlobalBatch | None = None  # the placeholder calls' account, per device
 
     # -------------------------------------------------------------------------------------- construction
     @classmethod
@@ -175,24 +196,34 @@ class MPGRPOLossFn:
     ) -> MPGRPOLossFn:
         """The loss for a NeMo-RL GRPO run: logit input on the Megatron worker (``policy.megatron_cfg.enabled``),
         log-prob input on the DTensor worker; under logit input the rollout's top-k / top-p
-        (``policy.generation``) replayed. Checks that the reference log-probs are computed when the KL needs them.
+        (``policy.generation``) replayed. Checks that the reference log-probs are computed when the KL needs them,
+        and that the old log-probs are (``loss_fn.force_on_policy_ratio`` makes NeMo-RL skip them). For the
+        SingleController's master config (it has ``async_rl``: the split-API trainer, placeholder counts) a
+        config not linear in the step's count is refused here (:func:`~mp_grpo.loss.step_counts.nonlinear_in_counts`).
+        ``master_config``: NeMo-RL's ``MasterConfig`` (pydantic) or the same as nested mappings.
         """
         policy = _section(master_config, "policy")
         megatron = _section(policy, "megatron_cfg", optional=True) or {}
-        kind = InputType.LOGIT if megatron.get("enabled", False) else InputType.LOGPROB
+        kind = InputType.LOGIT if _value(megatron, "enabled", False) else InputType.LOGPROB
         if "input_type" not in kwargs:
             kwargs["input_type"] = kind
         generation = _section(policy, "generation", optional=True) or {}
-        top_k, top_p = generation.get("top_k"), generation.get("top_p")
+        top_k, top_p = _value(generation, "top_k"), _value(generation, "top_p")
         filtering = (top_k is not None and top_k > 0) or (top_p is not None and top_p < 1.0)
         if filtering and InputType(kwargs["input_type"]) == InputType.LOGIT and "sampling_filter" not in kwargs:
             kwargs["sampling_filter"] = SamplingFilter(top_k=top_k if top_k and top_k > 0 else None,
                                                        top_p=top_p if top_p is not None and top_p < 1.0 else None)
         loss = cls(config, overrides=overrides, **kwargs)
         grpo = _section(master_config, "grpo", optional=True) or {}
-        if loss.config.kl.coef != 0.0 and grpo.get("skip_reference_policy_logprobs_calculation", False):
+        if loss.config.kl.coef != 0.0 and _value(grpo, "skip_reference_policy_logprobs_calculation", False):
             raise ValueError("config: kl.coef != 0 needs the reference log-probs, but "
                              "grpo.skip_reference_policy_logprobs_calculation is true")
+        nemo_loss = _section(master_config, "loss_fn", optional=True) or {}
+        if _value(nemo_loss, "force_on_policy_ratio", False) and _value(grpo, "seq_logprob_error_threshold") is None:
+            raise ValueError("loss_fn.force_on_policy_ratio: true makes NeMo-RL skip the old log-probs "
+                             "(prev_logprobs), which mp_grpo's loss reads; set it to false")
+        if _section(master_config, "async_rl", optional=True) is not None:
+            check_linear_in_counts(loss.config, f"config ({SPLIT_API})")
         return loss
 
     def __getstate__(self) -> dict[str, Any]:
@@ -201,6 +232,7 @@ class MPGRPOLossFn:
                             "one process): build it with groups=None, the worker then takes megatron-core's")
         state = dict(self.__dict__)
         state["_loss"] = None  # rebuilt on the worker
+        state["_counts_seen"] = state["_unnormalized"] = None
         for name in ("input_type", "loss_type"):
             state[name] = state[name].value
         state["metric_normalizations"] = {k: v.value for k, v in self.metric_normalizations.items()}
@@ -252,7 +284,7 @@ class MPGRPOLossFn:
             raise ValueError(f"next_token_logprobs has shape {tuple(logprobs.shape)}, the data dict's shifted fields "
                              f"{tuple(fields.mask.shape)}")
         # --- 2. the step's account ---
-        batch = step_account(global_valid_toks, global_valid_seqs, fields.mask.device)
+        batch = self._account(global_valid_toks, global_valid_seqs, fields.mask.device)
         # --- 3. the loss ---
         f = fields.fields
         positive, positive_tokens = self._positive(fields, rewards, None)
@@ -265,7 +297,7 @@ class MPGRPOLossFn:
         )
         # --- 5. metrics ---
         metrics = nemo_rl_metrics(cfg, fields, share, ours, global_valid_toks=batch.valid_tokens, logprobs=logprobs,
-                                  cp_group=None, rewards=rewards)
+                                  cp_group=None, rewards=rewards, normalized=batch.normalized)
         return share, metrics
 
     def _on_logits(self, data, logits, names, global_valid_toks, global_valid_seqs, rewards):
@@ -283,7 +315,7 @@ class MPGRPOLossFn:
             raise ValueError(f"logits has shape {tuple(logits.shape)}; the data dict has {fields.mask.shape[0]} rows")
         layout = PaddedSequences(cp_group=cp)
         # --- 2. the step's account ---
-        batch = step_account(global_valid_toks, global_valid_seqs, fields.mask.device)
+        batch = self._account(global_valid_toks, global_valid_seqs, fields.mask.device)
         # --- 3. the loss ---
         f = fields.fields
         positive, positive_tokens = self._positive(fields, rewards, cp)
@@ -307,8 +339,49 @@ class MPGRPOLossFn:
         returned = share * float(group_size(cp)) if self.cp_normalize else share
         # --- 5. metrics (the loss metric: the whole micro-batch's share, summed over CP) ---
         metrics = nemo_rl_metrics(cfg, fields, share, ours, global_valid_toks=batch.valid_tokens, logprobs=None,
-                                  cp_group=cp, rewards=rewards)
+                                  cp_group=cp, rewards=rewards, normalized=batch.normalized)
         return returned, metrics
+
+    def _account(self, global_valid_toks, global_valid_seqs, device: torch.device) -> GlobalBatch:
+        """Step 2: :func:`step_account` of the counts, or for NeMo-RL's placeholders (both counts
+        :data:`PLACEHOLDER_COUNT`) :meth:`GlobalBatch.unnormalized`, after the config's check."""
+        if not self._is_placeholder(global_valid_toks, global_valid_seqs):
+            return step_account(global_valid_toks, global_valid_seqs, device)
+        check_linear_in_counts(self.config, f"config ({SPLIT_API})")
+        batch = self._unnormalized
+        if batch is None or batch.valid_tokens.device != device:
+            batch = self._unnormalized = GlobalBatch.unnormalized(device=device)
+        return batch
+
+    def _is_placeholder(self, global_valid_toks, global_valid_seqs) -> bool:
+        """Whether both counts equal :data:`PLACEHOLDER_COUNT`. A tensor count is read on the host once per pair
+        of count tensors (the answer is kept for the same two tensors, unmodified in place)."""
+        counts = (global_valid_toks, global_valid_seqs)
+        tensors = all(isinstance(c, torch.Tensor) for c in counts)
+        if tensors:
+            key = tuple(c._version for c in counts)
+            seen = self._counts_seen
+            if seen is not None and seen[0] is counts[0] and seen[1] is counts[1] and seen[2] == key:
+                return seen[3]
+        values = []
+        for name, value in zip(("global_valid_toks", "global_valid_seqs"), counts):
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise TypeError(f"{name} must be a one-element tensor (NeMo-RL's global count), got shape "
+                                    f"{tuple(value.shape)}")
+                values.append(value.detach().reshape(()).to(torch.float64))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                values.append(float(value))
+            else:
+                raise TypeError(f"{name} must be a one-element tensor (NeMo-RL's global count), got {value!r}")
+        if tensors and values[0].device == values[1].device:
+            host = torch.stack(values).tolist()  # the one host read of this pair
+        else:
+            host = [float(v) for v in values]
+        placeholder = host[0] == PLACEHOLDER_COUNT and host[1] == PLACEHOLDER_COUNT
+        if tensors:
+            self._counts_seen = (counts[0], counts[1], key, placeholder)  # held: their ids cannot be reused
+        return placeholder
 
     def _positive(self, fields: LossFields, rewards, cp_group):
         """VAPO: the positive rows (reward > 0) and NeMo-RL's divisor — this call's positive valid tokens."""
@@ -322,6 +395,13 @@ class MPGRPOLossFn:
         positive = rewards > 0
         count = (fields.mask & positive.unsqueeze(1)).sum(dtype=torch.float64)
         return positive, all_reduce_sum(count, cp_group)
+
+
+def _value(section: Any, key: str, default: Any = None) -> Any:
+    """``section[key]`` of a mapping, or the attribute of a pydantic section (NeMo-RL's ``GRPOConfig``)."""
+    if isinstance(section, Mapping):
+        return section.get(key, default)
+    return getattr(section, key, default)
 
 
 def _section(config: Any, name: str, optional: bool = False) -> Any:

@@ -25,6 +25,10 @@ for per-sequence ones — and the shares add up to the step's mean. Keys (``Metr
 
 Under context parallelism (logit input) every sum is all-reduced over the CP group (one sum, one max), so every
 CP rank reports the whole micro-batch. One host read per call.
+
+With NeMo-RL's split-API placeholder counts (``normalized=False``) every normalized metric is the raw sum, which
+NeMo-RL's ``finish_train_step`` multiplies by 1 / the count ``metric_normalizations`` names; the synchronous value
+divides that sum by the count + 1e-8 (``masked_mean``'s epsilon, as ``ClippedPGLossFn``).
 """
 
 from __future__ import annotations
@@ -73,9 +77,11 @@ def nemo_rl_metrics(
     logprobs: torch.Tensor | None,
     cp_group: ProcessGroup | None,
     rewards: torch.Tensor | None,
+    normalized: bool = True,
 ) -> dict[str, float]:
     """NeMo-RL's metric dict of one call (module docstring). ``ours`` is GRPOLoss's metric dict of the call;
-    ``logprobs`` the trained log-probs (log-prob input) or None (logit input)."""
+    ``logprobs`` the trained log-probs (log-prob input) or None (logit input); ``normalized=False``: the raw sums
+    (placeholder counts)."""
     m = fields.mask
     dtype = torch.float64
     zero = torch.zeros((), dtype=dtype, device=m.device)
@@ -128,7 +134,7 @@ def nemo_rl_metrics(
     lo = -neg_lo
     out: dict[str, float] = {}
     for n, v in zip(names, values):
-        out[n] = v if n == "loss" else v / (tokens + 1e-8)
+        out[n] = v if n == "loss" or not normalized else v / (tokens + 1e-8)
     if "kl_penalty" not in out:
         out["kl_penalty"] = 0.0
     out["probs_ratio_min"], out["probs_ratio_max"] = lo, hi

@@ -1,7 +1,7 @@
 """MPGRPOLossFn's protocol without NeMo-RL: a data dict in NeMo-RL's layout built here, NeMo-RL's call signature,
 its global counts; values and gradients against float64 references. The logit input at TP = 2 and at CP = 2
 under gloo (torchrun): each rank's share of the vocabulary or of the sequence, checked against the log-prob input
-on the whole logits."""
+on the whole logits — with the step's counts, and with NeMo-RL's split-API placeholder counts rescaled by 1/N."""
 
 from __future__ import annotations
 
@@ -98,16 +98,6 @@ def test_refusals_name_the_option() -> None:
                 global_valid_toks=torch.tensor(9.0), next_token_logprobs=mb["_current"][:, 1:])
 
 
-def test_split_api_placeholder_counts_are_refused() -> None:
-    """NeMo-RL's split-API trainers pass global_valid_toks = 1 and rescale later; the step's account refuses a
-    micro-batch with more valid tokens than the step (a clear error, never a silently wrong normalization)."""
-    mb = _step()[0]
-    loss_fn = MPGRPOLossFn("nemo_rl_grpo")
-    with pytest.raises(ValueError, match="valid tokens"):
-        loss_fn(data=_plain(mb), global_valid_seqs=torch.tensor(1.0), global_valid_toks=torch.tensor(1.0),
-                next_token_logprobs=mb["_current"][:, 1:])
-
-
 def test_interface_attributes_and_pickling() -> None:
     loss_fn = MPGRPOLossFn("nemo_rl_grpo", input_type=InputType.LOGIT)
     assert loss_fn.input_type.value == "logit" and loss_fn.loss_type.value == "token_level"
@@ -197,6 +187,15 @@ def case_logit_input(parallel: str, overrides: list[str]) -> None:
                     "sampling_importance_ratio", "num_valid_samples"):
             assert_close(torch.tensor(metrics[key]), torch.tensor(want_metrics[key]), torch.float32,
                          f"{parallel} rank {rank} metric {key} [{i}]")
+        # NeMo-RL's split API: placeholder counts, the raw sums rescaled by 1/N (1/S at sequence level)
+        n = float(toks) if loss_fn.loss_type.value == "token_level" else float(seqs)
+        y = shard.clone().requires_grad_()
+        one = torch.tensor(1.0)
+        raw, raw_metrics = loss_fn(data=_plain(mb), global_valid_seqs=one, global_valid_toks=one, logits=y)
+        (raw / (world if parallel == "cp" else 1)).backward()
+        assert_close(y.grad / n, grad_slice, torch.float32, f"{parallel} rank {rank} split API d/dlogits [{i}]")
+        assert_close(torch.tensor(raw_metrics["loss"] / n), torch.tensor(want_metrics["loss"]), torch.float32,
+                     f"{parallel} rank {rank} split API loss [{i}]")
 
 
 OVERRIDES = {
