@@ -11,6 +11,7 @@ The data-parallel size is not a key: it is the world size divided by TP·CP, che
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mp_grpo.config.loading import load_config, preset_path
 from mp_grpo.config.loss import ConfigError, LossConfig
+from mp_grpo.config.precision import LogitDtype
 
 
 class SequenceFormat(str, Enum):
@@ -32,12 +34,14 @@ class SequenceFormat(str, Enum):
 
 
 class ParamsDtype(str, Enum):
-    """Parameter dtype of the GPU model (``model.params_dtype``); the CPU stand-in always uses fp32."""
+    """Parameter dtype of the trainer's model (``model.params_dtype``): GPTModel on GPUs, the CPU stand-in on CPU."""
 
     FP32 = "fp32"
     """float32 parameters and activations."""
     BF16 = "bf16"
-    """bfloat16 through Megatron's ``Float16Module`` (fp32 gradients in the DDP buffers)."""
+    """bfloat16 through Megatron's ``Float16Module`` (fp32 gradients in the DDP buffers, fp32 main parameters in the
+    optimizer); on CPU the stand-in in bfloat16 with the same gradient and optimizer contract
+    (:mod:`mp_grpo.train.cpu_optimizer`)."""
 
 
 class OutputPath(str, Enum):
@@ -93,16 +97,31 @@ class ModelConfig:
     max_sequence_length: int = 128
     """Longest sequence the position embeddings cover (prompt + completion + padding)."""
     params_dtype: ParamsDtype = ParamsDtype.BF16
-    """fp32 | bf16 parameters on GPU; the CPU stand-in is always fp32."""
+    """fp32 | bf16 parameters and activations of the trainer's model (:class:`ParamsDtype`); bf16 keeps fp32 gradients
+    and fp32 main parameters in the optimizer."""
     init_seed: int = 1234
     """Seed of the initial weights (the same on every rank: every TP layout starts from the same model)."""
     output_path: OutputPath = OutputPath.LOGITS
     """logits | fused: how the loss reads the output layer (:class:`OutputPath`; same gradients, fused
     never holds the ``[tokens, V_local]`` logits, at the same speed for token-level objectives)."""
+    logit_dtype: LogitDtype = LogitDtype.BF16
+    """bf16 | fp32: the precision of the trainer's logits (:class:`~mp_grpo.config.precision.LogitDtype`, Megatron-LM's
+    ``--output-logit-dtype``), on both output paths, in the training step and in the forward-only passes (old and
+    reference log-probs): bf16 = the output layer's own dtype (rounded to bf16 under ``params_dtype = bf16``; an
+    fp32 model's logits are fp32 either way); fp32 = the same bf16 operands' products summed and kept in fp32. Its
+    pairing with the rollout engine's head (``engine.logit_dtype``) is measured in ``docs/mismatch.md`` (g)."""
+    cpu_logit_offset: float = 0.0
+    """CPU stand-in only (must be 0 with GPTModel): the output layer reads one more input channel, a constant 1,
+    whose weights start at this value — every initial logit shifted by it, the softmax unchanged, the shift then
+    trained as a per-token bias. The stand-in's logits are otherwise a few units, a trained LLM's 15–30: with an
+    offset of ~16 their bf16 rounding is at an LLM's scale (what ``docs/mismatch.md`` (g) measures). 0 = no
+    extra channel."""
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_sequence_length"):
             _positive(f"model.{key}", getattr(self, key))
+        if isinstance(self.cpu_logit_offset, bool) or not math.isfinite(self.cpu_logit_offset):
+            raise ConfigError(f"model.cpu_logit_offset: got {self.cpu_logit_offset!r}; allowed: a finite float (0 = off)")
 
 
 @dataclass
@@ -207,7 +226,7 @@ class EngineDtype(str, Enum):
     """Weight and activation dtype of the rollout engine's copy of the policy (``engine.dtype``)."""
 
     BF16 = "bf16"
-    """bfloat16 weights and activations: a different numerics path from the fp32 trainer, as vLLM / SGLang."""
+    """bfloat16 weights and activations, as vLLM / SGLang (a different numerics path from an fp32 trainer)."""
     FP32 = "fp32"
     """float32: the trainer's numerics (rollout and trainer log-probs agree to reduction order)."""
 
@@ -216,14 +235,17 @@ class EngineDtype(str, Enum):
 class EngineConfig:
     """``engine``: the rollout engine of the learning job (:mod:`mp_grpo.train.rollout`) and its mismatch knobs.
 
-    With ``dtype = fp32`` and every knob at 0 its log-probs equal the trainer's to fp32 reduction order.
+    With the trainer's dtype (``dtype`` = ``model.params_dtype``), the trainer's logit precision (``logit_dtype`` =
+    ``model.logit_dtype``) and every knob at 0, its log-probs equal the trainer's to fp32 reduction order.
     """
 
     dtype: EngineDtype = EngineDtype.BF16
-    """bf16 | fp32: the engine's copy of the weights (the trainer's are fp32 on CPU)."""
+    """bf16 | fp32: the engine's copy of the weights and its activations (the trainer's: ``model.params_dtype``)."""
     logit_noise_std: float = 0.0
     """Mismatch knob: N(0, std²) noise added to the engine's logits before sampling (keyed like the sampler's,
-    so layout-invariant); its log-probs are those of the noisy logits."""
+    so layout-invariant); its log-probs are those of the noisy logits. It enters the head's fp32 sums, before
+    they are rounded to the head's dtype (``logit_dtype``): a difference upstream of the head, as the engine's
+    other kernels, batch composition or quantization make one."""
     weight_lag: int = 0
     """Mismatch knob: the engine samples with the trainer's weights of ``weight_lag`` optimizer steps ago
     (off-policy staleness, as asynchronous RL)."""
@@ -236,6 +258,13 @@ class EngineConfig:
     strictly-larger probability mass is < top_p (ties at the threshold kept; vLLM's convention,
     :mod:`mp_grpo.ops.sampling_filter`) and reports log-probs of that filtered distribution. In (0, 1]; 1 = off.
     Found vocab-parallel, without gathering the logits (:func:`mp_grpo.train.sampler.sampling_filter_keep`)."""
+    logit_dtype: LogitDtype = LogitDtype.BF16
+    """bf16 | fp32: the precision of the engine's head, as vLLM's ``head_dtype`` / sglang's ``--enable-fp32-lm-head``
+    (:class:`~mp_grpo.config.precision.LogitDtype`). The engine computes its logits from its own weights (``dtype``):
+    the output layer's products summed in fp32, plus ``logit_noise_std``'s noise, then bf16 = rounded to the
+    engine's dtype (a bf16 engine's default head), fp32 = kept in fp32 (the head's bf16 operands upcast and
+    multiplied in fp32, as vLLM and sglang do). An fp32 engine's logits are fp32 either way. Its pairing with the
+    trainer's ``model.logit_dtype`` is measured in ``docs/mismatch.md`` (g)."""
     replay_filter: bool = True
     """The trainer replays ``top_k`` / ``top_p`` (:meth:`~mp_grpo.megatron.MicroBatch.with_sampling_filter`) in
     the old-log-prob pass and the training pass: its log-probs are those of the filtered, renormalized

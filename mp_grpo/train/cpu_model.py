@@ -20,7 +20,10 @@ Schedule of :meth:`CpuGPTStandIn.forward`
    experts, the allgather token dispatcher), aux / z losses and routing replay included. Its router's
    gating is the one piece replaced (:class:`CpuTopKRouter`): megatron-core 0.16's moves the router
    weight to CUDA and calls a Transformer Engine GEMM whose import failed.
-4. Output layer (``ColumnParallelLinear``, no bias, ``gather_output=False``): ``[S, B, V_local]``,
+4. With ``logit_offset_channel``, one more input channel of the output layer, a constant 1: its weight column
+   is a per-token bias inside the output GEMM (:func:`random_full_weights` starts it at ``logit_offset``, which
+   puts the logits, and their bf16 rounding, at a trained LLM's scale; the softmax does not see the shift).
+5. Output layer (``ColumnParallelLinear``, no bias, ``gather_output=False``): ``[S, B, V_local]``,
    returned as ``[B, S, V_local]`` like GPTModel. It is called as GPTModel's ``_postprocess`` calls
    it — ``output_layer(x, weight=...)``, with the word-embedding weight under
    ``share_embeddings_and_output_weights`` — so the fused output path
@@ -50,9 +53,13 @@ def cpu_model_config(
     moe_aux_loss_coeff: float = 0.0,
     moe_z_loss_coeff: float | None = None,
     moe_enable_routing_replay: bool = False,
+    params_dtype: torch.dtype = torch.float32,
 ) -> TransformerConfig:
-    """A ``TransformerConfig`` for :class:`CpuGPTStandIn` (CPU initialization, fp32, one layer; with
-    ``num_moe_experts`` an MoE block of that many experts, top-``moe_router_topk``, expert FFN size = hidden)."""
+    """A ``TransformerConfig`` for :class:`CpuGPTStandIn` (CPU initialization, one layer, ``params_dtype``: fp32, or
+    bf16 as Megatron's ``Float16Module`` holds it; with ``num_moe_experts`` an MoE block of that many experts,
+    top-``moe_router_topk``, expert FFN size = hidden)."""
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"params_dtype: got {params_dtype}; allowed: torch.float32 | torch.bfloat16")
     moe = {}
     if num_moe_experts:
         moe = dict(num_moe_experts=num_moe_experts, moe_router_topk=moe_router_topk, moe_aux_loss_coeff=moe_aux_loss_coeff,
@@ -67,7 +74,8 @@ def cpu_model_config(
         tensor_model_parallel_size=tensor_model_parallel_size,
         context_parallel_size=context_parallel_size,
         calculate_per_token_loss=calculate_per_token_loss,
-        params_dtype=torch.float32,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
     )
 
 
@@ -91,10 +99,17 @@ class CpuGPTStandIn(MegatronModule):
         max_sequence_length: int,
         tp_group: ProcessGroup | None = None,
         share_embeddings_and_output_weights: bool = False,
+        logit_offset_channel: bool = False,
     ) -> None:
+        """``config.params_dtype``: every parameter and activation in it (bf16: as Megatron's ``Float16Module``
+        casts GPTModel). ``logit_offset_channel``: the output layer reads a constant-1 channel more (step 4)."""
         super().__init__(config=config)
         if config.sequence_parallel:
             raise ValueError("config.sequence_parallel: the CPU stand-in cannot run sequence parallelism (see the module docstring)")
+        if logit_offset_channel and share_embeddings_and_output_weights:
+            raise ValueError("logit_offset_channel: the output layer reads hidden_size + 1 channels, so its weight cannot "
+                             "be the word embeddings' (share_embeddings_and_output_weights)")
+        self.logit_offset_channel = logit_offset_channel
         self.model_type = ModelType.encoder_or_decoder
         self.vocab_size = vocab_size
         self.tp_group = tp_group
@@ -107,7 +122,7 @@ class CpuGPTStandIn(MegatronModule):
         self.norm = torch.nn.LayerNorm(config.hidden_size)
         self.mix = torch.nn.Linear(config.hidden_size, config.hidden_size)
         self.output_layer = ColumnParallelLinear(
-            config.hidden_size, vocab_size, config=config, init_method=init, bias=False, gather_output=False,
+            config.hidden_size + int(logit_offset_channel), vocab_size, config=config, init_method=init, bias=False, gather_output=False,
             skip_weight_param_allocation=share_embeddings_and_output_weights, tp_group=tp_group,
         )
         self.moe = None
@@ -121,6 +136,8 @@ class CpuGPTStandIn(MegatronModule):
             self.moe = build_module(spec.submodules.mlp, config=config)  # process groups: megatron-core's parallel_state
             self.moe.router.__class__ = CpuTopKRouter  # the same instance (RouterReplay registered it once)
             self.moe.set_layer_number(1)
+        if config.params_dtype != torch.float32:  # the torch modules too (Megatron's layers are created in it)
+            self.to(config.params_dtype)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook called by Megatron's schedule; this model is a single stage."""
@@ -140,7 +157,10 @@ class CpuGPTStandIn(MegatronModule):
         x = x + torch.tanh(self.mix(self.norm(x)))
         if self.moe is not None:
             x = x + self.moe(x)[0]
-        # --- 4. vocab-parallel output layer (tied: GPTModel's shared_embedding_or_output_weight) ---
+        # --- 4. the constant channel of the per-token logit offset ---
+        if self.logit_offset_channel:
+            x = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
+        # --- 5. vocab-parallel output layer (tied: GPTModel's shared_embedding_or_output_weight) ---
         weight = self.word_embeddings.weight if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(x, weight=weight)
         return logits.transpose(0, 1).contiguous()
@@ -154,11 +174,17 @@ class CpuGPTStandIn(MegatronModule):
             if getattr(param, "tensor_model_parallel", False):
                 rows = value.shape[0] // tp
                 value = value[rank * rows : (rank + 1) * rows]
-            param.copy_(value)
+            if value.shape != param.shape:
+                raise ValueError(f"{name}: weights of shape {tuple(value.shape)} for a parameter of shape {tuple(param.shape)} "
+                                 "(logit_offset given to random_full_weights iff the model has logit_offset_channel)")
+            param.copy_(value)  # rounded to the model's dtype
 
 
-def random_full_weights(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, seed: int) -> dict[str, torch.Tensor]:
-    """Unsharded weights for :class:`CpuGPTStandIn`, the same on every rank for a given seed."""
+def random_full_weights(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, seed: int,
+                        logit_offset: float = 0.0) -> dict[str, torch.Tensor]:
+    """Unsharded fp32 weights for :class:`CpuGPTStandIn`, the same on every rank for a given seed. ``logit_offset``
+    ≠ 0: for a model with ``logit_offset_channel``, the output weight's last column (the constant channel's) is
+    that value for every token, the other weights those of the same seed without it."""
     gen = torch.Generator().manual_seed(seed)
     h = config.hidden_size
 
@@ -181,4 +207,7 @@ def random_full_weights(config: TransformerConfig, *, vocab_size: int, max_seque
         for e in range(config.num_moe_experts):
             moe[f"moe.experts.local_experts.{e}.linear_fc1.weight"] = normal(config.moe_ffn_hidden_size, h, std=h**-0.5)
             moe[f"moe.experts.local_experts.{e}.linear_fc2.weight"] = normal(h, config.moe_ffn_hidden_size, std=h**-0.5)
+    if logit_offset != 0.0:
+        column = torch.full((vocab_size, 1), float(logit_offset))
+        dense["output_layer.weight"] = torch.cat([dense["output_layer.weight"], column], dim=1)
     return dense | moe

@@ -9,9 +9,12 @@ Schedule of :func:`run`
    megatron-core's ``parallel_state`` with the config's TP and CP; DP = world / (TP·CP).
 2. :class:`Trainer`: GPTModel + Megatron DDP + Megatron's Adam through ``forward_backward_func`` on
    GPUs; on CPU, where megatron-core 0.16's GPTModel and schedule need CUDA, the CPU stand-in
-   (megatron-core tensor-parallel layers, no attention), a Megatron-DDP emulation and megatron-core's
-   own ``forward_step`` / ``backward_step`` / ``finalize_model_grads`` — the same loss contract. The
-   :class:`~mp_grpo.train.rollout.RolloutEngine` gets its own copy of the model in its dtype.
+   (megatron-core tensor-parallel layers, no attention; in bf16 under Megatron's bf16 contract: fp32
+   ``main_grad`` buffers and fp32 main parameters, :mod:`~mp_grpo.train.cpu_optimizer`), a Megatron-DDP
+   emulation and megatron-core's own ``forward_step`` / ``backward_step`` / ``finalize_model_grads`` — the
+   same loss contract. ``MegatronGRPO`` gets ``model.logit_dtype`` (the training step and the forward-only
+   passes). The :class:`~mp_grpo.train.rollout.RolloutEngine` gets its own copy of the model in its dtype,
+   and its head precision ``engine.logit_dtype``.
 3. Every ``train.updates_per_rollout`` steps, a rollout batch of N = DP · M · micro_batch_size sequences
    (N / G prompts, G completions each): prompts keyed by (seed, rollout index); the engine (weights
    synced from the trainer, possibly lagging) samples the completions — every DP replica samples the
@@ -58,7 +61,7 @@ instead of 0/0 (TRL's and verl's GRPO use the same kind of epsilon)."""
 
 CPU_DESCRIPTION = (
     "CPU: megatron-core 0.16's GPTModel and forward_backward_func need CUDA, so this run uses the CPU "
-    "stand-in (megatron-core VocabParallelEmbedding + ColumnParallelLinear, fp32, no attention) and "
+    "stand-in (megatron-core VocabParallelEmbedding + ColumnParallelLinear, {dtype}, no attention) and "
     "mp_grpo.train.cpu_schedule (megatron-core's forward_step / backward_step / finalize_model_grads "
     "in a CPU loop, Megatron DDP's reduction emulated) — the same loss contract as on GPUs"
 )
@@ -90,6 +93,9 @@ def check_layout(cfg: JobConfig, world: int, on_gpu: bool) -> int:
         key = "parallel.tensor_model_parallel_size" if tp > 1 else "parallel.context_parallel_size"
         raise ConfigError(f"{key}: TP·CP = {tp}·{cp} does not divide the {world} processes of this job; allowed: "
                           f"a world of a multiple of {tp * cp} processes (torchrun --nproc_per_node), or smaller TP·CP")
+    if on_gpu and cfg.model.cpu_logit_offset != 0.0:
+        raise ConfigError(f"model.cpu_logit_offset: got {cfg.model.cpu_logit_offset} on a GPU machine (GPTModel has no such "
+                          "channel); allowed: 0 on GPUs (a key of the CPU stand-in)")
     if not on_gpu and cfg.parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel: got true on a CPU machine (megatron-core's sequence-parallel "
                           "mappings need CUDA); allowed: false on CPU")
@@ -141,29 +147,42 @@ class Trainer:
             from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
             from mp_grpo.train.cpu_schedule import forward_backward_cpu
 
-            config = cpu_model_config(
-                hidden_size=cfg.model.hidden_size, tensor_model_parallel_size=groups.tp_size,
-                context_parallel_size=groups.cp_size, calculate_per_token_loss=cfg.parallel.calculate_per_token_loss,
-            )
-            config.finalize_model_grads_func = finalize_model_grads
-            weights = random_full_weights(config, vocab_size=cfg.model.vocab_size,
-                                          max_sequence_length=cfg.model.max_sequence_length, seed=cfg.model.init_seed)
+            from mp_grpo.train.cpu_optimizer import CpuMixedPrecisionAdam
 
-            def stand_in() -> CpuGPTStandIn:
-                m = CpuGPTStandIn(config, vocab_size=cfg.model.vocab_size,
-                                  max_sequence_length=cfg.model.max_sequence_length, tp_group=groups.tp)
+            bf16 = cfg.model.params_dtype == ParamsDtype.BF16
+            dtype = torch.bfloat16 if bf16 else torch.float32
+
+            def model_config(params_dtype: torch.dtype):
+                config = cpu_model_config(
+                    hidden_size=cfg.model.hidden_size, tensor_model_parallel_size=groups.tp_size,
+                    context_parallel_size=groups.cp_size, calculate_per_token_loss=cfg.parallel.calculate_per_token_loss,
+                    params_dtype=params_dtype,
+                )
+                config.finalize_model_grads_func = finalize_model_grads
+                return config
+
+            config = model_config(dtype)
+            offset = cfg.model.cpu_logit_offset
+            weights = random_full_weights(config, vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.max_sequence_length,
+                                          seed=cfg.model.init_seed, logit_offset=offset)
+
+            def stand_in(config=config) -> CpuGPTStandIn:
+                m = CpuGPTStandIn(config, vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.max_sequence_length,
+                                  tp_group=groups.tp, logit_offset_channel=offset != 0.0)
                 m.load_full_weights(weights)
                 return m
 
             module = stand_in()
             ddp_config = DistributedDataParallelConfig(average_in_collective=cfg.parallel.average_in_collective)
-            self.model = CpuDistributedDataParallel(config, ddp_config, module, dp_cp_group=groups.dp_cp)
-            self.optimizer = torch.optim.Adam(module.parameters(), lr=cfg.train.lr)
+            # bf16: Megatron's contract — fp32 main_grad buffers in DDP, fp32 main parameters in the optimizer
+            self.model = CpuDistributedDataParallel(config, ddp_config, module, dp_cp_group=groups.dp_cp, main_grad=bf16)
+            self.optimizer = (CpuMixedPrecisionAdam(module.parameters(), lr=cfg.train.lr) if bf16
+                              else torch.optim.Adam(module.parameters(), lr=cfg.train.lr))
             self.forward_backward = partial(_cpu_forward_backward, forward_backward_cpu, groups)
-            self.engine_model = stand_in()
+            self.engine_model = stand_in(model_config(torch.float32))  # the engine casts it to engine.dtype
             if needs_reference:  # under the DDP emulation too: the CPU schedule calls model.no_sync()
                 self.reference = CpuDistributedDataParallel(config, ddp_config, stand_in().eval(), dp_cp_group=groups.dp_cp)
-            self.description = CPU_DESCRIPTION
+            self.description = CPU_DESCRIPTION.format(dtype=cfg.model.params_dtype.value)
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -179,13 +198,17 @@ class Trainer:
         if self.on_gpu:
             _, grad_norm, _ = self.optimizer.step()
             return math.nan if grad_norm is None else float(grad_norm)  # None: an fp16 overflow skipped the step
-        params = [p for p in self.model.module.parameters() if p.grad is not None]
-        sharded = sum(((p.grad.float() ** 2).sum() for p in params if getattr(p, "tensor_model_parallel", False)), torch.zeros(()))
-        replicated = sum(((p.grad.float() ** 2).sum() for p in params if not getattr(p, "tensor_model_parallel", False)), torch.zeros(()))
+        # bf16: the fp32 main_grad buffers (Megatron clips the main parameters' gradients, which are these)
+        if self.model.main_grad:
+            grads = [(p, p.main_grad) for p in self.model.module.parameters() if p.requires_grad]
+        else:
+            grads = [(p, p.grad) for p in self.model.module.parameters() if p.grad is not None]
+        sharded = sum(((g.float() ** 2).sum() for p, g in grads if getattr(p, "tensor_model_parallel", False)), torch.zeros(()))
+        replicated = sum(((g.float() ** 2).sum() for p, g in grads if not getattr(p, "tensor_model_parallel", False)), torch.zeros(()))
         norm = float((all_reduce_sum(sharded, self.groups.tp) + replicated).sqrt())
         if norm > self.cfg.train.clip_grad:
-            for p in params:
-                p.grad.mul_(self.cfg.train.clip_grad / norm)
+            for _, g in grads:
+                g.mul_(self.cfg.train.clip_grad / norm)
         self.optimizer.step()
         return norm
 
@@ -304,7 +327,8 @@ def check_replayed_step(metrics: dict[str, float], micro: list[MicroBatch], grou
 
 # --------------------------------------------------------------------------------------------- the loop
 def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_start: Callable[[dict], None] | None = None,
-        on_rollout: Callable[[list[MicroBatch]], None] | None = None) -> list[dict]:
+        on_rollout: Callable[[list[MicroBatch]], None] | None = None,
+        on_trainer: Callable[[Trainer], None] | None = None) -> list[dict]:
     """Train ``cfg.train.steps`` GRPO steps; one record per step (see the module docstring).
 
     Record keys: ``step``, ``reward`` (mean over the rollout batch the step trained on), ``reward_std``,
@@ -315,7 +339,8 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
     trainer's replayed sampling filter, dropped from the loss by the boundary rule; 0 without a filter).
     ``on_start(info)`` gets the description and layout, ``on_step(record)`` each record, ``on_rollout(micro)``
     this rank's micro-batches of each rollout batch as the steps train on them (old and rollout log-probs,
-    the loss mask after the boundary rule).
+    the loss mask after the boundary rule), ``on_trainer(trainer)`` the :class:`Trainer` once it is built (its
+    ``policy`` holds the current weights at every later call of the other hooks).
     Call it on every rank (torchrun) or in a plain process (a world of one).
     """
     from megatron.core import parallel_state as ps
@@ -330,6 +355,8 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
         groups = ParallelGroups.from_parallel_state()
         # --- 2. trainer and engine ---
         trainer = Trainer(cfg, groups, on_gpu)
+        if on_trainer is not None:
+            on_trainer(trainer)
         engine = RolloutEngine(trainer.engine_model, cfg.engine, temperature=cfg.rollout.temperature, seed=cfg.train.seed,
                                tp_group=groups.tp)
         # With a replayed filter a target outside the trainer's kept set is expected (EngineConfig.replay_filter's
@@ -339,11 +366,13 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
         grpo = MegatronGRPO(cfg.loss, temperature=cfg.rollout.temperature, num_microbatches=cfg.train.num_microbatches,
                             calculate_per_token_loss=cfg.parallel.calculate_per_token_loss, groups=groups,
                             vocab_size=cfg.model.vocab_size, output_path=cfg.model.output_path,
+                            logit_dtype=cfg.model.logit_dtype,  # the training step and the forward-only passes
                             check_inputs=CheckInputs.OFF if replaying else CheckInputs.DEFERRED)
         if on_start is not None:
             on_start(dict(description=trainer.description, layout=dict(
                 world=dist.get_world_size(), tp=groups.tp_size, cp=groups.cp_size, dp=dp, backend=dist.get_backend(),
                 sequence_format=cfg.parallel.sequence_format.value, output_path=cfg.model.output_path.value,
+                logit_dtype=cfg.model.logit_dtype.value, engine_logit_dtype=cfg.engine.logit_dtype.value,
                 global_batch=dp * cfg.train.num_microbatches * cfg.train.micro_batch_size)))
         records: list[dict] = []
         micro = entropies = stats = None

@@ -4,7 +4,8 @@ It stands in for vLLM / SGLang: its own copy of the weights in its own dtype (bf
 the trainer is fp32 on CPU), its own log-prob arithmetic (plain torch, not mp_grpo's kernel), and
 knobs that widen the gap (:class:`~mp_grpo.config.job.EngineConfig`): noise on its logits, weights
 that lag the trainer's by some optimizer steps, top-k / top-p sampling (whose filtered log-probs the trainer
-matches only by replaying the filter). The log-probs it returns are the ``rollout_logprobs``
+matches only by replaying the filter), and its head's precision (``logit_dtype``: logits rounded to bf16 or
+kept in fp32). The log-probs it returns are the ``rollout_logprobs``
 that mp_grpo's rollout correction, OPSM and mismatch monitor consume. With ``dtype = fp32`` and every
 knob at 0 they equal the trainer's to fp32 reduction order.
 
@@ -12,8 +13,11 @@ Schedule of :meth:`RolloutEngine.generate` (every TP rank of a replica calls it 
 
 1. Buffer ``[N, P_max + L]``: the prompts, right-padded.
 2. For each of the L completion tokens (full recompute, no KV cache — fine at these sizes): the engine
-   model's vocab-parallel logits of the whole buffer; at each row's last filled position, fp32 logits
-   (+ keyed N(0, std²) noise) / temperature = z.
+   model's vocab-parallel logits of the whole buffer, at each row's last filled position. The head sums the
+   products of its bf16 (or fp32) operands in fp32; with ``logit_dtype = fp32`` those sums are the logits
+   (:func:`fp32_head`: vLLM's ``head_dtype=float32``, sglang's ``--enable-fp32-lm-head``), with ``bf16`` they
+   are rounded once to the engine's dtype — its own output layer, a bf16 GEMM. Keyed N(0, std²) noise
+   (``logit_noise_std``) enters the fp32 sums, before that rounding. Then / temperature = z.
 3. With ``top_k > 0`` or ``top_p < 1``: z = −inf outside each row's kept set (top-k, then top-p on what is
    left: :func:`~mp_grpo.train.sampler.sampling_filter_keep`, vLLM's convention and order, found without
    gathering the logits). Sample from softmax(z) with
@@ -25,14 +29,16 @@ Schedule of :meth:`RolloutEngine.generate` (every TP rank of a replica calls it 
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum, group_rank
 from mp_grpo.config.job import EngineConfig, EngineDtype
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.ops.sampling_filter import SamplingFilter
 from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, sampling_filter_keep
 
@@ -125,13 +131,20 @@ class RolloutEngine:
         for k in range(completion_length):
             # --- 2. logits at each row's last filled position ---
             pos = prompt_lengths + k  # position of the token being sampled
-            logits = self.forward(self.model, tokens, positions)[rows, pos - 1].float()
+            noisy = self.config.logit_noise_std > 0.0
+            if self.config.logit_dtype == LogitDtype.FP32 or noisy:  # the head's fp32 sums
+                with fp32_head(self.model):
+                    logits = self.forward(self.model, tokens, positions)[rows, pos - 1]
+            else:  # its own output layer: the same sums rounded once to the engine's dtype (a bf16 GEMM)
+                logits = self.forward(self.model, tokens, positions)[rows, pos - 1].float()
             v_local = logits.shape[1]
             vocab_start = group_rank(self.tp_group) * v_local
             ids = torch.arange(vocab_start, vocab_start + v_local, device=device)
-            if self.config.logit_noise_std > 0.0:
+            if noisy:
                 noise = keyed_normal(self.seed, step, sequence_ids.unsqueeze(1), pos.unsqueeze(1), ids)
                 logits = logits + (self.config.logit_noise_std * noise).float()
+                if self.config.logit_dtype == LogitDtype.BF16:  # rounded as the head's output, after the noise
+                    logits = logits.to(self.dtype).float()
             z = logits / self.temperature
             # --- 3. sample (from the kept set with top-k / top-p) ---
             if self.sampling_filter is not None:
@@ -152,3 +165,31 @@ class RolloutEngine:
         col = torch.arange(width, device=device).unsqueeze(0)
         mask = (col >= prompt_lengths.unsqueeze(1)) & (col < lengths.unsqueeze(1))
         return Generation(tokens=tokens, lengths=lengths, completion_mask=mask, rollout_logprobs=logprobs)
+
+
+@contextlib.contextmanager
+def fp32_head(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, ``model``'s output layer returns the fp32 sums of its operands' products: its input (after
+    the layer's TP mapping) and weight upcast to fp32, one fp32 GEMM — vLLM's ``head_dtype=float32`` and sglang's
+    ``--enable-fp32-lm-head``. bf16 operands are exact in fp32, so these are a bf16 GEMM's fp32 accumulators (to
+    summation order) before its output is rounded. The layer must be megatron-core's vocab-parallel
+    ``ColumnParallelLinear`` without bias (GPTModel's and the CPU stand-in's); anything else raises."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from mp_grpo.megatron.fused_output import _forward_replaced, _input_mapping
+
+    try:
+        layer = get_attr_wrapped_model(model, "output_layer", return_model_obj=True).output_layer
+    except RuntimeError as err:
+        raise ValueError(f"the rollout engine's model has no output_layer to compute its head from ({err})") from err
+    if not isinstance(layer, ColumnParallelLinear) or layer.bias is not None or layer.gather_output:
+        raise ValueError(f"the rollout engine's output layer must be a ColumnParallelLinear without bias and without "
+                         f"gather_output (vocab-parallel logits); got {type(layer).__name__}")
+
+    def head(input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        w = layer.weight if weight is None else weight
+        return torch.nn.functional.linear(_input_mapping(layer, input_).float(), w.float()), None
+
+    with _forward_replaced(layer, head):
+        yield

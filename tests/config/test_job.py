@@ -51,6 +51,12 @@ def test_preset_is_the_base_of_the_inline_loss() -> None:
         (["train.num_microbatches=0"], "train.num_microbatches"),
         (["loss.policy.objective=ppo"], "loss.policy.objective"),
         (["model.output_path=fast"], "model.output_path"),
+        (["model.logit_dtype=fp16"], "model.logit_dtype"),
+        (["engine.logit_dtype=float32"], "engine.logit_dtype"),
+        (["model.logit_dtyp=fp32"], "logit_dtyp"),
+        (["engine.logits_dtype=fp32"], "logits_dtype"),
+        (["model.cpu_logit_offset=nan"], "model.cpu_logit_offset"),
+        (["model.cpu_logit_offset=big"], "model.cpu_logit_offset"),
     ],
 )
 def test_errors_name_the_key(overrides, match) -> None:
@@ -66,3 +72,18 @@ def test_unknown_preset_lists_the_presets() -> None:
 def test_output_path_defaults_to_logits_and_switches_to_fused() -> None:
     assert load_job_config({}).model.output_path == OutputPath.LOGITS
     assert load_job_config({}, ["model.output_path=fused"]).model.output_path == OutputPath.FUSED
+
+
+def test_logit_dtypes_default_to_bf16_and_switch_to_fp32() -> None:
+    """``model.logit_dtype`` (the trainer's logits) and ``engine.logit_dtype`` (the rollout engine's head) are set
+    apart; both default to bf16 (the output layer's own dtype). Where each acts: tests/train/test_logit_dtype.py,
+    tests/train/test_rollout.py."""
+    from mp_grpo.config.precision import LogitDtype
+
+    default = load_job_config({})
+    assert default.model.logit_dtype == LogitDtype.BF16 and default.engine.logit_dtype == LogitDtype.BF16
+    assert default.model.cpu_logit_offset == 0.0
+    trainer = load_job_config(CONFIGS / "grpo_cpu.yaml", ["model.logit_dtype=fp32"])
+    assert trainer.model.logit_dtype == LogitDtype.FP32 and trainer.engine.logit_dtype == LogitDtype.BF16
+    engine = load_job_config(CONFIGS / "grpo_cpu.yaml", ["engine.logit_dtype=fp32"])
+    assert engine.model.logit_dtype == LogitDtype.BF16 and engine.engine.logit_dtype == LogitDtype.FP32

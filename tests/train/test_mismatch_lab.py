@@ -1,4 +1,4 @@
-"""The mismatch lab's experiments (a)–(e) at tiny sizes: the qualitative effects the docs report."""
+"""The mismatch lab's experiments (a)–(g) at tiny sizes: the qualitative effects the docs report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from mp_grpo.train.mismatch_lab import __main__ as lab_cli
 from mp_grpo.config import load_config
-from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, top_p_loop, top_p_replay, training
+from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, pairing, top_p_loop, top_p_replay, training
 from mp_grpo.train.mismatch_lab.policy import PolicyShape, RolloutEngine, TinyPolicy, make_rollouts
 from tests.tolerances import tolerance
 
@@ -185,3 +185,45 @@ def test_mismatch_statistics_match_explicit_formulas():
     inside = [d for d in flat[1:]]  # row 0's first token is the one outside
     assert s["vllm_kl_k3_inside"] == pytest.approx(sum(math.exp(d) - d - 1 for d in inside) / len(inside), rel=1e-12)
     assert s["sequence_is_mean"] == pytest.approx(sum(math.exp(max(-20.0, sum(r))) for r in ds) / 5, rel=1e-12)
+
+
+def test_pairing_at_zero_upstream_difference(world_of_one):
+    """(g) at test size with no upstream difference (σ = 0: both sides sum the same bf16 products): heads of equal
+    precision agree to fp32 arithmetic, a head of the other precision on one side only leaves the bf16 rounding
+    between them (NeMo-RL's case); the lab's statistics agree with the loop's own mismatch/k3."""
+    setup = pairing.PairingSetup(steps=1, noise_levels=(0.0,), extra_overrides=(
+        "parallel.tensor_model_parallel_size=1", "parallel.sequence_format=padded", *TINY_JOB))
+    result = pairing.run(setup)
+    rms = {(r["trainer"], r["engine"]): r["summary"]["all"]["rms_d"] for r in result["runs"]}
+    assert set(rms) == set(pairing.PAIRINGS)
+    assert rms["bf16", "bf16"] < 1e-5 and rms["fp32", "fp32"] < 1e-5, rms
+    assert rms["fp32", "bf16"] > 1e-3 and rms["bf16", "fp32"] > 1e-3, rms
+    for r in result["runs"]:
+        (step,) = r["steps"]
+        assert step["sums"]["all"]["n"] == 24 and r["summary"]["logit_max_first"] > 15.0
+        assert r["summary"]["all"]["vllm_kl_k3"] == pytest.approx(step["vllm_kl_loop"], rel=1e-4, abs=1e-9)
+    report = pairing.report(result)
+    assert "| 0 | bf16 / bf16 |" in report and "| upstream σ | bf16 / bf16 | fp32 / bf16 |" in report
+
+
+def test_pairing_statistics_match_explicit_formulas():
+    gen = torch.Generator().manual_seed(5)
+    old, rollout = -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 4, -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 4
+    mask = torch.rand(4, 5, generator=gen) < 0.7
+    mask[:, 0] = True
+    sums = pairing.pairing_sums(old, rollout, mask, clamp=20.0)
+    tokens = [(float(old[i, j] - rollout[i, j]), math.exp(float(rollout[i, j]))) for i in range(4) for j in range(5) if mask[i, j]]
+    steps = [{"sums": sums, "reward": 0.5, "skipped": False, "logit_max": 18.0}]
+    s = pairing.summarize(steps)
+    for name, keep in (("all", lambda p: True), ("p<0.1", lambda p: p < 0.1), ("p>=0.5", lambda p: p >= 0.5)):
+        ds = [d for d, p in tokens if keep(p)]
+        assert sums[name]["n"] == len(ds)
+        if ds:
+            assert s[name]["rms_d"] == pytest.approx(math.sqrt(sum(d * d for d in ds) / len(ds)), rel=1e-12)
+            assert s[name]["vllm_kl_k3"] == pytest.approx(sum(math.exp(d) - d - 1 for d in ds) / len(ds), rel=1e-12)
+            r = [math.exp(d) for d in ds]
+            mean = sum(r) / len(r)
+            assert s[name]["token_is_std"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in r) / len(r)), rel=1e-9, abs=1e-12)
+    seq = [math.exp(sum(float(old[i, j] - rollout[i, j]) for j in range(5) if mask[i, j])) for i in range(4)]
+    mean = sum(seq) / 4
+    assert s["sequence_is_std"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in seq) / 4), rel=1e-9)

@@ -11,13 +11,22 @@ import pytest
 import torch
 
 from mp_grpo.config.job import EngineConfig, EngineDtype
+from mp_grpo.config.precision import LogitDtype
+from mp_grpo.train import rollout
 from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
 from mp_grpo.train.rollout import RolloutEngine
+from mp_grpo.train.sampler import keyed_normal
 from mp_grpo.train.task import make_prompts, successor_reward
 from tests.reference import filtered_logprobs_reference, logprobs_reference
 from tests.tolerances import assert_close
 
 VOCAB, HIDDEN, MAX_LEN, T = 32, 16, 16, 0.8
+LOGIT_OFFSET = 16.0
+"""The stand-in's logits at a trained LLM's scale (maximum ~18), where bf16 rounds them in steps of 1/16–1/8."""
+FP32_HEAD_MAX_ERROR = 1e-4
+"""The fp32 head's largest log-prob error against float64 logits of the same bf16 operands (issue's CPU target):
+its fp32 sums over H + 1 = 17 products and its fp32 log-softmax; bf16-rounded logits are off by ~100× more (the test
+prints both)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,21 +40,26 @@ def solo_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _model(seed: int = 2) -> CpuGPTStandIn:
+def _model(seed: int = 2, logit_offset: float = 0.0) -> CpuGPTStandIn:
     import torch.distributed as dist
 
     config = cpu_model_config(hidden_size=HIDDEN)
-    m = CpuGPTStandIn(config, vocab_size=VOCAB, max_sequence_length=MAX_LEN, tp_group=dist.group.WORLD)
-    m.load_full_weights(random_full_weights(config, vocab_size=VOCAB, max_sequence_length=MAX_LEN, seed=seed))
+    m = CpuGPTStandIn(config, vocab_size=VOCAB, max_sequence_length=MAX_LEN, tp_group=dist.group.WORLD,
+                      logit_offset_channel=logit_offset != 0.0)
+    m.load_full_weights(random_full_weights(config, vocab_size=VOCAB, max_sequence_length=MAX_LEN, seed=seed,
+                                            logit_offset=logit_offset))
     return m
 
 
-def _generate(engine_config: EngineConfig, trainer: CpuGPTStandIn, order=None):
-    engine = RolloutEngine(_model(seed=99), engine_config, temperature=T, seed=5, tp_group=None)
+def _generate(engine_config: EngineConfig, trainer: CpuGPTStandIn, order=None, *, return_engine: bool = False):
+    offset = trainer.logit_offset_channel
+    engine = RolloutEngine(_model(seed=99, logit_offset=LOGIT_OFFSET if offset else 0.0), engine_config, temperature=T,
+                           seed=5, tp_group=None)
     engine.sync_weights(trainer)
     prompts, lengths = make_prompts(num_prompts=12, min_length=2, max_length=5, modulus=VOCAB, seed=5, step=1)
     ids = torch.arange(12) if order is None else order
-    return engine.generate(prompts[ids], lengths[ids], completion_length=6, step=1, sequence_ids=ids), lengths[ids]
+    gen = engine.generate(prompts[ids], lengths[ids], completion_length=6, step=1, sequence_ids=ids)
+    return (gen, lengths[ids], engine) if return_engine else (gen, lengths[ids])
 
 
 def _reference_logprobs(trainer: CpuGPTStandIn, gen) -> torch.Tensor:
@@ -152,3 +166,97 @@ def test_engine_filter_keys_checked_at_load_time() -> None:
                           ("engine.replay_filtr=false", "engine.replay_filtr")):
         with pytest.raises(ConfigError, match=key):
             load_job_config(config_path("cpu"), [override])
+
+
+# ------------------------------------------------------------------------------------------ the head's precision
+def _engine_sums(engine: RolloutEngine, gen) -> torch.Tensor:
+    """``[N, S, V]`` float64 sums of the engine's own head operands (its bf16 hidden states and weight), the logit at
+    s − 1 scoring the token at s: what an exact head would compute."""
+    captured = {}
+    hook = engine.model.output_layer.register_forward_pre_hook(lambda module, args: captured.update(x=args[0]))
+    try:
+        with torch.no_grad():
+            engine.model(gen.tokens, torch.arange(gen.tokens.shape[1]).expand_as(gen.tokens))
+    finally:
+        hook.remove()
+    hidden = captured["x"]  # [S, N, H + 1] in the engine's dtype (no attention: a position sees its own token only)
+    return (hidden.double() @ engine.model.output_layer.weight.double().t()).transpose(0, 1)
+
+
+def _logprobs_of(logits: torch.Tensor, gen) -> torch.Tensor:
+    """``[N, S]`` log-probs of the sampled tokens from ``[N, S, V]`` logits (position s − 1 scores the token at s)."""
+    lp = torch.log_softmax(logits[:, :-1].double() / T, -1).gather(-1, gen.tokens[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(lp.shape[0], 1, dtype=lp.dtype), lp], dim=1)
+    return torch.where(gen.completion_mask, lp, torch.zeros_like(lp))
+
+
+def _noise(gen, lengths: torch.Tensor, std: float) -> torch.Tensor:
+    """``[N, S, V]``: the engine's keyed logit noise (seed 5, step 1, rows 0..N−1), at s − 1 for the token at s."""
+    n, width = gen.tokens.shape
+    pos = torch.arange(width).expand(n, width) + 1  # the logit at s scores the token at s + 1
+    noise = keyed_normal(5, 1, torch.arange(n)[:, None, None], pos[..., None], torch.arange(VOCAB)[None, None, :])
+    return (std * noise).float().double()
+
+
+def _fp32_head_error(gen, engine) -> float:
+    """Largest |engine log-prob − float64 log-prob of its own operands| over the sampled tokens."""
+    exact = _logprobs_of(_engine_sums(engine, gen), gen)
+    return float((gen.rollout_logprobs.double() - exact)[gen.completion_mask].abs().max())
+
+
+def _rounding_head(original):
+    """A mutant of :func:`mp_grpo.train.rollout.fp32_head` whose fp32 logits are rounded to bf16."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def head(model):
+        layer = model.output_layer
+        with original(model):
+            inner = layer.forward
+            layer.forward = lambda *args, **kwargs: (inner(*args, **kwargs)[0].bfloat16().float(), None)
+            try:
+                yield
+            finally:
+                layer.forward = inner
+    return head
+
+
+def test_fp32_head_keeps_the_engines_logits_in_fp32(monkeypatch) -> None:
+    """A bf16 engine at an LLM's logit scale: ``logit_dtype = fp32`` gives the log-probs of its own bf16 operands'
+    exact products to ≤ 1e-4; bf16 (the default) those of the logits rounded to bf16 (error measured and printed,
+    > 100× the bound); a mutant fp32 head that rounds to bf16 fails the fp32 bound."""
+    trainer = _model(logit_offset=LOGIT_OFFSET)
+    fp32, _, engine = _generate(EngineConfig(logit_dtype=LogitDtype.FP32), trainer, return_engine=True)
+    assert engine.dtype == torch.bfloat16
+    sums = _engine_sums(engine, fp32)
+    assert 15.0 < float(sums.max(-1).values.mean()) < 30.0, "the logits are not at an LLM's scale"
+    error_fp32 = _fp32_head_error(fp32, engine)
+    assert error_fp32 <= FP32_HEAD_MAX_ERROR, error_fp32
+    bf16, _, engine_bf16 = _generate(EngineConfig(), trainer, return_engine=True)
+    assert torch.equal(bf16.completion_mask, fp32.completion_mask)
+    error_bf16 = _fp32_head_error(bf16, engine_bf16)
+    rounded = _logprobs_of(_engine_sums(engine_bf16, bf16).bfloat16(), bf16)  # the bf16 head: the sums rounded
+    assert_close(bf16.rollout_logprobs, rounded, torch.float32, msg="bf16 head vs float64 of the bf16-rounded logits")
+    assert error_bf16 > 100 * FP32_HEAD_MAX_ERROR, error_bf16
+    print(f"\nengine head vs float64 of its operands, max |Δ log-prob|: fp32 {error_fp32:.2e}, bf16 {error_bf16:.2e}")
+    monkeypatch.setattr(rollout, "fp32_head", _rounding_head(rollout.fp32_head))
+    mutant, _, engine_mutant = _generate(EngineConfig(logit_dtype=LogitDtype.FP32), trainer, return_engine=True)
+    assert _fp32_head_error(mutant, engine_mutant) > FP32_HEAD_MAX_ERROR
+
+
+@pytest.mark.parametrize("logit_dtype", [LogitDtype.BF16, LogitDtype.FP32])
+def test_logit_noise_enters_before_the_heads_rounding(logit_dtype: LogitDtype) -> None:
+    """The noise knob is an upstream difference: it enters the head's fp32 sums, and a bf16 head rounds the noisy
+    sums (not the sums before the noise is added)."""
+    std = 0.05
+    trainer = _model(logit_offset=LOGIT_OFFSET)
+    gen, lengths, engine = _generate(EngineConfig(logit_dtype=logit_dtype, logit_noise_std=std), trainer, return_engine=True)
+    sums, noise = _engine_sums(engine, gen), _noise(gen, lengths, std)
+    if logit_dtype == LogitDtype.FP32:
+        expected = _logprobs_of(sums + noise, gen)
+        assert float((gen.rollout_logprobs.double() - expected)[gen.completion_mask].abs().max()) <= FP32_HEAD_MAX_ERROR
+    else:
+        expected = _logprobs_of((sums + noise).bfloat16(), gen)
+        assert_close(gen.rollout_logprobs, expected, torch.float32, msg="bf16 head: the noisy sums rounded")
+        after = _logprobs_of(sums.bfloat16().double() + noise, gen)  # noise added to the rounded logits instead
+        assert float((gen.rollout_logprobs.double() - after)[gen.completion_mask].abs().max()) > 1e-3

@@ -1,6 +1,6 @@
 """The training–inference mismatch lab: the failure modes of the seeds, reproduced and measured against mp_grpo.
 
-``python -m mp_grpo.train.mismatch_lab [--experiments a b c d e f] [--full] [--out docs/mismatch]`` runs, on CPU:
+``python -m mp_grpo.train.mismatch_lab [--experiments a b c d e f g] [--full] [--out docs/mismatch]`` runs, on CPU:
 
 - (a) :mod:`.is_correction`: the same batch's gradient with the rollout IS correction applied vs omitted
   (the Liger-Kernel #1082 ~100× grad norm), over a range of rollout mismatch;
@@ -12,9 +12,12 @@
 - (e) :mod:`.top_p_replay`: the rollout engine sampling with top-p — vllm-kl and the IS-ratio mean between
   its log-probs and the trainer's, without and with the filter replayed (``SamplingFilter(top_p=p)``);
 - (f) :mod:`.top_p_loop`: (e)'s top-p row through the learning loop itself — GRPO runs with ``engine.top_p``,
-  the trainer replaying the filter (``engine.replay_filter``) or not: IS means, vllm-kl, reward.
+  the trainer replaying the filter (``engine.replay_filter``) or not: IS means, vllm-kl, reward;
+- (g) :mod:`.pairing`: the trainer's logit precision × the engine's head precision (``model.logit_dtype`` ×
+  ``engine.logit_dtype``, bf16 / fp32) at several levels of upstream difference: vllm-kl, RMS of the log-prob
+  difference, IS-ratio spread, the low-probability tokens' share of it, reward.
 
-(d), (e) and (f) run quick sizes by default; ``--full`` runs the sizes ``docs/mismatch.md`` reports.
+(d)–(g) run quick sizes by default; ``--full`` runs the sizes ``docs/mismatch.md`` reports.
 
 :mod:`.policy` is the tiny policy and noisy bf16 rollout engine of (a)–(c); :mod:`.report` writes the
 JSON, markdown tables and PNGs that ``docs/mismatch.md`` shows.

@@ -3,7 +3,7 @@
 Schedule
     1. Parse the experiments to run and the output folder.
     2. For each experiment: run it, print its markdown table, write ``<out>/<name>.json``, ``<out>/<name>.md``
-       and (a, b, d, f) ``<out>/<name>.png``. (d), (e) and (f) run quick sizes unless ``--full``.
+       and (a, b, d, f, g) ``<out>/<name>.png``. (d)–(g) run quick sizes unless ``--full``.
 """
 
 from __future__ import annotations
@@ -58,6 +58,17 @@ def _run_f(args: argparse.Namespace) -> tuple[dict, str]:
     return result, top_p_loop.report(result)
 
 
+def _run_g(args: argparse.Namespace) -> tuple[dict, str]:
+    from mp_grpo.train.mismatch_lab import pairing
+    result = pairing.run(pairing.PairingSetup() if args.full else pairing.QUICK)
+    return result, pairing.report(result)
+
+
+def _plot_g(result: dict, path: Path) -> None:
+    from mp_grpo.train.mismatch_lab import pairing
+    pairing.plot(result, path)
+
+
 def _plot_f(result: dict, path: Path) -> None:
     from mp_grpo.train.mismatch_lab import top_p_loop
     top_p_loop.plot(result, path)
@@ -73,7 +84,8 @@ EXPERIMENTS = {"a": ("is_correction", _run_a, report.plot_is_correction),
                "c": ("nan_guard", _run_c, None),
                "d": ("training", _run_d, _plot_d),
                "e": ("top_p_replay", _run_e, None),
-               "f": ("top_p_loop", _run_f, _plot_f)}
+               "f": ("top_p_loop", _run_f, _plot_f),
+               "g": ("pairing", _run_g, _plot_g)}
 """Letter → (output name, runner, plotter or None)."""
 
 
@@ -84,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which experiments to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("docs/mismatch"), help="output folder")
     parser.add_argument("--full", action="store_true",
-                        help="(d), (e), (f): the documented sizes (default: quick runs of a few minutes)")
+                        help="(d)–(g): the documented sizes (default: quick runs of a few minutes)")
     parser.add_argument("--training-steps", type=int, default=None, help="(d): optimizer steps per run")
     parser.add_argument("--training-variants", nargs="+", default=None, help="(d): variant names (default: all)")
     args = parser.parse_args(argv)
