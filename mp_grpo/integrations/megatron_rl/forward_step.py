@@ -17,7 +17,10 @@ pipeline stage)
    iteration serve the stored micro-batches in order.
 2. The model on this rank's tokens — under context parallelism Megatron-LM's own THD scatter
    (``_scatter_for_context_parallel``) — with ``runtime_gather_output=False``: the logits stay
-   ``[B, S/CP, V/TP]`` (Megatron-LM gathers the whole vocabulary on every TP rank).
+   ``[B, S/CP, V/TP]`` (Megatron-LM gathers the whole vocabulary on every TP rank). With
+   ``logit_dtype=FP32`` (``--output-logit-dtype fp32``) the output layer's GEMM is mp_grpo's
+   (:func:`~mp_grpo.megatron.logits_output.call_for_logits`): its fp32 accumulator is the logits, never rounded
+   to bf16; a GPTModel that has its own ``logit_dtype`` must agree with it.
 3. Last pipeline stage: ``GRPOLoss.on_logits`` on the TP group (one collective of 16 bytes a row; fused on a GPU)
    — or, with ``entropy_term=SAMPLED_TOKEN``, the log-probs then GRPOLoss with Megatron-LM's −p·log p term.
 4. ``loss_func`` returns what Megatron's schedule turns back into the step objective's gradient
@@ -41,6 +44,7 @@ import torch
 
 from mp_grpo.config import load_config
 from mp_grpo.config.loss import LossConfig
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.integrations.megatron_rl.batch import LossInputs, RLMicroBatch, loss_inputs
 from mp_grpo.integrations.megatron_rl.config import EntropyTerm, loss_config_from_args
 from mp_grpo.loss.entropy import sampled_token_entropy
@@ -82,6 +86,7 @@ class GRPOForwardStep:
         calculate_per_token_loss: bool | None = None,
         groups: ParallelGroups | None = None,
         temperature: float = 1.0,
+        logit_dtype: LogitDtype = LogitDtype.BF16,
     ) -> None:
         """
         Args:
@@ -93,6 +98,8 @@ class GRPOForwardStep:
             groups: TP, CP, DP×CP and PP groups; None: megatron-core's ``parallel_state`` at the first step.
             temperature: the logits are divided by it before the log-probs (Megatron-LM's own training log-probs
                 use 1).
+            logit_dtype: the precision of the logits (:class:`~mp_grpo.config.precision.LogitDtype`, Megatron-LM's
+                ``--output-logit-dtype``): ``FP32`` computes the output layer's GEMM with an fp32 output (step 2).
         """
         if not isinstance(config, LossConfig):
             config = load_config(config, overrides)
@@ -100,6 +107,8 @@ class GRPOForwardStep:
             raise ValueError("overrides apply to a preset name or YAML path, not to a LossConfig")
         if not isinstance(entropy_term, EntropyTerm):
             raise TypeError(f"entropy_term must be an EntropyTerm (FULL or SAMPLED_TOKEN), got {entropy_term!r}")
+        if not isinstance(logit_dtype, LogitDtype):
+            raise TypeError(f"logit_dtype must be a LogitDtype (BF16 or FP32), got {logit_dtype!r}")
         if config.entropy.top_quantile < 1.0 or config.entropy.adaptive:
             raise ValueError("config: entropy.top_quantile < 1 / entropy.adaptive need the step's entropies before "
                              "its first micro-batch, which Megatron-LM's RL loop does not compute; switch them off")
@@ -107,6 +116,7 @@ class GRPOForwardStep:
         self.entropy_term = entropy_term
         self.calculate_per_token_loss = calculate_per_token_loss
         self.temperature = float(temperature)
+        self.logit_dtype = logit_dtype
         self.loss = GRPOLoss(config)
         self._groups = groups
         self._step: StepMicroBatches | None = None
@@ -114,12 +124,14 @@ class GRPOForwardStep:
     @classmethod
     def from_args(cls, args: Any = None, **kwargs: Any) -> GRPOForwardStep:
         """Megatron-LM's own loss (:func:`loss_config_from_args`) with its −p·log p entropy term: the same
-        objective as ``calculate_grpo_loss`` with ``--calculate-per-token-loss``, on sharded logits."""
+        objective as ``calculate_grpo_loss`` with ``--calculate-per-token-loss``, on sharded logits; the logits'
+        precision from ``--output-logit-dtype`` (:func:`logit_dtype_from_args`)."""
         if args is None:
             from megatron.training import get_args
 
             args = get_args()
         kwargs.setdefault("entropy_term", EntropyTerm.SAMPLED_TOKEN)
+        kwargs.setdefault("logit_dtype", logit_dtype_from_args(args))
         return cls(loss_config_from_args(args), **kwargs)
 
     @property
@@ -142,9 +154,12 @@ class GRPOForwardStep:
             if any(x.inference_logprobs is None for x in inputs):
                 raise ValueError("config: rollout_correction.normalize_weights / mismatch.skip_threshold need the "
                                  "inference log-probs (--rl-inference-logprobs-is-correction)")
+            # No collective over PP here: this runs inside Megatron's schedule, where the first stage's first forward
+            # step comes before the last stage's (which waits in its first p2p receive), so a broadcast from the last
+            # stage would deadlock. Every stage has the same micro-batches, log-probs included: each decides itself.
             batch = GlobalBatch.from_rollouts(cfg, masks, old_logprobs=[x.old_logprobs for x in inputs],
                                               rollout_logprobs=[x.inference_logprobs for x in inputs],
-                                              group=groups.dp_cp, layouts=layouts, step=step, pp_group=groups.pp)
+                                              group=groups.dp_cp, layouts=layouts, step=step, pp_group=None)
         else:
             batch = GlobalBatch.from_masks(masks, group=groups.dp_cp, layouts=layouts, step=step)
         return StepMicroBatches(step, micro_batches, inputs, batch)
@@ -259,8 +274,51 @@ class GRPOForwardStep:
                 tokens, position_ids, params, self.groups.cp)
             if not torch.equal(scatter.partition_index.to(x.positions.device), x.positions):  # type: ignore[union-attr]
                 raise RuntimeError("the loss's CP positions differ from Megatron-LM's THD partition of the model input")
-        return model(tokens, position_ids, None, packed_seq_params=params, runtime_gather_output=False,
-                     fp32_output=not (args.fp16 or args.bf16))
+        call = dict(packed_seq_params=params, runtime_gather_output=False, fp32_output=not (args.fp16 or args.bf16))
+        check_model_logit_dtype(model, self.logit_dtype)
+        if self.logit_dtype is LogitDtype.FP32:  # the output layer's GEMM with an fp32 output
+            from mp_grpo.megatron.logits_output import call_for_logits
+
+            return call_for_logits(model, tokens, position_ids, None, logit_dtype=self.logit_dtype, **call)
+        return model(tokens, position_ids, None, **call)
+
+
+LOGIT_DTYPE_ARG = "--output-logit-dtype"
+"""Megatron-LM's argument (``args.output_logit_dtype``: ``"bf16"`` | ``"fp32"``)."""
+
+
+def logit_dtype_from_args(args: Any) -> LogitDtype:
+    """``args.output_logit_dtype`` as a :class:`LogitDtype` (``BF16`` where this Megatron-LM has no such argument or
+    leaves it None); any other value is a one-line error naming the argument."""
+    value = getattr(args, "output_logit_dtype", None)
+    if value is None:
+        return LogitDtype.BF16
+    named = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(value, value) if isinstance(value, torch.dtype) else value
+    try:
+        return LogitDtype(str(named).lower())
+    except ValueError:
+        allowed = " | ".join(d.value for d in LogitDtype)
+        raise ValueError(f"{LOGIT_DTYPE_ARG} (args.output_logit_dtype): got {value!r}; allowed {allowed}") from None
+
+
+def check_model_logit_dtype(model: Any, logit_dtype: LogitDtype) -> None:
+    """A GPTModel with its own ``logit_dtype`` (megatron-core versions that have it, set from
+    ``--output-logit-dtype``) must agree with ``logit_dtype``: one line naming both otherwise."""
+    inner = model
+    while inner is not None and not hasattr(inner, "output_layer"):
+        inner = getattr(inner, "module", None)
+    own = getattr(inner, "logit_dtype", None) if inner is not None else None
+    if own is None:
+        return
+    if own in (torch.float32, "fp32", LogitDtype.FP32):
+        own_dtype = LogitDtype.FP32
+    elif own in (torch.bfloat16, "bf16", LogitDtype.BF16):
+        own_dtype = LogitDtype.BF16
+    else:
+        return  # another dtype (fp16 / fp32 models): the model's own output layer decides
+    if own_dtype is not logit_dtype:
+        raise ValueError(f"logit_dtype={logit_dtype.value}, but the model's GPTModel.logit_dtype is {own}: pass the "
+                         f"run's {LOGIT_DTYPE_ARG} to GRPOForwardStep (from_args reads it)")
 
 
 def megatron_metrics(metrics: dict[str, torch.Tensor], *, sampled_entropy: bool) -> dict[str, torch.Tensor]:

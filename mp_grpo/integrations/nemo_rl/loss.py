@@ -51,6 +51,7 @@ import torch
 from mp_grpo.collectives import all_reduce_sum, group_size
 from mp_grpo.config import load_config
 from mp_grpo.config.loss import Aggregation, LossConfig
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.integrations.nemo_rl.data import LossFields, logit_fields, shifted_fields
 from mp_grpo.integrations.nemo_rl.interfaces import LossInputType, LossType
 from mp_grpo.integrations.nemo_rl.metrics import metric_normalizations, nemo_rl_metrics
@@ -86,6 +87,12 @@ PLACEHOLDER_COUNT = 1.0
 torch.tensor(1.0)`` in ``MegatronPolicyWorker._train_microbatch_body``): both exactly this value mark the call as
 one whose raw sums NeMo-RL rescales after the step. A real step of one sequence with one valid token has the same
 counts; there raw sums and normalized shares are equal, and only the micro-batch bound check is left out."""
+
+FP32_LM_HEAD = "policy.megatron_cfg.fp32_lm_head"
+"""NeMo-RL's switch of an fp32 output layer on the Megatron worker: ``true`` (an fp32 GEMM), ``"tf32"`` (the same on
+TF32 tensor cores) or ``false``. Both fp32 values give logits of the bf16 operands summed in fp32 and never rounded to
+bf16 — what :attr:`LogitDtype.FP32` means (bf16 operands are exact in TF32 and their products in fp32: ``"tf32"``
+differs from ``true`` only in the accumulation's order, as mp_grpo's own fp32-output GEMM does), so both map to it."""
 
 SPLIT_API = "NeMo-RL's split-API trainer (placeholder counts global_valid_toks = global_valid_seqs = 1)"
 """How the refusals on the asynchronous path name it."""
@@ -134,6 +141,7 @@ class MPGRPOLossFn:
         cp_normalize: bool = True,
         with_entropy: bool = True,
         backend: LossBackend = LossBackend.AUTO,
+        logit_dtype: LogitDtype = LogitDtype.BF16,
     ) -> None:
         """
         Args:
@@ -149,6 +157,9 @@ class MPGRPOLossFn:
             with_entropy: logit input — compute the policy entropy for the metrics even when the loss does not
                 need it (one extra sum in the kernel's pass).
             backend: GRPOLoss's backend.
+            logit_dtype: logit input — the precision of the logits NeMo-RL's output layer makes
+                (:data:`FP32_LM_HEAD`); ``FP32``: logits rounded to bf16 are refused (a bf16 tensor at every call;
+                values that are all bf16 numbers at the first call), never used as fp32 ones.
         """
         if not isinstance(config, LossConfig):
             config = load_config(config, overrides)
@@ -173,12 +184,19 @@ class MPGRPOLossFn:
             raise TypeError(f"sampling_filter must be a SamplingFilter or None, got {type(sampling_filter).__name__}")
         if groups is not None and not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups or None, got {type(groups).__name__}")
+        if not isinstance(logit_dtype, LogitDtype):
+            raise TypeError(f"logit_dtype must be a LogitDtype (BF16 or FP32), got {logit_dtype!r}")
+        if kind == InputType.LOGPROB and logit_dtype is not LogitDtype.BF16:
+            raise ValueError("logit_dtype: with the log-prob input NeMo-RL makes the log-probs from its own logits "
+                             f"({FP32_LM_HEAD} decides their precision there); logit_dtype is for input_type=InputType.LOGIT")
         self.config = config
         self.kind = kind
         self.sampling_filter = sampling_filter
         self.cp_normalize = bool(cp_normalize)
         self.with_entropy = bool(with_entropy)
         self.backend = backend
+        self.logit_dtype = logit_dtype
+        self._logits_checked = False  # see _check_logit_dtype
         self.input_type = LossInputType.LOGIT if kind == InputType.LOGIT else LossInputType.LOGPROB
         sequence_level = config.aggregation.mode in _SEQUENCE_LEVEL
         self.loss_type = LossType.SEQUENCE_LEVEL if sequence_level else LossType.TOKEN_LEVEL
@@ -209,6 +227,8 @@ class MPGRPOLossFn:
             kwargs["input_type"] = kind
         generation = _section(policy, "generation", optional=True) or {}
         top_k, top_p = _value(generation, "top_k"), _value(generation, "top_p")
+        if InputType(kwargs["input_type"]) == InputType.LOGIT and "logit_dtype" not in kwargs:
+            kwargs["logit_dtype"] = logit_dtype_of(_value(megatron, "fp32_lm_head", False))
         filtering = (top_k is not None and top_k > 0) or (top_p is not None and top_p < 1.0)
         if filtering and InputType(kwargs["input_type"]) == InputType.LOGIT and "sampling_filter" not in kwargs:
             kwargs["sampling_filter"] = SamplingFilter(top_k=top_k if top_k and top_k > 0 else None,
@@ -307,6 +327,7 @@ class MPGRPOLossFn:
                             "the logit input takes the Megatron worker's vocab-parallel shard")
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
             raise ValueError(f"logits must be this rank's [B, S_local, V_local] shard, got {_shape(logits)}")
+        self._check_logit_dtype(logits)
         groups = self._groups if self._groups is not None else ParallelGroups.from_parallel_state()
         cp = groups.cp
         # --- 1. the fields at this rank's logit positions ---
@@ -341,6 +362,24 @@ class MPGRPOLossFn:
         metrics = nemo_rl_metrics(cfg, fields, share, ours, global_valid_toks=batch.valid_tokens, logprobs=None,
                                   cp_group=cp, rewards=rewards, normalized=batch.normalized)
         return returned, metrics
+
+    def _check_logit_dtype(self, logits: torch.Tensor) -> None:
+        """With ``logit_dtype=FP32``: logits of a lower-precision dtype are refused at every call; at the first call,
+        logits whose every value is a bf16 number (an fp32 tensor holding bf16-rounded logits: NeMo-RL upcasts a bf16
+        output layer's logits) — one pass over that micro-batch's shard and one host read, once."""
+        if self.logit_dtype is not LogitDtype.FP32:
+            return
+        if logits.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"logits are {logits.dtype}, but logit_dtype=fp32 ({FP32_LM_HEAD}): NeMo-RL's output "
+                             "layer rounded them; set the key in NeMo-RL's config, or logit_dtype=bf16")
+        if self._logits_checked or logits.numel() == 0:
+            return
+        x = logits.detach()
+        if bool(torch.equal(x, x.to(torch.bfloat16).to(x.dtype))):
+            raise ValueError(f"logits: every value is a bf16 number, but logit_dtype=fp32 ({FP32_LM_HEAD}): NeMo-RL's "
+                             "output layer rounded them to bf16 and upcast them (a NeMo-RL without the key, or the key "
+                             "not set in its config); use a NeMo-RL that computes an fp32 head, or logit_dtype=bf16")
+        self._logits_checked = True
 
     def _account(self, global_valid_toks, global_valid_seqs, device: torch.device) -> GlobalBatch:
         """Step 2: :func:`step_account` of the counts, or for NeMo-RL's placeholders (both counts
@@ -395,6 +434,16 @@ class MPGRPOLossFn:
         positive = rewards > 0
         count = (fields.mask & positive.unsqueeze(1)).sum(dtype=torch.float64)
         return positive, all_reduce_sum(count, cp_group)
+
+
+def logit_dtype_of(fp32_lm_head: object) -> LogitDtype:
+    """NeMo-RL's :data:`FP32_LM_HEAD` value as a :class:`LogitDtype`: ``true`` and ``"tf32"`` → ``FP32``, ``false``
+    or null → ``BF16``; anything else (``"TF32"``, ``"false"``, ``1``) is a one-line error naming the key."""
+    if fp32_lm_head is None or fp32_lm_head is False:
+        return LogitDtype.BF16
+    if fp32_lm_head is True or fp32_lm_head == "tf32":
+        return LogitDtype.FP32
+    raise ValueError(f'{FP32_LM_HEAD}: got {fp32_lm_head!r}; allowed true | "tf32" | false')
 
 
 def _value(section: Any, key: str, default: Any = None) -> Any:

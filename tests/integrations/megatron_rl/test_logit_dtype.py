@@ -1,0 +1,120 @@
+"""``GRPOForwardStep`` and the logits' precision: ``--output-logit-dtype`` (``args.output_logit_dtype``) read by
+``from_args``, a bad value refused naming the argument, a GPTModel's own ``logit_dtype`` checked against it, and the
+value reaching the output layer's GEMM: through ``_model_forward`` on the CPU stand-in for GPTModel in bf16 (its
+output weight scaled to a trained model's logit range), the log-probs of the logits it returns are within
+``FP32_MAX_ABS_ERROR`` of float64 logits of the same bf16 operands with fp32, and not with bf16 (a bf16-rounding
+mutant fails the fp32 check)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_grpo.config.precision import LogitDtype
+from mp_grpo.integrations.megatron_rl import GRPOForwardStep
+from mp_grpo.integrations.megatron_rl.batch import loss_inputs
+from mp_grpo.integrations.megatron_rl.forward_step import check_model_logit_dtype, logit_dtype_from_args
+from tests.distributed import torchrun, worker_main
+from tests.integrations.megatron_rl.helpers import unpacked
+from tests.reference import logprobs_reference
+
+FP32_MAX_ABS_ERROR = 1e-4
+"""As tests/ops/test_logit_precision.py: log-probs of fp32 logits against float64 logits of the same operands."""
+BF16_MIN_MAX_ABS_ERROR = 1e-3
+OUTPUT_SCALE = 12.0
+"""The stand-in's output weight × this: row maxima of its logits in 10–40, as a trained model's."""
+
+
+def _args(**extra):
+    return SimpleNamespace(grpo_clamp_eps_lower=0.2, grpo_clamp_eps_upper=0.2, grpo_kl_beta=0.0,
+                           grpo_entropy_term_weight=0.0, rl_inference_logprobs_is_correction=False,
+                           rl_importance_sampling_truncation_coef=None, **extra)
+
+
+def test_from_args_reads_output_logit_dtype() -> None:
+    assert logit_dtype_from_args(_args()) is LogitDtype.BF16  # a Megatron-LM without the argument
+    for value, want in (("fp32", LogitDtype.FP32), ("bf16", LogitDtype.BF16), (None, LogitDtype.BF16),
+                        (torch.float32, LogitDtype.FP32), ("FP32", LogitDtype.FP32)):
+        assert logit_dtype_from_args(_args(output_logit_dtype=value)) is want
+        assert GRPOForwardStep.from_args(_args(output_logit_dtype=value)).logit_dtype is want
+    for bad in ("fp16", torch.float16, "float32"):
+        with pytest.raises(ValueError, match="^--output-logit-dtype \\(args.output_logit_dtype\\): got .*; allowed "
+                                             "bf16 \\| fp32$"):
+            GRPOForwardStep.from_args(_args(output_logit_dtype=bad))
+    with pytest.raises(TypeError, match="logit_dtype must be a LogitDtype"):
+        GRPOForwardStep("megatron_lm_grpo", logit_dtype="fp32")
+
+
+def test_a_gptmodel_logit_dtype_must_agree() -> None:
+    inner = SimpleNamespace(output_layer=object(), logit_dtype=torch.float32)
+    wrapped = SimpleNamespace(module=SimpleNamespace(module=inner))
+    check_model_logit_dtype(wrapped, LogitDtype.FP32)
+    with pytest.raises(ValueError, match="logit_dtype=bf16, but the model's GPTModel.logit_dtype is torch.float32"):
+        check_model_logit_dtype(wrapped, LogitDtype.BF16)
+    inner.logit_dtype = None  # megatron-core's default: the model's dtype
+    check_model_logit_dtype(wrapped, LogitDtype.FP32)
+    check_model_logit_dtype(SimpleNamespace(), LogitDtype.FP32)  # no output layer found (not the last stage)
+
+
+def test_output_logit_dtype_reaches_the_output_layer() -> None:
+    torchrun(__file__, "case_precision", nproc=1)
+
+
+def case_precision() -> None:
+    from megatron.core import parallel_state as ps
+
+    from mp_grpo.megatron.groups import ParallelGroups
+    from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
+    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
+    from tests.megatron import helpers as H
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        groups = ParallelGroups.from_parallel_state()
+        weights = H.full_weights(seed=9)
+        weights["output_layer.weight"] = weights["output_layer.weight"] * OUTPUT_SCALE
+        config = cpu_model_config(hidden_size=H.HIDDEN, params_dtype=torch.bfloat16)
+        stand_in = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=groups.tp)
+        stand_in.load_full_weights(weights)
+
+        class MegatronLMModel(torch.nn.Module):
+            """The stand-in called with ``train_rl.py``'s arguments (Float16Module-like: ``.module``)."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.module = stand_in
+
+            def forward(self, tokens, position_ids, attention_mask, *, packed_seq_params, runtime_gather_output,
+                        fp32_output):
+                assert runtime_gather_output is False
+                return self.module(tokens, position_ids)
+
+        hidden = []
+        stand_in.output_layer.register_forward_pre_hook(lambda module, inputs: hidden.append(inputs[0].detach()))
+        mb, _ = unpacked(3, 3, 12, vocab=H.VOCAB, dtype=torch.float32)
+        x = loss_inputs(mb, None)
+        args = _args(rl_use_sequence_packing=False, fp16=False, bf16=True)
+        errors = {}
+        for value in ("fp32", "bf16"):
+            step = GRPOForwardStep.from_args(_args(output_logit_dtype=value), groups=groups)
+            hidden.clear()
+            logits = step._model_forward(MegatronLMModel(), mb, x, args)
+            assert logits.dtype == (torch.float32 if value == "fp32" else torch.bfloat16), (value, logits.dtype)
+            reference = (hidden[0].double() @ stand_in.output_layer.weight.double().T).transpose(0, 1)  # [B, S, V]
+            assert 10.0 < float(reference.max(-1).values.median()) < 40.0, "not a trained model's logit scale"
+            valid = x.target != -100
+            want, _ = logprobs_reference(reference[valid], x.target[valid])
+            got = vocab_parallel_logprobs(logits.detach(), x.target, tp_group=groups.tp)[valid]
+            errors[value] = float((got.double() - want).abs().max())
+        assert errors["fp32"] < FP32_MAX_ABS_ERROR, errors
+        assert errors["bf16"] > BF16_MIN_MAX_ABS_ERROR, errors
+    finally:
+        ps.destroy_model_parallel()
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    worker_main({"case_precision": case_precision})
