@@ -11,7 +11,8 @@ preset under that name — no user code. ``actor.loss_agg_mode`` must be the pre
   normalized by verl's ``global_batch_info`` (``GlobalBatch.from_counts``); what runs and what is refused.
 - :mod:`.registration`: :func:`register_presets`, and :func:`register` for a config of your own under a name.
 - :mod:`.lm_head`: the switch (``MP_GRPO_VERL_LOGPROBS=1`` or :func:`use_vocab_parallel_logprobs`) that puts
-  :func:`mp_grpo.vocab_parallel_logprobs` in place of the Megatron engine's LM-head log-prob + entropy processor.
+  :func:`mp_grpo.vocab_parallel_logprobs` in place of the Megatron engine's LM-head log-prob + entropy processor
+  (``MP_GRPO_VERL_LOGIT_DTYPE=fp32``: with fp32 logits from the output layer's GEMM).
 - :mod:`.plugin`: the entry point.
 
 Importing this package imports verl's policy-loss module when a function here needs it; ``import mp_grpo``

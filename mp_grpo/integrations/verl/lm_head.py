@@ -17,6 +17,14 @@ The switch, either of:
   command line);
 * :func:`use_vocab_parallel_logprobs` called in each worker process (your own worker classes).
 
+**Logit precision** (``MP_GRPO_VERL_LOGIT_DTYPE=fp32``, or ``use_vocab_parallel_logprobs(logit_dtype=
+LogitDtype.FP32)``; ``bf16``, the default, leaves the logits as verl's model makes them): the switch also runs the
+engine's ``forward_step`` with the model's output layer answered by mp_grpo's fp32-output GEMM
+(:func:`mp_grpo.megatron.logits_output.call_for_logits`), so the processor gets the GEMM's fp32 accumulator of the
+bf16 operands, never rounded to bf16. Refused (never a silent bf16 head): an output layer that path cannot compute,
+a second output-layer call in one forward (multi-token prediction), verl's ``use_fused_kernels=True`` (its kernel
+makes the head itself), and ``fp32`` without the log-prob switch.
+
 What stays verl's (the call is handed to verl's processor): ``calculate_sum_pi_squared`` (the optimal-token
 baseline's Σπ²), top-k distillation (``distillation_use_topk`` / ``distillation_only``), per-token
 temperatures that differ across the micro-batch's positive entries (the logits are then divided as verl does
@@ -31,20 +39,63 @@ from typing import Any, Callable
 
 import torch
 
+from mp_grpo.config.precision import LogitDtype
 from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
 
 ENV_SWITCH = "MP_GRPO_VERL_LOGPROBS"
 """The environment variable read by mp_grpo's verl plugin: ``1`` / ``true`` turns the switch on."""
+ENV_LOGIT_DTYPE = "MP_GRPO_VERL_LOGIT_DTYPE"
+"""The environment variable of the logits' precision under the switch: ``bf16`` (default) | ``fp32``."""
 
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
 
-def use_vocab_parallel_logprobs(enable: bool = True) -> None:
-    """Replace (``enable``) or restore verl's Megatron LM-head log-prob + entropy processor, in this process."""
+def use_vocab_parallel_logprobs(enable: bool = True, logit_dtype: LogitDtype = LogitDtype.BF16) -> None:
+    """Replace (``enable``) or restore verl's Megatron LM-head log-prob + entropy processor, in this process; with
+    ``logit_dtype=FP32`` also the engine's ``forward_step`` (:func:`with_fp32_logits`; module docstring)."""
+    if not isinstance(logit_dtype, LogitDtype):
+        raise TypeError(f"logit_dtype must be a LogitDtype (BF16 or FP32), got {logit_dtype!r}")
+    if not enable and logit_dtype is not LogitDtype.BF16:
+        raise ValueError("logit_dtype=fp32 needs the switch on (enable=True): the processor it feeds is mp_grpo's")
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead as Engine
 
     original = verl_processor()  # recorded before the first replacement
+    if "forward_step" not in _ORIGINAL:
+        _ORIGINAL["forward_step"] = Engine.__dict__["forward_step"]
     Engine._lm_head_logits_processor = lm_head_logprobs if enable else original
+    forward_step = _ORIGINAL["forward_step"]
+    Engine.forward_step = with_fp32_logits(forward_step) if logit_dtype is LogitDtype.FP32 else forward_step
+
+
+def with_fp32_logits(forward_step: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's engine ``forward_step`` run with the model's output layer computing fp32 logits: the model is called
+    through :func:`~mp_grpo.megatron.logits_output.call_for_logits` (``logit_dtype=FP32``) for the duration of the
+    step's forward."""
+    from mp_grpo.megatron.logits_output import call_for_logits
+
+    def fp32_forward_step(engine: Any, batch_iter: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        engine_config = getattr(engine, "engine_config", None)
+        if getattr(engine_config, "use_fused_kernels", False):
+            raise ValueError(f"{ENV_LOGIT_DTYPE}=fp32 with verl's use_fused_kernels=True: its fused kernel makes the "
+                             "output layer's logits itself, in the model's dtype; turn one of them off")
+        step = _ForwardStep(model, lambda: forward_step(engine, batch_iter, model, *args, **kwargs))
+        return call_for_logits(step, logit_dtype=LogitDtype.FP32)
+
+    fp32_forward_step.__wrapped__ = forward_step  # type: ignore[attr-defined]
+    return fp32_forward_step
+
+
+class _ForwardStep(torch.nn.Module):
+    """What :func:`call_for_logits` calls: it finds the output layer through ``module`` (verl's model chunk), and
+    calling it runs verl's ``forward_step`` (whose model call then meets the replaced output layer)."""
+
+    def __init__(self, model: Any, run: Callable[[], Any]) -> None:
+        super().__init__()
+        self.module = model
+        self._run = run
+
+    def forward(self) -> Any:
+        return self._run()
 
 
 def verl_processor() -> Callable[..., Any]:
@@ -57,14 +108,30 @@ def verl_processor() -> Callable[..., Any]:
 
 
 def switch_from_env() -> bool:
-    """Apply :data:`ENV_SWITCH` (unset, ``0`` or ``false``: off; ``1`` or ``true``: on); whether it is on."""
+    """Apply :data:`ENV_SWITCH` (unset, ``0`` or ``false``: off; ``1`` or ``true``: on) and :data:`ENV_LOGIT_DTYPE`
+    (:func:`logit_dtype_from_env`); whether the switch is on. Both are checked before verl is touched."""
     value = os.environ.get(ENV_SWITCH, "").strip().lower()
+    logit_dtype = logit_dtype_from_env()
     if value in ("", "0", "false"):
+        if logit_dtype is not LogitDtype.BF16:
+            raise ValueError(f"{ENV_LOGIT_DTYPE}=fp32 needs {ENV_SWITCH}=1: the fp32 logits feed mp_grpo's processor")
         return False
     if value not in ("1", "true"):
         raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r}: allowed 1 | true | 0 | false")
-    use_vocab_parallel_logprobs()
+    use_vocab_parallel_logprobs(logit_dtype=logit_dtype)
     return True
+
+
+def logit_dtype_from_env() -> LogitDtype:
+    """:data:`ENV_LOGIT_DTYPE` as a :class:`LogitDtype` (unset: ``BF16``); another value is a one-line error naming it."""
+    value = os.environ.get(ENV_LOGIT_DTYPE, "").strip().lower()
+    if not value:
+        return LogitDtype.BF16
+    try:
+        return LogitDtype(value)
+    except ValueError:
+        allowed = " | ".join(d.value for d in LogitDtype)
+        raise ValueError(f"{ENV_LOGIT_DTYPE}={os.environ[ENV_LOGIT_DTYPE]!r}: allowed {allowed}") from None
 
 
 def lm_head_logprobs(

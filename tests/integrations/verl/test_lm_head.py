@@ -66,6 +66,27 @@ def test_switch_by_call_and_back() -> None:
         Engine._lm_head_logits_processor = original
 
 
+def test_switch_with_fp32_logits_and_back() -> None:
+    """``logit_dtype=FP32`` also wraps the engine's forward_step (tests/integrations/verl/test_logit_dtype.py: what the
+    wrapper does); switched back, verl's own."""
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead as Engine
+
+    from mp_grpo.config.precision import LogitDtype
+    from mp_grpo.integrations.verl import lm_head_logprobs, use_vocab_parallel_logprobs
+
+    processor, forward_step = Engine.__dict__["_lm_head_logits_processor"], Engine.__dict__["forward_step"]
+    try:
+        use_vocab_parallel_logprobs(logit_dtype=LogitDtype.FP32)
+        assert Engine._lm_head_logits_processor is lm_head_logprobs
+        assert Engine.__dict__["forward_step"].__wrapped__ is forward_step
+        use_vocab_parallel_logprobs()
+        assert Engine.__dict__["forward_step"] is forward_step
+        with pytest.raises(ValueError, match="logit_dtype=fp32 needs the switch on"):
+            use_vocab_parallel_logprobs(False, logit_dtype=LogitDtype.FP32)
+    finally:
+        Engine._lm_head_logits_processor, Engine.forward_step = processor, forward_step
+
+
 # ------------------------------------------------------------------------------------------ TP = 2 (torchrun)
 def _engine():
     """What verl's processor reads from its engine."""
