@@ -20,7 +20,8 @@ megatron-core's own ``num_microbatches_calculator`` gives M. Everything else is 
 2. ``case_run`` at PP = 2 (2 GPUs, one layer per stage): the same weights and items, 2 micro-batches of 4, the
    same call on both stages. Every stage's gradients must equal the reference's for the parameters it holds
    (relative L2 within the fp32 tolerance), the last stage's reduced metrics the reference's, and the step's
-   skip decision (mismatch monitor, broadcast over PP from the last stage) must be the same on both stages.
+   skip decision (mismatch monitor, which every stage makes from its own copy of the micro-batches: a broadcast
+   over PP inside the schedule would deadlock against 1F1B's first p2p receive) must be PP = 1's on both stages.
 
 The model is called as Megatron-LM calls it: ``runtime_gather_output=False`` (the logits stay sharded), one THD
 segment per row (``PackedSeqParams``) and ``fp32_output``. megatron-core's local attention takes no THD
