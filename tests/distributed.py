@@ -20,6 +20,25 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NATIVE_ABORT = "terminate called without an active exception"
 """What the C++ runtime prints when it aborts a process (std::terminate outside any exception)."""
+WORKER_STOP_S = 45.0
+"""How long a timed-out torchrun gets to stop its workers after SIGTERM (it gives them 30 s, then SIGKILL)."""
+
+
+def _run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of torchrun, except on a timeout: SIGTERM, so that torchrun stops its workers (they run in
+    sessions of their own: the SIGKILL ``subprocess.run`` sends would leave them running), then the timeout."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=WORKER_STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def torchrun(script: str | Path, case: str, nproc: int, timeout: float = 600.0, **kwargs) -> str:
@@ -32,14 +51,14 @@ def torchrun(script: str | Path, case: str, nproc: int, timeout: float = 600.0, 
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         str(script), case, json.dumps(kwargs),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    proc = _run(cmd, env, timeout)
     if proc.returncode != 0 and NATIVE_ABORT in proc.stderr:
         # Seen in 2 of 3 full CI runs, on one case, never alone (21 runs): a worker aborted by the C++ runtime with
         # no Python traceback. A case's own failure raises in Python and is never retried; this abort gets one
         # more run, and the retry is reported as a warning so that it stays visible.
         warnings.warn(f"torchrun {Path(script).name} {case}: a worker aborted ({NATIVE_ABORT!r}, no Python "
                       f"traceback); ran it once more. Its stderr:\n{proc.stderr[-2000:]}", RuntimeWarning)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+        proc = _run(cmd, env, timeout)
     if proc.returncode != 0:
         raise AssertionError(
             f"torchrun {Path(script).name} {case} (nproc={nproc}) failed with exit code {proc.returncode}\n"
