@@ -39,30 +39,27 @@ class Result:
     metrics: dict[str, float]
 
 
-def _kwargs(step: Step, take) -> dict:
-    d = step.data
-    return {name: take(d[name]) if name in d else None
-            for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "kl_logprobs")}
-
-
-def run_single(step: Step, backend: LossBackend) -> Result:
-    """One GRPOLoss call on the whole padded step (``batch=None``), backward through ``step.upstream``."""
-    d = step.data
+def run_single(step: Step, backend: LossBackend, device: torch.device | None = None) -> Result:
+    """One GRPOLoss call on the whole padded step (``batch=None``), backward through ``step.upstream``; on
+    ``device`` (default cpu), the result on the CPU."""
+    device = torch.device("cpu") if device is None else device
+    d = {k: v.to(device) for k, v in step.data.items()}
     leaves = {n: d[n].clone().requires_grad_() for n in LEAVES if n in d}
-    kwargs = _kwargs(step, lambda x: x)
+    kwargs = {name: d.get(name) for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy",
+                                              "kl_logprobs")}
     kwargs.update({n: leaves[n] for n in leaves if n != "logprobs"})
     old = kwargs.pop("old_logprobs")
     extra = {}
     if step.positive is not None:
-        extra["positive"] = step.positive
+        extra["positive"] = step.positive.to(device)
     if step.entropy_coef is not None:
         extra["entropy_coef"] = step.entropy_coef
     loss, metrics = GRPOLoss(step.cfg, backend=backend)(leaves["logprobs"], old, d["advantages"], d["loss_mask"],
                                                         **kwargs, **extra)
     (loss * step.upstream).backward()
-    grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) if n in leaves
+    grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])).cpu() if n in leaves
              else None for n in LEAVES}
-    return Result(loss.detach(), grads, reduce_metrics([metrics]))
+    return Result(loss.detach().cpu(), grads, reduce_metrics([metrics]))
 
 
 def _gather(x: torch.Tensor, mb: MicroBatch, junk: torch.Tensor | None) -> torch.Tensor:
@@ -117,11 +114,20 @@ def micro_batch_inputs(step: Step, split: list[MicroBatch], gen: torch.Generator
     return out
 
 
-def run_split(step: Step, split: list[MicroBatch], backend: LossBackend, seed: int = 0) -> Result:
+def run_split(step: Step, split: list[MicroBatch], backend: LossBackend, seed: int = 0,
+              device: torch.device | None = None) -> Result:
     """The step as the micro-batches of ``split`` (all (rank, micro-batch) pairs of the data-parallel group in
-    one process: one GlobalBatch over all of them, as the all-reduce of a real group would sum them)."""
+    one process: one GlobalBatch over all of them, as the all-reduce of a real group would sum them); on
+    ``device`` (default cpu), the result on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     mbs = micro_batch_inputs(step, split, gen)
+    if device is not None and device.type != "cpu":
+        for m in mbs:
+            m["tensors"] = {k: v.to(device) for k, v in m["tensors"].items()}
+            if m["positive"] is not None:
+                m["positive"] = m["positive"].to(device)
+            if isinstance(m["layout"], PackedSequences):
+                m["layout"] = PackedSequences(m["layout"].cu_seqlens.to(device))
     cfg = step.cfg
     masks = [m["tensors"]["loss_mask"] for m in mbs]
     layouts = [m["layout"] for m in mbs]
@@ -157,12 +163,12 @@ def run_split(step: Step, split: list[MicroBatch], backend: LossBackend, seed: i
                              layout=m["layout"], **kwargs, **extra)
         (loss * step.upstream).backward()
         metrics.append(mets)
-        total = loss.detach() if total is None else total + loss.detach()
+        total = loss.detach().cpu() if total is None else total + loss.detach().cpu()
         index = m["positions"].clone()
         index[index < 0] = numel  # trailing positions land in the extra slot (must stay 0)
         for n, leaf in leaves.items():
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            grads[n].index_add_(0, index, g.reshape(-1))
+            grads[n].index_add_(0, index, g.reshape(-1).cpu())
     for n in LEAVES:
         if grads[n] is not None:
             assert grads[n][numel] == 0, f"d/d{n} is nonzero outside every packed segment"
@@ -315,3 +321,92 @@ def check_against_reference(step: Step, got: Result, ref: tuple[Result, float, d
             grad_dtype = step.data[n].dtype if tolerance(step.data[n].dtype)["rtol"] > _rtol(compute) else compute
             assert_grad_close(got.grads[n], want.grads[n], mask, grad_dtype, f"{what} d/d{n} vs reference")
     assert_metrics_close(got.metrics, metrics, compute, f"{what} vs reference")
+
+
+# ----------------------------------------------------------------------------------------------- from logits
+def logit_spreads(cfg):
+    """How far old / rollout / reference log-probs lie from the logits' own (:func:`inputs_around_logits`). Never
+    0: the kernel's float32 log-probs differ from the exact ones by ~1e-7, so old = log π exactly would put every
+    ratio and OPSM drift on a bound of 1 / 0 (eps = 0, delta = 0) — a knife edge either side may take."""
+    from hypothesis import strategies as st
+
+    return st.sampled_from([0.1, 1.0] + ([5.0, 50.0] if cfg.policy.log_ratio_clamp is not None else []))
+
+
+def inputs_around_logits(step: Step, logits: torch.Tensor, target: torch.Tensor, temperature: float, spread: float,
+                         gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The step's loss inputs (float32, ``[B, W]``) for log-probs taken from ``logits`` ``[B, W, V]``: old / rollout
+    / ref log-probs around the logits' own (those the step gives; rollout around old when both are), the step's
+    junk where masked; the step's advantages."""
+    from tests.reference import logprobs_reference
+
+    d, mask = step.data, step.data["loss_mask"]
+    lp_true, _ = logprobs_reference(logits, torch.where(target == -100, 0, target), temperature=temperature)
+    around = {"old_logprobs": lp_true, "rollout_logprobs": lp_true, "ref_logprobs": lp_true}
+    inputs = {}
+    for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+        if k in d:
+            noisy = around[k] + torch.randn(mask.shape, generator=gen, dtype=torch.float64) * spread
+            inputs[k] = torch.where(mask, noisy, d[k].double()).float()  # the step's junk where masked
+            if k == "old_logprobs":
+                around["rollout_logprobs"] = inputs[k].double()
+    inputs["advantages"] = d["advantages"].float()
+    return inputs
+
+
+@dataclass
+class LogitsReference:
+    """The float64 reference of a step's objective on logits (:func:`logits_reference`)."""
+
+    loss: torch.Tensor
+    """J (float64)."""
+    grad: torch.Tensor
+    """``upstream · ∂J/∂logits`` ``[B, W, V]``."""
+    size: float
+    """The loss's tolerance magnitude: Σ|per-token contributions| plus what the kernel's float32 log-probs and
+    entropies carry into it."""
+    grad_atol: torch.Tensor
+    """``[B, W, 1]``: the float32 rounding a row's logit gradient carries (see :func:`logits_reference`)."""
+    grad_mask: torch.Tensor
+    """``[B, W, V]`` bool: rows that are trained or have a target (elsewhere the gradient is exactly 0)."""
+    representable: bool
+    """The loss terms fit float32 with room to spare."""
+
+
+def logits_reference(cfg, logits: torch.Tensor, target: torch.Tensor, inputs: dict[str, torch.Tensor],
+                     mask: torch.Tensor, temperature: float, upstream: float) -> LogitsReference:
+    """J of ``[B, W, V]`` logits (log-probs and entropy of ``target`` at ``temperature`` in float64, then the
+    objective on ``inputs`` — :func:`inputs_around_logits`), its gradient under ``upstream``, and the tolerances."""
+    from tests.reference import logprobs_reference
+
+    B, W, V = logits.shape
+    shape = (B, W)
+    r = logits.detach().cpu().double().requires_grad_()
+    lp_r, ent_r = logprobs_reference(r, target.cpu(), temperature=temperature)
+    lp_r.retain_grad()
+    ent_r.retain_grad()
+    mask = mask.cpu().reshape(shape)
+    ref_inputs = {k: v.cpu().double() for k, v in inputs.items()}
+    j = grpo_objective_reference(cfg, lp_r, ref_inputs.get("old_logprobs"), ref_inputs["advantages"], mask,
+                                 rollout_logprobs=ref_inputs.get("rollout_logprobs"),
+                                 ref_logprobs=ref_inputs.get("ref_logprobs"), entropy=ent_r)
+    (j * upstream).backward()
+    with torch.no_grad():
+        size = float(grpo_objective_reference(
+            cfg, lp_r.detach(), ref_inputs.get("old_logprobs"), ref_inputs["advantages"], mask, magnitude=True,
+            rollout_logprobs=ref_inputs.get("rollout_logprobs"), ref_logprobs=ref_inputs.get("ref_logprobs"),
+            entropy=ent_r.detach()))
+    representable = size < 1e30
+    # The kernel's log-probs and entropies are float32 results (not given inputs): their rounding, ~eps32 · the
+    # size of the logits, reaches the loss through ∂J/∂log π and ∂J/∂entropy.
+    spread_of_logits = (r.detach().amax(-1) - r.detach().amin(-1)) / temperature + 1.0
+    size += sum(float(((t.grad.abs() / abs(upstream)) * (t.detach().abs() + spread_of_logits)).sum())
+                for t in (lp_r, ent_r) if t.grad is not None)
+    # A row's logit gradient is ∂J/∂log π · (onehot − p) + ∂J/∂H · ∂H/∂z: float32 rounding of each, ~eps32 times
+    # |∂J/∂log π| + |∂J/∂H| · the logits' spread, bounds its error even where the gradient itself is tiny (a
+    # rejected token's entropy-bonus gradient at a 55-nat logit gap: 7e-25, which the float64 reference rounds to 0).
+    per_token = sum((t.grad.detach().abs() * (1.0 if t is lp_r else spread_of_logits))
+                    for t in (lp_r, ent_r) if t.grad is not None)
+    atol = torch.finfo(torch.float32).eps * per_token.reshape(B, W, 1)
+    grad_mask = (mask | (target.cpu().reshape(shape) != -100)).unsqueeze(-1).expand(B, W, V)
+    return LogitsReference(j.detach(), r.grad, size, atol, grad_mask, representable)

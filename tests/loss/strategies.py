@@ -249,10 +249,16 @@ def _junk(dtype: torch.dtype) -> torch.Tensor:
 
 @st.composite
 def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_precision: bool = True,
-          mixed_dtypes: bool = True, kl_logprobs: bool = False, tie_free: bool = False) -> Step:
+          mixed_dtypes: bool = True, kl_logprobs: bool = False, tie_free: bool = False,
+          compute: torch.dtype | None = None) -> Step:
     """One step for the config ``cfg_dict`` (see the module docstring). ``kl_logprobs``: maybe a separate KL
     input (torch path only). ``tie_free``: per-token advantages without exact zeros, typical log-probs, no edges
-    (no ties among the tokens' covariances)."""
+    (no ties among the tokens' covariances). ``compute``: only log-prob dtypes that make the loss compute in it
+    (float64: float64 log-probs; float32: float32 / bfloat16 / float16 ones; None: any)."""
+    if compute not in (None, torch.float32, torch.float64):
+        raise ValueError(f"compute must be None, torch.float32 or torch.float64, got {compute}")
+    if compute == torch.float32 and not low_precision:
+        raise ValueError("compute=torch.float32 needs low_precision=True (without it every input is float64)")
     cfg = build_config(cfg_dict)
     rc = cfg.rollout_correction
     B = draw(st.integers(1, max_rows))
@@ -260,14 +266,16 @@ def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_prec
     lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
     hole_p = draw(st.sampled_from([0.0, 0.0, 0.2, 0.6]))
     regimes = draw(st.lists(st.sampled_from(("typical",) if tie_free else _LP_REGIMES), min_size=B, max_size=B))
+    lp_dtypes = {None: [torch.float64, torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                 torch.float64: [torch.float64], torch.float32: [torch.float32, torch.bfloat16, torch.float16]}[compute]
     if low_precision:
-        base = draw(st.sampled_from([torch.float64, torch.float64, torch.float32, torch.bfloat16, torch.float16]))
+        base = draw(st.sampled_from(lp_dtypes))
     else:
         base = torch.float64
     dtypes = {name: base for name in INPUTS}
     if mixed_dtypes and low_precision and draw(st.integers(0, 3)) == 0:
         for name in INPUTS:
-            dtypes[name] = draw(st.sampled_from(DTYPES))
+            dtypes[name] = draw(st.sampled_from(DTYPES if name != "logprobs" or compute is None else lp_dtypes))
     # A float16 gradient holds at most 65504: float16 leaves get ratios and advantages whose gradients fit.
     half = torch.float16 in (dtypes["logprobs"], dtypes["entropy"], dtypes["kl_logprobs"])
     clamped = cfg.policy.log_ratio_clamp is not None

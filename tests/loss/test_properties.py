@@ -15,14 +15,27 @@ Properties
       shares, gradients and reduced metrics equal one call's (1e-9 relative in float64) and the reference's.
     * ``test_covariance_objectives_match_verl``: clip_cov / kl_cov (torch only; their selection is per call, so
       not layout-invariant) against ``verl_actor_loss_reference`` replaying the selection keys.
-    The CP = 2 property runs under torchrun in tests/loss/test_properties_cp.py.
+    * ``test_on_logits_matches_reference_and_the_two_ops``: ``GRPOLoss.on_logits`` against the float64 reference of
+      the logits and against the log-prob op followed by the loss.
+    The CP = 2 property runs under torchrun in tests/loss/test_properties_cp.py, the Megatron adapter's
+    CP = 2 × TP = 2 one in tests/megatron/test_properties_cp_tp.py, the log-prob op's in
+    tests/ops/test_logprob_properties.py.
+
+Device
+    The single-call, split and ``on_logits`` properties run where ``MP_GRPO_PROPERTY_DEVICE`` says (cpu by default;
+    cuda under the ``gpu`` profile; skipped, saying why, when cuda is asked for without a GPU), the float64
+    reference on the CPU. On CUDA the Triton backend runs the compiled kernels, every backend the profile's count,
+    and the steps are larger (up to 6 rows of 600 tokens; ``on_logits``: long rows and vocabularies up to 70001).
+    ``MP_GRPO_PROPERTY_COMPUTE=float32|float64`` keeps to steps computed in that dtype.
 
 Profiles (``MP_GRPO_HYPOTHESIS_PROFILE``, tests/hypothesis_profiles.py)
     * ``ci`` (default, what ``python -m pytest`` and CI run): ``derandomize=True`` — the same examples on every
       run, about 3 minutes on 2 cores for both property files.
     * ``dev``: the CI counts with fresh random examples (and hypothesis' example database in ``.hypothesis/``).
     * ``soak``: 50× the CI counts, fresh random examples — for local runs, e.g.
-      ``MP_GRPO_HYPOTHESIS_PROFILE=soak nice -n 19 python -m pytest tests/loss/test_properties.py -p no:cacheprovider``.
+      ``MP_GRPO_HYPOTHESIS_PROFILE=soak nice -n 19 python -m pytest tests/loss/test_properties.py -p no:cacheprovider``,
+      and many seeds in parallel with scripts/soak_properties.py (docs/testing.md).
+    * ``gpu``: the soak counts on CUDA.
 
 Reproducing a failure
     hypothesis prints the falsifying example (the config dict, the step's structure, its ``seed``) and a
@@ -39,19 +52,27 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, given, note, settings
+from hypothesis import assume, event, given, note, settings
 from hypothesis import strategies as st
 
 from mp_grpo.config import ConfigError
 from mp_grpo.loss import GRPOLoss, LossBackend, fused_unsupported, reduce_metrics
-from tests.hypothesis_profiles import examples
+from tests.hypothesis_profiles import examples, forced_compute_dtype, needs_property_device, on_gpu, property_device
 from tests.loss import properties as P
 from tests.loss.strategies import build_config, loss_configs, raw_config_overrides, splits, steps
-from tests.reference import grpo_objective_reference
 
 
 WEIGHT = {LossBackend.TORCH: 6.0, LossBackend.TRITON: 1.0}
 """Examples per backend relative to the profile: the Triton interpreter is ~50× slower per call."""
+GPU_WEIGHT = 1.0
+"""On CUDA (the gpu profile) every backend runs the profile's count: no interpreter there."""
+GPU_LENGTHS = (6, 60, 600)
+"""Sequence widths drawn on CUDA: up to 6 rows of 600 tokens span several blocks of the fused loss kernels (1024
+tokens per program on a GPU; 16 under the interpreter, where the CPU sizes already span them)."""
+
+
+def _weight(backend: LossBackend) -> float:
+    return GPU_WEIGHT if on_gpu() else WEIGHT[backend]
 
 
 @st.composite
@@ -60,9 +81,13 @@ def _step_for(draw, backend: LossBackend, **kwargs):
     cfg_dict = draw(loss_configs(name))
     note(f"config: {cfg_dict}")
     torch_only = backend == LossBackend.TORCH
-    size = {} if torch_only else {"max_rows": 4, "max_len": 6}
-    step = draw(steps(cfg_dict, kl_logprobs=torch_only, **size, **kwargs))
+    if on_gpu():
+        size = {"max_rows": 6, "max_len": draw(st.sampled_from(GPU_LENGTHS))}
+    else:
+        size = {} if torch_only else {"max_rows": 4, "max_len": 6}
+    step = draw(steps(cfg_dict, kl_logprobs=torch_only, compute=forced_compute_dtype(), **size, **kwargs))
     note(f"step: {step!r}")
+    event("compute", str(step.compute_dtype()).removeprefix("torch."))
     return step
 
 
@@ -97,16 +122,18 @@ def test_config_layer_refuses_or_runs(sections: dict, data) -> None:
 
 # ----------------------------------------------------------------------------------------------- one call
 def _single_call_matches_reference(backend: LossBackend):
-    @settings(max_examples=examples(WEIGHT[backend]))
+    @needs_property_device()
+    @settings(max_examples=examples(_weight(backend)))
     @given(data=st.data())
     def test(data) -> None:
+        device = property_device()
         step = data.draw(_step_for(backend))
         ref = P.reference(step)
         assume(P.representable(step, ref))
-        got = P.run_single(step, backend)
+        got = P.run_single(step, backend, device)
         P.check_against_reference(step, got, ref, backend.value)
         if backend == LossBackend.TRITON:  # the two backends: the same names, the same values
-            torch_result = P.run_single(step, LossBackend.TORCH)
+            torch_result = P.run_single(step, LossBackend.TORCH, device)
             compute = step.compute_dtype()
             P.assert_loss_close(got.loss, torch_result.loss, ref[1], compute, "triton vs torch")
             for n in P.LEAVES:
@@ -124,16 +151,18 @@ test_single_call_matches_reference_triton = _single_call_matches_reference(LossB
 
 # ----------------------------------------------------------------------------------------------- layouts
 def _split_matches_single_call(backend: LossBackend):
-    @settings(max_examples=examples(WEIGHT[backend]))
+    @needs_property_device()
+    @settings(max_examples=examples(_weight(backend)))
     @given(data=st.data())
     def test(data) -> None:
+        device = property_device()
         step = data.draw(_step_for(backend))
         split = data.draw(splits(step))
         note(f"split: {split}")
         ref = P.reference(step)
         assume(P.representable(step, ref))
-        single = P.run_single(step, backend)
-        got = P.run_split(step, split, backend)
+        single = P.run_single(step, backend, device)
+        got = P.run_split(step, split, backend, device=device)
         compute = step.compute_dtype()
         rtol = P.RTOL_SPLIT[compute]
         P.assert_loss_close(got.loss, single.loss, ref[1], compute, "split vs one call", rtol=rtol)
@@ -234,27 +263,37 @@ def _grad(x: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- from logits
+@needs_property_device()
 @settings(max_examples=examples(1.0))
 @given(data=st.data())
 def test_on_logits_matches_reference_and_the_two_ops(data) -> None:
     """``GRPOLoss.on_logits`` on the fused path (a batch given): the float64 reference of the logits' log-probs and
     entropy (gradient w.r.t. the logits), and the two ops in turn (``vocab_parallel_logprobs`` then the loss):
-    the same value, logits gradient and metrics — padded or packed, fp32 or bf16 logits, temperature ≠ 1."""
+    the same value, logits gradient and metrics — padded or packed, fp32 or bf16 logits, temperature ≠ 1. On CUDA
+    also long rows (more tokens than a fused-loss program takes) and wide vocabularies (several column blocks of
+    the log-prob kernels, and the long-row launch configuration past 2**16 columns)."""
     from mp_grpo import vocab_parallel_logprobs
     from mp_grpo.loss import GlobalBatch, PackedSequences
-    from tests.reference import logprobs_reference
 
+    device = property_device()
     cfg_dict = data.draw(loss_configs("triton"))
     note(f"config: {cfg_dict}")
-    step = data.draw(steps(cfg_dict, max_rows=3, max_len=5, low_precision=False))
+    shape = data.draw(st.sampled_from(["small", "long", "wide"])) if on_gpu() else "small"
+    max_rows, max_len = {"small": (3, 5), "long": (4, 400), "wide": (3, 10)}[shape]
+    step = data.draw(steps(cfg_dict, max_rows=max_rows, max_len=max_len, low_precision=False))
     note(f"step: {step!r}")
     cfg = step.cfg
-    vocab = data.draw(st.integers(2, 12))
+    vocab = data.draw({"small": st.integers(2, 12), "long": st.integers(2, 64),
+                       "wide": st.one_of(st.integers(13, 9000), st.integers(13, 9000),
+                                         st.sampled_from([65537, 70001]))}[shape])
     scale = data.draw(st.sampled_from([1.0, 5.0, 30.0]))
     temperature = data.draw(st.sampled_from([1.0, 1.0, 0.7, 2.0]))
-    logits_dtype = data.draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
+    logits_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16] if on_gpu() else
+                                             [torch.float32, torch.float32, torch.bfloat16]))
     packed = data.draw(st.booleans())
     note(f"vocab {vocab}, logits scale {scale} {logits_dtype}, temperature {temperature}, packed {packed}")
+    event("logits", str(logits_dtype).removeprefix("torch."))
+    event("compute", "float32")  # the loss reads the kernel's float32 log-probs
     gen = torch.Generator().manual_seed(step.notes["seed"])
     d = step.data
     mask = d["loss_mask"]
@@ -262,27 +301,17 @@ def test_on_logits_matches_reference_and_the_two_ops(data) -> None:
     logits = (torch.randn(B, W, vocab, generator=gen) * scale).to(logits_dtype)
     target = torch.randint(0, vocab, (B, W), generator=gen)
     target = torch.where(mask | (torch.rand(B, W, generator=gen) < 0.5), target, -100)  # ignored only where masked
-    # old / rollout / ref around the logits' own log-probs (the step gives which are present, masks, advantages)
-    lp_true, _ = logprobs_reference(logits, torch.where(target == -100, 0, target), temperature=temperature)
-    clamped = cfg.policy.log_ratio_clamp is not None
-    # Never 0: the kernel's float32 log-probs differ from the exact ones by ~1e-7, so old = log π exactly would put
-    # every ratio and OPSM drift on a bound of 1 / 0 (eps = 0, delta = 0) — a knife edge either side may take.
-    spread = data.draw(st.sampled_from([0.1, 1.0] + ([5.0, 50.0] if clamped else [])))
-    around = {"old_logprobs": lp_true, "rollout_logprobs": lp_true, "ref_logprobs": lp_true}
-    inputs = {}
-    for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
-        if k in d:
-            noisy = around[k] + torch.randn(B, W, generator=gen, dtype=torch.float64) * spread
-            inputs[k] = torch.where(mask, noisy, d[k].double()).float()  # the step's junk where masked
-            if k == "old_logprobs":
-                around["rollout_logprobs"] = inputs[k].double()
-    inputs["advantages"] = d["advantages"].float()
+    inputs = P.inputs_around_logits(step, logits, target, temperature, data.draw(P.logit_spreads(cfg)), gen)
+    ref = P.logits_reference(cfg, logits, target, inputs, mask, temperature, step.upstream)
+    assume(ref.representable)
     layout = None
     if packed:  # the rows back to back, each a segment of the whole width
-        layout = PackedSequences(torch.arange(0, B * W + 1, W))
+        layout = PackedSequences(torch.arange(0, B * W + 1, W).to(device))
         logits, target, mask = logits.reshape(B * W, vocab), target.reshape(-1), mask.reshape(-1)
         inputs = {k: v if k == "advantages" and not step.per_token_advantages else v.reshape(-1)
                   for k, v in inputs.items()}
+    logits, target, mask = logits.to(device), target.to(device), mask.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
     # the step's account as a training loop builds it from its forward-only pass (log-probs = old when on-policy)
     lp_pass, entropy = vocab_parallel_logprobs(logits, target, with_entropy=True, temperature=temperature)
     batch = GlobalBatch.from_rollouts(cfg, [mask], old_logprobs=[inputs.get("old_logprobs", lp_pass)],
@@ -303,42 +332,13 @@ def test_on_logits_matches_reference_and_the_two_ops(data) -> None:
     loss2, metrics2 = loss_fn(lp2, inputs.get("old_logprobs"), inputs["advantages"], mask, entropy=ent2, batch=batch,
                               layout=layout, **kwargs)
     (loss2 * g).backward()
-    # --- the float64 reference: log-probs and entropy of the logits, then the objective ---
-    r = logits.double().requires_grad_()
-    lp_r, ent_r = logprobs_reference(r, target, temperature=temperature)
-    lp_r.retain_grad()
-    ent_r.retain_grad()
-    shape = (B, W)
-    ref_inputs = {k: (v.reshape(shape) if v.dim() and v.numel() == B * W else v).double() for k, v in inputs.items()}
-    j = grpo_objective_reference(cfg, lp_r.reshape(shape), ref_inputs.get("old_logprobs"), ref_inputs["advantages"],
-                                 mask.reshape(shape), rollout_logprobs=ref_inputs.get("rollout_logprobs"),
-                                 ref_logprobs=ref_inputs.get("ref_logprobs"), entropy=ent_r.reshape(shape))
-    (j * g).backward()
-    with torch.no_grad():
-        args = dict(rollout_logprobs=ref_inputs.get("rollout_logprobs"), ref_logprobs=ref_inputs.get("ref_logprobs"),
-                    entropy=ent_r.detach().reshape(shape))
-        size = grpo_objective_reference(cfg, lp_r.detach().reshape(shape), ref_inputs.get("old_logprobs"),
-                                        ref_inputs["advantages"], mask.reshape(shape), magnitude=True, **args)
-    assume(float(size) < 1e30)
-    # The kernel's log-probs and entropies are float32 results (not given inputs): their rounding, ~eps32 · the
-    # size of the logits, reaches the loss through ∂J/∂log π and ∂J/∂entropy.
-    spread_of_logits = (logits.double().amax(-1) - logits.double().amin(-1)) / temperature + 1.0
-    from_inputs = sum(float(((t.grad.abs() / abs(g)) * (t.detach().abs() + spread_of_logits)).sum())
-                      for t in (lp_r, ent_r) if t.grad is not None)
-    size = float(size) + from_inputs
-    P.assert_loss_close(loss.detach(), j.detach(), size, torch.float32, "on_logits vs reference")
-    # A row's logit gradient is ∂J/∂log π · (onehot − p) + ∂J/∂H · ∂H/∂z: float32 rounding of each, ~eps32 times
-    # |∂J/∂log π| + |∂J/∂H| · the logits' spread, bounds its error even where the gradient itself is tiny (a
-    # rejected token's entropy-bonus gradient at a 55-nat logit gap: 7e-25, which the float64 reference rounds to 0).
-    per_token = sum((t.grad.detach().abs().reshape(-1) * (1.0 if t is lp_r else spread_of_logits.reshape(-1)))
-                    for t in (lp_r, ent_r) if t.grad is not None)
-    atol = torch.finfo(torch.float32).eps * per_token.reshape(B, W, 1)
-    P.assert_grad_close(x.grad.reshape(B, W, vocab), r.grad.reshape(B, W, vocab), mask.reshape(shape).unsqueeze(-1)
-                        .expand(B, W, vocab) | (target.reshape(shape) != -100).unsqueeze(-1).expand(B, W, vocab),
-                        logits_dtype, "on_logits d/dlogits vs reference", rtol=max(P._rtol(logits_dtype), 1e-4),
-                        atol=atol)
-    P.assert_loss_close(loss.detach(), loss2.detach(), size, torch.float32, "on_logits vs the two ops")
-    P.assert_grad_close(x.grad, x2.grad, torch.ones_like(x.grad, dtype=torch.bool), logits_dtype,
-                        "on_logits vs the two ops d/dlogits")
+    # --- against the float64 reference, and each other ---
+    grad = x.grad.cpu().reshape(B, W, vocab)
+    P.assert_loss_close(loss.detach().cpu(), ref.loss, ref.size, torch.float32, "on_logits vs reference")
+    P.assert_grad_close(grad, ref.grad, ref.grad_mask, logits_dtype, "on_logits d/dlogits vs reference",
+                        rtol=max(P._rtol(logits_dtype), 1e-4), atol=ref.grad_atol)
+    P.assert_loss_close(loss.detach().cpu(), loss2.detach().cpu(), ref.size, torch.float32, "on_logits vs the two ops")
+    P.assert_grad_close(grad, x2.grad.cpu().reshape(B, W, vocab), torch.ones_like(grad, dtype=torch.bool),
+                        logits_dtype, "on_logits vs the two ops d/dlogits")
     P.assert_metrics_close(reduce_metrics([metrics]), reduce_metrics([metrics2]), torch.float32,
                            "on_logits vs the two ops")

@@ -30,12 +30,12 @@ SEED_ENV = "MP_GRPO_CP_SEED"
 
 
 def test_context_parallel_matches_single_call() -> None:
-    from tests.hypothesis_profiles import profile_name
+    from tests.hypothesis_profiles import profile_name, torchrun_timeout
 
     seed = os.environ.get(SEED_ENV)
     seed = int(seed) if seed is not None else (0 if profile_name() == "ci" else random.randrange(2**32))
     print(f"CP property: hypothesis seed {seed} (reproduce with {SEED_ENV}={seed})")
-    torchrun(__file__, "case_context_parallel", nproc=CP, timeout=590, seed=seed)
+    torchrun(__file__, "case_context_parallel", nproc=CP, timeout=torchrun_timeout(590), seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -125,9 +125,10 @@ def _run_cp(step, split, backend, cp_rank: int):
     return total, grads, seen, metrics
 
 
-def _example(data) -> None:
-    """One drawn example; raises AssertionError on every rank when it fails on any."""
-    from hypothesis import note
+def context_parallel_example(data) -> None:
+    """One drawn example; raises AssertionError on every rank when it fails on any. (Its name is the property's
+    in the soak statistics, tests/property_stats.py.)"""
+    from hypothesis import event, note
     from hypothesis import strategies as st
 
     from mp_grpo.loss import LossBackend, reduce_metrics
@@ -145,6 +146,8 @@ def _example(data) -> None:
     parts = [list(order[:cut]), list(order[cut:])]
     split = [{"rows": rows, "packed": data.draw(st.booleans()), "flat": data.draw(st.booleans())} for rows in parts if rows]
     note(f"split: {split}")
+    event("backend", backend.value)
+    event("compute", str(step.compute_dtype()).removeprefix("torch."))
     ref = P.reference(step)
     from hypothesis import assume
 
@@ -205,7 +208,7 @@ def case_context_parallel(seed: int) -> None:
     load_profile()
     # Both ranks draw the same examples: the same seed, no example database, no derandomization by test name.
     runner = settings(max_examples=examples(0.4), derandomize=False, database=None)(
-        hypothesis_seed(seed)(given(data=st.data())(_example)))
+        hypothesis_seed(seed)(given(data=st.data())(context_parallel_example)))
     runner()
 
 

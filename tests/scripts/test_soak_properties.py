@@ -1,0 +1,99 @@
+"""scripts/soak_properties.py and tests/property_stats.py: hypothesis' own counts of a property's examples, summed
+over parallel runs with distinct seeds, failures with their seeds and falsifying examples, the report table.
+
+The end-to-end cases soak tests/scripts/soak_dummy_property.py (integers: a few seconds a run)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import soak_properties as S  # noqa: E402
+
+DUMMY = "tests/scripts/soak_dummy_property.py"
+
+
+def _suites(monkeypatch, **extra) -> None:
+    monkeypatch.setitem(S.SUITES, "dummy", S.Suite("dummy", DUMMY, "dev", ("parity=even", "parity=odd"),
+                                                   description="integers"))
+    monkeypatch.setitem(S.SUITES, "dummy-fails", S.Suite("dummy-fails", DUMMY, "dev", env=(("MP_GRPO_SOAK_DUMMY_FAIL", "1"),),
+                                                         description="integers, failing"))
+
+
+def test_counts_come_from_hypothesis_and_add_up_over_runs(monkeypatch, tmp_path: Path) -> None:
+    _suites(monkeypatch)
+    out = tmp_path / "soak.json"
+    # 15 even and 15 odd passing examples: more than one run of the dev profile's 20 examples
+    rc = S.main(["run", "dummy=15", "--cpus", "0,0", "--time-limit", "240", "--nice", "0", "--seed", "3",
+                 "--work", str(tmp_path / "work"), "--out", str(out)])
+    assert rc == 0
+    suite = json.loads(out.read_text())["suites"]["dummy"]
+    assert suite["reached"] and suite["failed"] == 0 and suite["failing_runs"] == 0
+    assert suite["by"]["parity=even"] >= 15 and suite["by"]["parity=odd"] >= 15
+    assert suite["passed"] == suite["by"]["parity=even"] + suite["by"]["parity=odd"]
+    assert suite["gave_up"] > 0  # x = 3, rejected by assume: counted apart
+    assert len(suite["runs"]) >= 2 and len({r["seed"] for r in suite["runs"]}) == len(suite["runs"])
+    assert sum(r["passed"] for r in suite["runs"]) == suite["passed"]
+    assert all(r["cpu_s"] is not None and r["cpu_s"] > 0 for r in suite["runs"])
+
+
+def test_a_failure_is_reported_with_its_seed_and_example(monkeypatch, tmp_path: Path) -> None:
+    _suites(monkeypatch)
+    out = tmp_path / "soak.json"
+    rc = S.main(["run", "dummy-fails=1000", "--cpus", "0", "--time-limit", "240", "--nice", "0",
+                 "--max-failing-runs", "1", "--work", str(tmp_path / "work"), "--out", str(out)])
+    assert rc == 1
+    suite = json.loads(out.read_text())["suites"]["dummy-fails"]
+    assert suite["failing_runs"] == 1 and suite["failed"] >= 1 and not suite["reached"]
+    failure = suite["failures"][0]
+    assert f"--hypothesis-seed={failure['seed']}" in failure["reproduce"]
+    assert "MP_GRPO_SOAK_DUMMY_FAIL=1" in failure["reproduce"]
+    assert "x=5" in failure["falsifying"][0]["representation"]  # shrunk to the smallest failing draw
+    assert "@reproduce_failure" in failure["falsifying"][0]["reproduce"]
+    table = S.report([out])
+    assert "`dummy-fails`" in table and "**" in table  # failures stand out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip of a GPU suite on a machine without a GPU")
+def test_a_gpu_suite_without_a_gpu_is_skipped_once(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    rc = S.main(["run", "gpu:logprob=5", "--cpus", "0", "--time-limit", "240", "--nice", "0",
+                 "--work", str(tmp_path / "work"), "--out", str(out)])
+    assert rc == 0
+    suite = json.loads(out.read_text())["suites"]["gpu:logprob"]
+    assert len(suite["runs"]) == 1 and suite["passed"] == 0 and not suite["reached"]
+    assert "no CUDA device" in suite["skipped"]
+    assert "skipped: MP_GRPO_PROPERTY_DEVICE=cuda" in S.report([out])
+
+
+def test_report_between_markers(tmp_path: Path) -> None:
+    data = {"wall_s": 12.0, "cores": 4, "host": {}, "suites": {"cp": {
+        "description": "d", "device": "cpu", "profile": "soak", "labels": ["backend=torch"], "by": {"backend=torch": 7},
+        "passed": 9, "failed": 0, "failing_runs": 0, "gave_up": 1, "runs": [{}], "reached": False, "target": 10}}}
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(data))
+    md = tmp_path / "doc.md"
+    md.write_text(f"intro\n{S.BEGIN}\nold table\n{S.END}\noutro\n")
+    S.write_between_markers(md, S.report([src]))
+    text = md.read_text()
+    assert "old table" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "| `cp` | d | cpu (4 CPU cores), `soak` | 9 (target 10 not reached) | backend=torch 7 | 0 | 1 | 1 |" in text
+    with pytest.raises(SystemExit, match="soak-results"):
+        S.write_between_markers(src, "x")
+
+
+def test_cpu_lists() -> None:
+    assert S.parse_cpus("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert S.parse_cpus(None)
+
+
+def test_unknown_suite_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="unknown suite 'nope'"):
+        S.main(["run", "nope", "--out", str(tmp_path / "x.json")])
