@@ -451,12 +451,15 @@ def summarize(accounts: dict[str, Account], args, began: float, cpus: list[int])
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "started": datetime.fromtimestamp(began, timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": round(time.time() - began, 1), "cores": len(set(cpus)), "slots": len(cpus), "host": _host(),
+        "wall_s": round(time.time() - began, 1), "cores": len(set(cpus)), "slots": len(cpus),
+        "host": _host(args.gpu if any(a.suite.gpu for a in accounts.values()) else None),
         "suites": suites,
     }
 
 
-def _host() -> dict:
+def _host(gpu: str | None) -> dict:
+    """Versions and, for GPU suites, the GPU's name (from nvidia-smi: this process makes no CUDA context, which
+    would land on GPU 0 beside whatever runs there)."""
     info = {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count()}
     try:
         import hypothesis
@@ -464,10 +467,16 @@ def _host() -> dict:
         import triton
 
         info.update(torch=torch.__version__, triton=triton.__version__, hypothesis=hypothesis.__version__)
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
     except Exception as error:  # noqa: BLE001 — the versions are informative only
         info["versions"] = f"unavailable: {error}"
+    if gpu is not None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", str(gpu)],
+                                 capture_output=True, text=True, timeout=30)
+            if out.returncode == 0 and out.stdout.strip():
+                info["gpu"] = out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
     return info
 
 
@@ -486,9 +495,9 @@ def report(paths: list[Path]) -> str:
         data = json.loads(Path(path).read_text())
         host = data.get("host", {})
         cores = data.get("cores", "?")
-        where = f"{host['gpu']}, " if host.get("gpu") else ""
-        where += f"{cores} CPU core{'' if cores == 1 else 's'}"
         for name, s in data["suites"].items():
+            where = f"{host['gpu']}, " if host.get("gpu") and s["device"] == "cuda" else ""
+            where += f"{cores} CPU core{'' if cores == 1 else 's'}"
             status = "" if s["reached"] else f" (target {s['target']} not reached)"
             if s.get("skipped"):
                 status = " (skipped: " + s["skipped"].splitlines()[-2].split(": ", 1)[-1][:80] + ")"
