@@ -62,6 +62,8 @@ STEP_STATISTICS = (
 """The step-level quantities (``GlobalBatch.from_rollouts`` computes them; ``from_counts`` takes them)."""
 
 COUNTS = ("valid_tokens", "valid_sequences", "all_sequences", "micro_batches")
+"""The counts ``GlobalBatch.from_counts`` takes (valid_tokens required)."""
+
 
 def divides_by_tokens(mode: Aggregation) -> bool:
     """Whether ``mode``'s divisor D_t is N (token_mean) rather than a multiple of S (the seq_mean modes)."""
@@ -94,7 +96,6 @@ def check_linear_in_counts(config: LossConfig, caller: str) -> None:
     if found:
         raise ValueError(f"{caller}: unnormalized sums rescaled once per step by 1/N or 1/S need an objective linear "
                          f"in that one count; not so with {'; '.join(found)} — switch it off on this path")
-"""The counts ``GlobalBatch.from_counts`` takes (valid_tokens required)."""
 
 
 def check_counts(given: dict[str, object], device: torch.device, config: LossConfig | None) -> dict[str, torch.Tensor]:
