@@ -57,12 +57,18 @@ def load(source: str):
         import cut_cross_entropy
     except ImportError as err:
         raise Unavailable(f"cut_cross_entropy ({source}) not importable: {err}") from err
-    from_tree = Path(cut_cross_entropy.__file__).resolve().is_relative_to(REPOSITORY_TREE)
-    if from_tree != (source == "repository"):
+    if from_tree(cut_cross_entropy) != (source == "repository"):
         where = Path(cut_cross_entropy.__file__).parent
         raise Unavailable(f"cut_cross_entropy ({source}) resolved to {where}")
     _loaded[source] = cut_cross_entropy
     return cut_cross_entropy
+
+
+def from_tree(module) -> bool:
+    """Whether ``module`` was imported from the repository tree: the real paths of both compared, so that a tree
+    reached through a symbolic link (a snapshot of this repository whose ``.ext/ml-cross-entropy`` links to the
+    extracted tree) or a relocated checkout counts as the tree, and an installed copy never does."""
+    return Path(module.__file__).resolve().is_relative_to(REPOSITORY_TREE.resolve())
 
 
 def describe(cce, source: str) -> str:

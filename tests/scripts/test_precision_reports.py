@@ -93,3 +93,49 @@ def test_cce_loader_reports_an_absent_copy(tmp_path, monkeypatch) -> None:
         cce_anchor.load("repository")
     with pytest.raises(ValueError, match="source must be one of"):
         cce_anchor.load("pip")
+
+
+def _fake_cce_tree(root, version: str):
+    """A package tree named ``cut_cross_entropy`` under ``root`` (what the loader imports; nothing else is read)."""
+    package = root / "cut_cross_entropy"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    return root
+
+
+@pytest.fixture
+def clean_cce_imports(monkeypatch):
+    """The loader edits ``sys.path`` and ``sys.modules``: both restored after the test."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(cce_anchor, "_loaded", {})
+    before = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "cut_cross_entropy"}
+    yield
+    for name in [m for m in sys.modules if m.split(".")[0] == "cut_cross_entropy"]:
+        del sys.modules[name]
+    sys.modules.update(before)
+
+
+def test_cce_loader_accepts_a_tree_reached_through_a_symlink(tmp_path, monkeypatch, clean_cce_imports) -> None:
+    """A snapshot of this repository whose ``.ext/ml-cross-entropy`` is a symbolic link to the extracted tree: the
+    module's path resolves outside the snapshot, and is still the repository copy."""
+    real = _fake_cce_tree(tmp_path / "extracted", "repository-under-test")
+    link = tmp_path / "snapshot" / ".ext" / "ml-cross-entropy"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(real, target_is_directory=True)
+    monkeypatch.setattr(cce_anchor, "REPOSITORY_TREE", link)
+    module = cce_anchor.load("repository")
+    assert module.__version__ == "repository-under-test"
+    assert cce_anchor.from_tree(module)
+
+
+def test_cce_loader_refuses_the_tree_as_the_installed_copy(tmp_path, monkeypatch, clean_cce_imports) -> None:
+    """The check still tells the copies apart: an "installed" import that is the tree (here through a link on
+    ``sys.path``) is refused, naming where it resolved."""
+    real = _fake_cce_tree(tmp_path / "extracted", "repository-under-test")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "cut_cross_entropy").symlink_to(real / "cut_cross_entropy", target_is_directory=True)
+    monkeypatch.setattr(cce_anchor, "REPOSITORY_TREE", real)
+    sys.path.insert(0, str(site))
+    with pytest.raises(cce_anchor.Unavailable, match=r"\(installed\) resolved to"):
+        cce_anchor.load("installed")
