@@ -3,6 +3,7 @@
     torchrun --nproc_per_node TP scripts/bench_tp_collective.py --out DIR        (TP = 2, 4; writes
         tp_collective_tp<TP>.{json,md} and redraws tp_collective.png from every tp_collective_tp*.json in DIR)
     torchrun --nproc_per_node 2 scripts/bench_tp_collective.py --dry-run --out /tmp/x   (CPU, gloo: a check only)
+    python scripts/bench_tp_collective.py --report A/tp_collective_tp2.json ... --out DIR  (the reports from JSON)
 
 The question. ``vocab_parallel_logprobs`` on this rank's shard (N = 16384, V = 151936 or 18992 split over TP
 ranks, bf16, with entropy) against the same kernel on the same shard without its collective (``tp_group=None``,
@@ -491,6 +492,46 @@ def ratio(rows: list[dict], row: dict) -> float | None:
     return None if twin is None else row["ms"] / twin["ms"]
 
 
+def gather_times(rows: list[dict], v: int, variant: str, mode: str) -> list[float] | None:
+    """Per rank: when its all-gather ended after the LAST rank's statistics ended (CUDA events, ms from each rank's
+    iteration start: the ranks start aligned in host_ahead and graph modes), in the forward+backward row of
+    ``variant`` / ``mode`` — the collective's own time, a wait for a slower rank's statistics left out. None when
+    that row holds no phases."""
+    r = next((x for x in rows if (x["V"], x["variant"], x["mode"], x["part"]) == (v, variant, mode, "fwd_bwd")), None)
+    phases = (r or {}).get("phases_per_rank") or []
+    if not phases or not all("gather" in ph and "statistics" in ph for ph in phases):
+        return None
+    last = max(ph["statistics"][0] for ph in phases)
+    return [ph["gather"][0] - last for ph in phases]
+
+
+def excess_lines(result: dict) -> list[str]:
+    """Where the op's time over its twin goes, from the rows: per V, the graph replay's excess (op tp − op local, ms)
+    in forward and forward+backward, and each rank's all-gather phase in host_ahead mode, with NCCL and with the
+    local copy in its place (``manual tp, no NCCL``)."""
+    rows, lines = result["rows"], []
+    for v in result["vocab"]:
+        def ms(variant: str, mode: str, part: str) -> float | None:
+            r = next((x for x in rows if (x["V"], x["variant"], x["mode"], x["part"]) == (v, variant, mode, part)), {})
+            return r.get("ms")
+
+        excess = []
+        for part, name in zip(PARTS, ("forward", "forward+backward")):
+            tp_ms, local_ms = ms("op tp", "graph", part), ms("op local", "graph", part)
+            if tp_ms is not None and local_ms is not None:
+                excess.append(f"{name} {tp_ms - local_ms:+.3f} ms ({tp_ms / local_ms:.3f}×)")
+        gathers = []
+        for variant, label in (("manual tp", "NCCL's all-gather"), ("manual tp, no NCCL", "a local copy in its place")):
+            g = gather_times(rows, v, variant, "host_ahead")
+            if g is not None:
+                gathers.append(f"{label} {' / '.join(f'{x:.3f}' for x in g)} ms")
+        if excess or gathers:
+            lines.append(f"- V = {v}: as a CUDA graph the op with its collective takes " + ", ".join(excess or ["—"])
+                         + " over its twin; the gather's end after the last rank's statistics, ranks 0…{} (host_ahead): ".format(
+                             result["tp"] - 1) + "; ".join(gathers or ["—"]) + ".")
+    return lines
+
+
 def write_report(result: dict, out: Path) -> None:
     tp = result["tp"]
     (out / f"tp_collective_tp{tp}.json").write_text(json.dumps(result, indent=1))
@@ -544,6 +585,13 @@ def write_report(result: dict, out: Path) -> None:
                     lines.append(f"- {r['variant']}, {r['mode']}, rank {i}: " + "; ".join(
                         f"{name} {gpu:.3f} / {host:.3f}" for name, (gpu, host) in ph.items()) + f"; end {r['ms_per_rank'][i]:.3f}")
         lines.append("")
+    excess = excess_lines(result)
+    if excess:
+        lines += ["## Where the time over the twin goes", "",
+                  "From the rows above: the excess of the op with its collective over its twin where the host is "
+                  "out of the way (CUDA graph), and on each rank the end of its all-gather after the last rank's "
+                  "statistics ended (its CUDA events' medians; every rank starts aligned in host_ahead mode).", "",
+                  *excess, ""]
     lines += ["## Predictions (written before the first run) and measurements", "",
               "| V | part | mode | predicted op tp / op local | measured |", "|---|---|---|---|---|"]
     for (p_tp, v, part, mode), predicted in PREDICTIONS.items():
@@ -601,7 +649,16 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=1.5, help="host_ahead / graph: the spin kernel's length")
     parser.add_argument("--chunks", type=int, default=4, help="row chunks of the pipelined variant")
     parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny sizes: a check of the script only")
+    parser.add_argument("--report", nargs="+", type=Path, metavar="TP_COLLECTIVE_JSON",
+                        help="no measurement: rewrite the reports of these tp_collective_tp<TP>.json into --out, and "
+                             "the plot from every tp_collective_tp*.json there")
     args = parser.parse_args()
+    if args.report:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for source in args.report:
+            write_report(json.loads(source.read_text()), args.out)
+        plot(args.out)
+        return
     if "LOCAL_RANK" not in os.environ:
         parser.error("start it with torchrun --nproc_per_node TP (TP >= 2)")
     device = Device(args.dry_run)

@@ -338,6 +338,35 @@ def targets(results: Results) -> list[str]:
     return lines
 
 
+def time_misses(results: Results) -> list[str]:
+    """For every training pass whose fused or logits path misses its time target: each missing path's excess over
+    the floor in ms against the output layer's whole GPU work in that pass (the floor's bare output matmuls on this
+    rank's shard, which the loss paths replace), and the forward-only pass of the same configuration beside it —
+    the figures that say whether the output layer and the loss can account for the miss. Empty for a dry run."""
+    if results.dry_run:
+        return []
+    limits = {"fused": TARGET_FUSED_TIME, "logits": TARGET_LOGITS_TIME}
+    groups = results.groups(tp=None)
+    lines = []
+    for (shape, seq, rec, kind, tp), rows in groups.items():
+        floor = rows.get("floor", {})
+        if kind != "train" or "ms" not in floor or "matmul_ms" not in floor:
+            continue
+        missed = [p for p, limit in limits.items() if "ms" in rows.get(p, {}) and rows[p]["ms"] / floor["ms"] > limit]
+        if not missed:
+            continue
+        excess = ", ".join(f"{p} +{rows[p]['ms'] - floor['ms']:.1f} ms" for p in missed)
+        multiples = " and ".join(f"{(rows[p]['ms'] - floor['ms']) / floor['matmul_ms']:.1f}×" for p in missed)
+        forward = ratios(groups.get((shape, seq, rec, "forward", tp), {}))
+        beside = ", ".join(f"{p} {forward[p]['time_vs_floor']:.3f}×" for p in missed if "time_vs_floor" in forward.get(p, {}))
+        where = f"TP = {tp}, {shape} @ {seq}, {rec}"
+        lines.append(
+            f"- {where}: over the floor's {floor['ms']:.1f} ms, {excess} — {multiples} the output layer's whole GPU "
+            f"work in the pass (its three bare GEMMs on this rank's shard: {floor['matmul_ms']:.1f} ms)"
+            + (f"; the forward-only pass of the same configuration: {beside} the floor" if beside else "") + ".")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------ reports
 def write_reports(results: Results, out: FilePath, *, plot: bool, tp1_json: FilePath | None = None) -> None:
     results.save()
@@ -612,6 +641,15 @@ def markdown_tp(results: Results) -> str:
                              f"{r.get('max_B', '—')} | {_fmt_tokens(r)} | {tok_f} | {tok_c} |")
         lines.append("")
     lines += ["## Targets", "", *targets(results), ""]
+    misses = time_misses(results)
+    if misses:
+        lines += ["## The time misses against the output layer's own work", "",
+                  "Each training pass that misses a time target: the excess over the floor, in multiples of the "
+                  "output layer's GPU work (all that the loss paths change), and the forward-only pass beside it. An excess larger than that work would mean the loss paths' own kernels "
+                  "(GEMMs included) take over twice the bare GEMMs' time; "
+                  "`bench_step.py --profile train:floor train:logits train:fused` (under the same torchrun, more "
+                  "`--iters`) writes each pass's kernel time against its wall time (`step_profile.txt`).", "",
+                  *misses, ""]
     lines += ["## Predictions (written before the run) and measurements (selective recompute)", "",
               "| TP | model | S | row | path | metric | predicted | measured |", "|---|---|---|---|---|---|---|---|"]
     groups = results.groups(tp=None)

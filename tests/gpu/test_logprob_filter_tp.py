@@ -83,6 +83,7 @@ def tp_against_tp1(logits: torch.Tensor, target: torch.Tensor, filt, group, *, t
         "entropy_rows_bitwise": int(same(ent, ent1).sum()),
         "entropy_max_abs_diff": worst(ent, ent1),
         "grad_bitwise_fraction": float(same(shard.grad, grad1).float().mean()),
+        "grad_elements_different": int((~same(shard.grad, grad1)).sum()),
         "grad_max_abs_diff": worst(shard.grad.float(), grad1.float()),
         "_tensors": (lp, lp1, ent, ent1, shard.grad, grad1),
     }

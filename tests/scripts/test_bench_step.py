@@ -311,6 +311,25 @@ def test_tp_report(tmp_path: Path) -> None:
         "- a dry run: stubbed measurements, no target is checked"]
 
 
+def test_time_misses_against_the_output_layer(tmp_path: Path) -> None:
+    """A training pass over its time target: its excess over the floor in ms and in multiples of the floor's bare
+    output matmuls, the forward-only pass beside it; a pass within its targets has no line."""
+    results = step_report.Results.load(tmp_path / "step_tp.json")
+    results.start(command="torchrun --nproc_per_node 2 scripts/bench_step.py", device="NVIDIA H100 80GB HBM3")
+    for tp, train in ((2, {"floor": 100.0, "logits": 105.0, "fused": 101.0}), (4, {"floor": 100.0, "logits": 100.5})):
+        for kind, times in (("train", train), ("forward", {"floor": 40.0, "logits": 39.0})):
+            for name, ms in times.items():
+                extra = {"decoder_ms": ms - 2.5, "matmul_ms": 2.5} if name == "floor" else {}
+                results.update(step_report.row_key("1.5b", 2048, "selective", kind, name, tp),
+                               {"ms": ms, "peak_GiB": 1.0, "peak_bytes": 2**30, "B": 4, "tokens": 8192, **extra})
+    lines = step_report.time_misses(results)
+    assert lines == ["- TP = 2, 1.5b @ 2048, selective: over the floor's 100.0 ms, logits +5.0 ms — 2.0× the output "
+                     "layer's whole GPU work in the pass (its three bare GEMMs on this rank's shard: 2.5 ms); the "
+                     "forward-only pass of the same configuration: logits 0.975× the floor."]
+    step_report.write_reports(results, tmp_path, plot=False)
+    assert lines[0] in (tmp_path / "step_tp.md").read_text()
+
+
 def test_tp_report_merge(tmp_path: Path) -> None:
     """Two device calls' step_tp.json files in one report: every row kept (the later file wins a row measured in
     both), both runs' commands; a dry run's file refused."""

@@ -49,3 +49,36 @@ def test_merge_ranks_ratio_report_and_plot(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "tp_collective_tp2.json").read_text())["rows"][0]["variant"] == "op local"
     btc.plot(tmp_path)
     assert (tmp_path / "tp_collective.png").stat().st_size > 10_000
+
+
+def test_excess_lines_and_report_from_json(tmp_path: Path, monkeypatch) -> None:
+    """The report's "where the time goes": the graph replay's excess over the twin, and each rank's gather end after
+    the last rank's statistics (a wait for a slower rank's statistics left out); ``--report`` rewrites the reports
+    from the JSON alone."""
+    def row(variant: str, mode: str, part: str, ms: float, phases=None) -> dict:
+        return {"V": 151936, "variant": variant, "mode": mode, "part": part, "ms": ms, "ms_per_rank": [ms, ms],
+                "phases_per_rank": phases or [{}, {}], "cuda_mallocs": 0, "alloc_retries": 0,
+                "start_spread_us": {"median": 1.0, "max": 2.0},
+                "twin": None if "local" in variant else variant.replace("tp", "local").split(",")[0]}
+
+    manual = [{"statistics": [0.40, 0.1], "gather": [0.45, 0.2]}, {"statistics": [0.42, 0.1], "gather": [0.60, 0.2]}]
+    copy = [{"statistics": [0.40, 0.1], "gather": [0.43, 0.2]}, {"statistics": [0.42, 0.1], "gather": [0.43, 0.2]}]
+    rows = [row("op local", "graph", "fwd", 0.5), row("op tp", "graph", "fwd", 0.6),
+            row("op local", "graph", "fwd_bwd", 1.5), row("op tp", "graph", "fwd_bwd", 1.6),
+            row("manual tp", "host_ahead", "fwd_bwd", 1.6, manual),
+            row("manual tp, no NCCL", "host_ahead", "fwd_bwd", 1.5, copy)]
+    result = {"tp": 2, "tokens": 16384, "vocab": [151936], "iters": 3, "device": "NVIDIA H100 80GB HBM3",
+              "torch": "x", "triton": "y", "command": "torchrun ...", "dry_run": False,
+              "manual_gradient_bitwise_equal_to_op": {"151936": {"manual tp": True}}, "rows": rows}
+    assert btc.gather_times(rows, 151936, "manual tp", "host_ahead") == [0.45 - 0.42, 0.60 - 0.42]
+    (line,) = btc.excess_lines(result)
+    assert "forward +0.100 ms (1.200×), forward+backward +0.100 ms (1.067×)" in line
+    assert "NCCL's all-gather 0.030 / 0.180 ms; a local copy in its place 0.010 / 0.010 ms" in line
+    source = tmp_path / "run" / "tp_collective_tp2.json"
+    source.parent.mkdir()
+    source.write_text(json.dumps(result))
+    monkeypatch.setattr(sys, "argv", ["bench_tp_collective.py", "--report", str(source), "--out", str(tmp_path / "docs")])
+    btc.main()
+    text = (tmp_path / "docs" / "tp_collective_tp2.md").read_text()
+    assert "## Where the time over the twin goes" in text and line in text
+    assert (tmp_path / "docs" / "tp_collective.png").exists()
