@@ -236,8 +236,8 @@ def grpo_loss_combine_kernel(
         tl.store(seq_factor_ptr + offs, tl.where(valid, seq_input_grad / count_floor, 0.0), mask=offs < N)
         to_mean = tl.where(live, policy_scale * along_mean / divisor, 0.0)
         seq_next = sequence_index(offs + 1, cu_ptr, T, S, search_steps, PACKED)
-        end, last = block_ends(offs, seq_next, seq, N, BLOCK)
-        segment_add(seq_grad_ptr, to_mean.to(tl.float64), seq, seq_next, end, last, S, 1, 0)
+        end, _ = block_ends(offs, seq_next, seq, N, BLOCK)
+        segment_add(seq_grad_ptr, to_mean.to(tl.float64), seq, end, S, 1, 0)
 
     # --- 6. metric partials of this block ---
     out = partial_ptr + pid * K.PARTIAL_COLS

@@ -5,8 +5,8 @@
   loaded as 0 on masked positions (never read there, so inf / NaN cannot reach a value); ``token_inputs``
   drops a valid position with a NaN / ±inf input as if it were masked, and flags it per input.
 - ``segment_add``: one block's per-sequence sums added to a ``[S, NUM_COLS]`` float64 buffer with a
-  float64 cumulative sum and one atomic add per sequence end (and one per inner boundary) — a handful of
-  atomics per block, whatever the sequence lengths.
+  float64 segmented scan (each sequence's sum of its own positions) and one atomic add per sequence end — a
+  handful of atomics per block, whatever the sequence lengths.
 - ``token_inputs`` / ``gmpo_clip``: the loads and config parameters around the per-token formulas of
   ``token_math`` (written once there, for these kernels and the torch path).
 
@@ -183,16 +183,24 @@ def block_ends(offs, seq_next, seq, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def segment_add(buf_ptr, x, seq, seq_next, end, last, S, NUM_COLS: tl.constexpr, COL: tl.constexpr):
+def _same_sequence_sum(a, a_seq, b, b_seq):
+    """Combine of the segmented scan: (Σ of the right range's last sequence, that sequence). Associative because
+    the sequence of the positions never decreases along a block (padded rows, packed segments, then S)."""
+    return tl.where(a_seq == b_seq, a + b, b), b_seq
+
+
+@triton.jit
+def segment_add(buf_ptr, x, seq, end, S, NUM_COLS: tl.constexpr, COL: tl.constexpr):
     """``buf[s, COL] += Σ x`` over this block's positions of every sequence s (float64 ``x``, 0 off-sequence).
 
-    With C the block's inclusive cumulative sum, a sequence ending at position e within the block gets
-    +C[e]; the sequence after an inner boundary e gets −C[e]: each sequence then receives the sum of its
-    own positions. Positions of no sequence (s = S) add nothing.
+    A segmented inclusive scan: at position e the sum of the positions ≤ e of e's own sequence; a sequence
+    ending at e within the block (or running past the block's last position) adds it. Each sum holds only its
+    sequence's terms — never the difference of two cumulative sums over the whole block, whose rounding is that
+    of the block's running total: a sequence of terms ~1e30 before it left a neighbour's sum 0, and a one-token
+    sequence's sum was its value ± an ulp of the block's total. Positions of no sequence (s = S) add nothing.
     """
-    c = tl.cumsum(x, axis=0)
-    tl.atomic_add(buf_ptr + seq * NUM_COLS + COL, c, mask=end & (seq < S), sem="relaxed")
-    tl.atomic_add(buf_ptr + seq_next * NUM_COLS + COL, -c, mask=end & ~last & (seq_next < S), sem="relaxed")
+    own, _ = tl.associative_scan((x, seq), 0, _same_sequence_sum)
+    tl.atomic_add(buf_ptr + seq * NUM_COLS + COL, own, mask=end & (seq < S), sem="relaxed")
 
 
 @triton.jit

@@ -9,10 +9,10 @@ columns the combine pass needs (``mp_grpo/loss/sequence.py`` lists them) into a 
     COL_D        (≥ 0)  d = clamp(trainer − rollout), the rollout-correction log-ratio
     COL_OPSM     (≥ 0)  behaviour − log π_θ (rollout, else old), the OPSM divergence
 
-Masked positions are never read (they add 0). Sums of sequences that span blocks meet through float64
-atomic adds, a few per block (``segment_add``); the float64 accumulation keeps their order's rounding
-far below the compute dtype's. Under context parallelism the host all-reduces the buffer over the CP
-group before the combine pass.
+Masked positions are never read (they add 0). Each block adds each sequence's sum of its own positions
+(a segmented scan, ``segment_add``: no other sequence's terms enter it); sums of sequences that span blocks meet
+through float64 atomic adds, a few per block, whose order's rounding stays far below the compute dtype's. Under
+context parallelism the host all-reduces the buffer over the CP group before the combine pass.
 
 With FROM_STATS the log-probs are merged from the log-prob op's all-gathered statistics here (the merge is a
 few loads a position; ``mp_grpo/ops/logits_grpo_loss.py``) instead of loaded.
@@ -60,7 +60,7 @@ def grpo_loss_token_kernel(
     # --- 1. positions, sequences, validity ---
     offs, seq, valid = token_block(pid, mask_ptr, cu_ptr, N, T, S, search_steps, PACKED, BLOCK)
     seq_next = sequence_index(offs + 1, cu_ptr, T, S, search_steps, PACKED)
-    end, last = block_ends(offs, seq_next, seq, N, BLOCK)
+    end, _ = block_ends(offs, seq_next, seq, N, BLOCK)
 
     # --- 2. sanitized inputs (log-probs loaded, or merged from the statistics; positions with a non-finite input
     #        dropped) and log-ratios ---
@@ -71,17 +71,17 @@ def grpo_loss_token_kernel(
     )
 
     # --- 3. per-sequence sums of every column ---
-    segment_add(seq_sums_ptr, valid.to(tl.float64), seq, seq_next, end, last, S, NUM_COLS, 0)
+    segment_add(seq_sums_ptr, valid.to(tl.float64), seq, end, S, NUM_COLS, 0)
     if COL_SEQ_IN >= 0:
         seq_in = log_ratio
         if OBJECTIVE == OBJ_GMPO:
             seq_in, _, _ = gmpo_clip(log_ratio, adv, params_ptr, COMPUTE)
-        segment_add(seq_sums_ptr, seq_in.to(tl.float64), seq, seq_next, end, last, S, NUM_COLS, COL_SEQ_IN)
+        segment_add(seq_sums_ptr, seq_in.to(tl.float64), seq, end, S, NUM_COLS, COL_SEQ_IN)
     if COL_D >= 0:
-        segment_add(seq_sums_ptr, d.to(tl.float64), seq, seq_next, end, last, S, NUM_COLS, COL_D)
+        segment_add(seq_sums_ptr, d.to(tl.float64), seq, end, S, NUM_COLS, COL_D)
     if COL_OPSM >= 0:
         behaviour = old
         if HAS_ROLLOUT:
             behaviour = rollout
         divergence = tl.where(valid, behaviour - lp, 0.0)
-        segment_add(seq_sums_ptr, divergence.to(tl.float64), seq, seq_next, end, last, S, NUM_COLS, COL_OPSM)
+        segment_add(seq_sums_ptr, divergence.to(tl.float64), seq, end, S, NUM_COLS, COL_OPSM)

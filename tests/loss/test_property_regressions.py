@@ -162,3 +162,23 @@ def test_normalized_weights_average_one_in_a_float64_loss(backend: LossBackend) 
                                                 rollout_logprobs=rollout, batch=batch)
     applied_sum, count = metrics["is_weight/applied/mean"].tolist()
     assert count == 10.0 and applied_sum == pytest.approx(10.0, rel=1e-13, abs=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_a_sequence_sum_holds_only_its_own_tokens(backend: LossBackend) -> None:
+    """The fused kernels summed each sequence's tokens within a block as the difference of the block's running
+    totals: a row of trained tokens with log-probs −1e30 (its OPSM divergence rollout − log π ≈ 1e30) left the next
+    row's divergence sum 1e30 + 4 − 1e30 = 0, so that row's negative-advantage tokens, 1 nat off the rollout policy
+    (OPSM δ = 0.5), were trained instead of masked: loss 0 for −0.5. Both rows lie in one block of the kernels
+    (16 tokens under the interpreter, 1024 on a GPU)."""
+    cfg = load_config(None, ["opsm.delta=0.5"])
+    lp = torch.tensor([[-1e30] * 4, [-2.0] * 4], requires_grad=True)
+    rollout = torch.full((2, 4), -1.0)
+    loss, metrics = GRPOLoss(cfg, backend=backend)(lp, lp.detach(), torch.tensor([1.0, -1.0]),
+                                                   torch.ones(2, 4, dtype=torch.bool), rollout_logprobs=rollout)
+    loss.backward()
+    # on-policy ppo_clip, token_mean over 8 tokens: row 0 (A = 1) −1/8 a token, row 1 masked by OPSM
+    assert loss.item() == pytest.approx(-0.5, rel=1e-6)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.125] * 4, [0.0] * 4]))
+    assert metrics["rejected_frac/opsm"].tolist() == [4.0, 8.0]
+
