@@ -384,7 +384,8 @@ def _place_on_edges(cfg: LossConfig, gen: torch.Generator, lp, old, rollout, mas
             continue
         pick = torch.rand(shape, generator=gen) < 1 / 3
         target = torch.tensor(bounds, dtype=torch.float64)[torch.randint(0, len(bounds), shape, generator=gen)]
-        side = torch.where(torch.rand(shape, generator=gen) < 0.5, -1e-9, 1e-9)
+        # float64: 1 ± 1e-9 in torch's default float32 is 1, which put the ratios exactly on the bounds
+        side = torch.where(torch.rand(shape, generator=gen) < 0.5, -1e-9, 1e-9).to(torch.float64)
         log_target = torch.log(target * (1.0 + side))
         if which == "old":  # r = exp(lp − old)
             old = torch.where(pick & mask, lp - log_target, old)

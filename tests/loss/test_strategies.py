@@ -1,0 +1,28 @@
+"""The property tests' own draws (tests/loss/strategies.py) do what their docstrings say."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.loss.strategies import _place_on_edges, build_config
+
+
+def test_edges_are_a_hair_off_each_bound_never_on_it() -> None:
+    """``_place_on_edges`` moves ratios to a bound × (1 ± 1e-9). Its ±1e-9 was made in torch's default float32,
+    where 1 ± 1e-9 is 1: the ratios sat exactly on the bounds — knife edges whose side two correct implementations
+    may take differently (an ulp of exp, of a sum's order), which failed the float64 properties on GPUs."""
+    cfg = build_config({"policy": {"eps_low": 0.2, "eps_high": 0.28},
+                        "rollout_correction": {"reject_level": "token", "reject_max": 7.831}})
+    gen = torch.Generator().manual_seed(0)
+    lp = -torch.rand(64, 16, generator=gen, dtype=torch.float64) - 0.05
+    mask = torch.ones(64, 16, dtype=torch.bool)
+    old, rollout = _place_on_edges(cfg, gen, lp, lp + 0.3, lp + 0.3 - 0.7, mask)
+    ratios = {"old": (torch.exp(lp - old), [0.8, 1.28]), "rollout": (torch.exp(old - rollout), [7.831])}
+    for name, (ratio, bounds) in ratios.items():
+        placed = 0
+        for bound in bounds:
+            off = (ratio / bound - 1.0).abs()
+            near = off < 1e-6
+            placed += int(near.sum())
+            assert bool((off[near] > 0.5e-9).all() & (off[near] < 2e-9).all()), f"{name}: {off[near].tolist()}"
+        assert placed > 0, f"no {name} ratio was placed on an edge"
