@@ -110,6 +110,25 @@ def _close(got: torch.Tensor, want: torch.Tensor, atol: torch.Tensor, dtype: tor
                              f"{w.reshape(-1)[i].item()!r} (allowed {allowed.reshape(-1)[i].item():.3g})")
 
 
+def _grad_atol(z: torch.Tensor, keep: torch.Tensor, target: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
+               row_range: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """The logits gradient's absolute tolerance, ``[..., V]``. ∂/∂logits = (1 / T) ∂/∂z: a row's gradient is
+    g_lp · (onehot − p) + g_ent · ∂H/∂z, over T. The kernel's p_j is exp of its log p_j, which is off by what a
+    log-prob is off by (ROUNDING · eps32 · row_range, the log-prob check): p_j carries that relative error, so
+    g_lp · (onehot − p_j) carries it times g_lp · p_j — at p_j ≈ 1 and |z| ~ 150 about 1e-5 · g_lp (on a GPU the
+    fused multiply-add in z / T − M leaves M's rounding there, a target's p = 1 + 4e-6; the interpreter shows it
+    at near ties: ``test_gradient_tolerance_covers_large_logits``); plus the rounding of the product itself."""
+    p = torch.softmax(torch.where(keep, z, torch.tensor(float("-inf"), dtype=torch.float64)), dim=-1)
+    lp_weight = (g_lp.abs() * (target != -100)).unsqueeze(-1) * (1.0 + p * row_range.unsqueeze(-1))
+    ent_weight = torch.zeros_like(g_lp) if g_ent is None else g_ent.abs() * row_range
+    return ROUNDING * EPS32 * (lp_weight + ent_weight.unsqueeze(-1)) / temperature + torch.finfo(dtype).tiny
+
+
+def _row_range(z: torch.Tensor) -> torch.Tensor:
+    """What a row's float32 log-probs are accurate to, in units of eps32: its logit range plus its largest |z| + 1."""
+    return (z.amax(-1) - z.amin(-1)) + z.abs().amax(-1) + 1.0
+
+
 @needs_property_device()
 @settings(max_examples=examples(1.0))
 @given(data=st.data())
@@ -173,14 +192,31 @@ def test_logprobs_match_float64_reference(data) -> None:
     total_r.backward()
     # --- within the kernels' float32 rounding of each row's logit range ---
     z = logits.double() / temperature
-    row_range = (z.amax(-1) - z.amin(-1)) + z.abs().amax(-1) + 1.0
+    row_range = _row_range(z)
     assert lp.dtype == torch.float32 and lp.shape == target.shape
     _close(lp, lp_r, ROUNDING * EPS32 * row_range, torch.float32, "log-probs")
     if with_entropy:
         _close(ent, ent_r, ROUNDING * EPS32 * row_range, torch.float32, "entropy")
-    # ∂/∂logits = (1 / T) ∂/∂z: a row's gradient is g_lp · (onehot − p) + g_ent · ∂H/∂z, over T
-    weight = (g_lp.abs() * (target != -100) + (g_ent.abs() * row_range if with_entropy else 0.0)) / temperature
-    grad_atol = (ROUNDING * EPS32 * weight).unsqueeze(-1) + torch.finfo(dtype).tiny
+    grad_atol = _grad_atol(z, keep, target, g_lp, g_ent if with_entropy else None, row_range, temperature, dtype)
     assert x.grad.dtype == dtype and x.grad.shape == logits.shape
     _close(x.grad, r.grad, grad_atol, dtype, "d/dlogits")
     check_errors()  # on a GPU the op's input checks are deferred to here: every target is valid
+
+
+def test_gradient_tolerance_covers_large_logits() -> None:
+    """Two logits ~60 apart from nothing, at T = 0.3 (|z| ~ 200, p ≈ ½ each): the interpreter's gradient is off the
+    float64 one by ~eps32 · |z| · g · p / T — 9× the tolerance without the p · row_range term, within it with."""
+    logits = torch.tensor([[61.7, 61.45], [33.1, 32.98]])
+    target = torch.tensor([1, 0])
+    x = logits.clone().requires_grad_()
+    g_lp = torch.tensor([1.0, -0.7], dtype=torch.float64)
+    (vocab_parallel_logprobs(x, target, temperature=0.3).double() * g_lp).sum().backward()
+    r = logits.double().requires_grad_()
+    keep = torch.ones(logits.shape, dtype=torch.bool)
+    lp_r, _ = filtered_logprobs_reference(r, target, temperature=0.3, keep=keep)
+    (lp_r * g_lp).sum().backward()
+    z = logits.double() / 0.3
+    atol = _grad_atol(z, keep, target, g_lp, None, _row_range(z), 0.3, torch.float32)
+    err = (x.grad.double() - r.grad).abs()
+    assert bool((err <= atol).all()), (err, atol)
+    assert bool((err > ROUNDING * EPS32 * g_lp.abs().unsqueeze(-1) / 0.3).any()), "no longer shows the rounding"
