@@ -18,7 +18,10 @@ Schedule of ``run``
    own (drawn from ``--seed``; as ``--hypothesis-seed`` and ``MP_GRPO_CP_SEED``), a hypothesis storage directory of
    its own, and ``MP_GRPO_PROPERTY_STATS`` pointing at a directory of its own (tests/property_stats.py: hypothesis'
    count of the test cases it ran, by status and event label, rewritten after every test case). CPU suites see no
-   GPU (``CUDA_VISIBLE_DEVICES=``: Triton's interpreter); GPU suites see ``--gpu``. A suite whose run skipped (no
+   GPU (``CUDA_VISIBLE_DEVICES=``: Triton's interpreter); GPU suites see ``--gpu``. Before the first CPU run one
+   small log-prob call under the interpreter (:data:`INTERPRETER_CHECK`): where it fails (Triton 3.6's interpreter
+   with numpy >= 2.4 cannot take a loop bound, ``TypeError: only 0-dimensional arrays ...``) the CPU suites get no
+   runs and are reported skipped with the error — not as failures of every example. A suite whose run skipped (no
    GPU) or that failed ``--max-failing-runs`` times gets no more runs.
 3. At the time limit (or when a suite reaches its target) the runs still going are stopped (their process trees
    killed: torchrun's ranks run in sessions of their own); what they counted stays.
@@ -54,6 +57,9 @@ OUTPUT_TAIL = 6000
 POLL_S = 1.0
 KILL_GRACE_S = 5.0
 BEGIN, END = "<!-- soak-results:begin -->", "<!-- soak-results:end -->"
+INTERPRETER_CHECK = ("import torch; from mp_grpo import vocab_parallel_logprobs; "
+                     "vocab_parallel_logprobs(torch.zeros(2, 3), torch.tensor([0, 1]))")
+"""What the CPU suites' kernels need of Triton's interpreter: one log-prob call (stats, merge and their loops)."""
 
 
 @dataclass(frozen=True)
@@ -158,10 +164,14 @@ class Account:
     suite: Suite
     target: int
     runs: list[Run] = field(default_factory=list)
+    skipped: str | None = None
+    """Why the suite got no runs (the interpreter check failed)."""
 
     def active(self, max_failing_runs: int) -> bool:
         """Whether to start more runs: not when a run ended by itself without a test case (the test skipped, e.g.
         no GPU; or collected nothing), nor after ``max_failing_runs`` failing runs (an error each seed repeats)."""
+        if self.skipped:
+            return False
         ended = [r for r in self.runs if r.rc is not None and not r.stopped]
         if any(r.rc == 0 and read_stats(r.stats)["passed"] + read_stats(r.stats)["gave_up"] == 0 for r in ended):
             return False
@@ -194,6 +204,21 @@ def reproduce_command(suite: Suite, seed: int) -> str:
     device = "" if suite.gpu else "CUDA_VISIBLE_DEVICES= "
     return (f"{device}{env + ' ' if env else ''}MP_GRPO_HYPOTHESIS_PROFILE={suite.profile} MP_GRPO_CP_SEED={seed} "
             f"python -m pytest {suite.node} -x -p no:cacheprovider --hypothesis-seed={seed}")
+
+
+def interpreter_problem() -> str | None:
+    """None when Triton's interpreter runs :data:`INTERPRETER_CHECK` in a CPU suite's environment (no GPU visible);
+    else the error's last line, with the Triton and numpy versions."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=600)
+    if out.returncode == 0:
+        return None
+    versions = subprocess.run([sys.executable, "-c", "import numpy, triton; print(f'triton {triton.__version__}, "
+                               "numpy {numpy.__version__}')"], env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.strip()] or [f"exit code {out.returncode}"]
+    return f"{versions.stdout.strip() or 'versions unknown'}: {lines[-1].strip()}"
 
 
 def start(suite: Suite, seed: int, cores: list[int], work: Path, args) -> Run:
@@ -356,6 +381,12 @@ def run_suites(args) -> dict:
             names.append(n)
             targets[n] = int(target) if target else args.examples
     accounts = {n: Account(SUITES[n], targets[n]) for n in dict.fromkeys(names)}
+    if any(not a.suite.gpu for a in accounts.values()):
+        problem = interpreter_problem()
+        for account in accounts.values():
+            if problem and not account.suite.gpu:
+                account.skipped = f"interpreter check: {problem}\n(no run started)"
+                print(f"{account.suite.name}: skipped, Triton's interpreter fails here ({problem})", flush=True)
     cpus = parse_cpus(args.cpus)
     biggest = max(a.suite.cores for a in accounts.values())
     if len(cpus) < biggest:
@@ -435,9 +466,11 @@ def summarize(accounts: dict[str, Account], args, began: float, cpus: list[int])
                              "falsifying": c["failures"], "output_tail": tail})
         ended = [r for r in account.runs if not r.stopped and r.cpu_s is not None]
         skipped = next((r for r in ended if r.rc == 0 and read_stats(r.stats)["passed"] == 0), None)
+        skip_text = account.skipped or (None if skipped is None else
+                                        skipped.log.read_text(errors="replace")[-400:].strip())
         cpu_s = sum(r.cpu_s for r in account.runs if r.cpu_s is not None)
         suites[name] = {
-            "skipped": None if skipped is None else skipped.log.read_text(errors="replace")[-400:].strip(),
+            "skipped": skip_text,
             "description": suite.description, "node": suite.node, "profile": args.profile or suite.profile,
             "device": "cuda" if suite.gpu else "cpu", "env": dict(suite.env), "labels": list(suite.labels),
             "target": account.target, "reached": progress(suite, counts, account.target) >= 1.0,

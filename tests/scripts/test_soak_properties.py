@@ -97,3 +97,18 @@ def test_cpu_lists() -> None:
 def test_unknown_suite_is_named(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown suite 'nope'"):
         S.main(["run", "nope", "--out", str(tmp_path / "x.json")])
+
+
+def test_cpu_suites_are_skipped_where_the_interpreter_fails(monkeypatch, tmp_path: Path) -> None:
+    """Where Triton's interpreter cannot run the kernels (Triton 3.6 with numpy >= 2.4), the CPU suites get no runs
+    and say why, rather than counting every example as a failure."""
+    _suites(monkeypatch)
+    monkeypatch.setattr(S, "INTERPRETER_CHECK", "raise SystemExit('TypeError: only 0-dimensional arrays')")
+    out = tmp_path / "soak.json"
+    rc = S.main(["run", "dummy=5", "--cpus", "0", "--time-limit", "60", "--nice", "0",
+                 "--work", str(tmp_path / "work"), "--out", str(out)])
+    assert rc == 0
+    suite = json.loads(out.read_text())["suites"]["dummy"]
+    assert suite["runs"] == [] and suite["passed"] == 0 and not suite["reached"]
+    assert "only 0-dimensional arrays" in suite["skipped"]
+    assert "(skipped: " in S.report([out])
