@@ -218,11 +218,12 @@ def representable(step: Step, ref: tuple[Result, float, dict]) -> bool:
     """Whether the reference's loss terms and gradients fit the dtypes the loss computes and returns them in with
     room to spare (else the step is out of the range of its dtypes: overflow to inf there is no bug), and no trained
     token's KL input sits within the compute dtype's rounding of ``kl.input_clamp`` (a knife edge: the compute dtype's
-    rounding of ref − log π decides which side of the clamp it falls, e.g. 20.0 − (−5.8e-7) is 20 in float32)."""
+    rounding of ref − log π decides which side of the clamp it falls, e.g. 20.0 − (−5.8e-7) is 20 in float32), nor
+    a ratio the loss compares with a bound (:func:`_ratio_at_a_bound`)."""
     compute = step.compute_dtype()
     if not ref[1] < torch.finfo(compute).max * 1e-6:
         return False
-    if _kl_input_at_its_clamp(step):
+    if _kl_input_at_its_clamp(step) or _ratio_at_a_bound(step):
         return False
     for n, g in ref[0].grads.items():
         if g is not None:
@@ -231,6 +232,65 @@ def representable(step: Step, ref: tuple[Result, float, dict]) -> bool:
             if not float(g.abs().max()) < limit:
                 return False
     return True
+
+
+RATIO_ROUNDING = 4.0
+"""Multiples of the compute dtype's eps (relative to a log-ratio, plus 1 for exp's and the bound's own rounding) within
+which a log-ratio and a bound are a knife edge."""
+
+
+def _ratio_at_a_bound(step: Step) -> bool:
+    """Whether a trained token's log-ratio, or its sequence's mean or sum, lies within the compute dtype's rounding of
+    a bound the loss compares it with (in log space: the clip range, dual clip, delta, the log-ratio clamp, GMPO's
+    range; the rollout-correction weight and rejection bounds; OPSM's δ on the mean drift). The loss takes
+    r = exp(lp − old) in its compute dtype, the reference in float64: with eps_low = 0 a log-ratio of −1e-8 is a
+    ratio 1 in float32 (not clipped) and 0.99999999 in float64 (clipped). An exact tie at ratio 1 (lp = old) is the
+    same in both and stays."""
+    cfg, d = step.cfg, as_computed(step)
+    eps = torch.finfo(step.compute_dtype()).eps
+    valid = d["loss_mask"] != 0
+    if not bool(valid.any()):
+        return False
+    p, rc = cfg.policy, cfg.rollout_correction
+    lp, rollout = d["logprobs"], d.get("rollout_logprobs")
+    old = rollout if rc.bypass and rollout is not None else d.get("old_logprobs", lp)
+    clamp = [] if p.log_ratio_clamp is None else [-p.log_ratio_clamp, p.log_ratio_clamp]
+
+    def logs(*bounds):
+        return [math.log(b) for b in bounds if b is not None and b > 0]
+
+    policy = logs(None if p.eps_low is None else 1.0 - p.eps_low, None if p.eps_high is None else 1.0 + p.eps_high,
+                  p.dual_clip_c, p.delta) + clamp
+    if p.objective.value == "gmpo":
+        policy += [b for b in (p.eps_high, None if p.eps_low is None else -p.eps_low) if b is not None]
+    n = valid.sum(-1).clamp(min=1).double()
+    spread = 1.0 + torch.log2(n)  # the summation order of a sequence's mean or sum
+
+    def near(q: torch.Tensor, scale: torch.Tensor, bounds: list[float], rows: bool = False) -> bool:
+        where = valid.any(-1) if rows else valid
+        for b in bounds:
+            tie = (q == b) & (b == 0.0)
+            if bool((where & ~tie & ((q - b).abs() <= RATIO_ROUNDING * eps * (scale + 1.0))).any()):
+                return True
+        return False
+
+    def row_mean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, x, 0.0).sum(-1) / n
+
+    x = lp - old
+    if near(x, x.abs(), policy) or near(row_mean(x), row_mean(x.abs()) * spread, policy, rows=True):
+        return True
+    if rollout is not None:
+        dr = (lp if rc.bypass else old) - rollout
+        bounds = logs(rc.weight_min, rc.weight_max, rc.reject_min, rc.reject_max) + clamp
+        if near(dr, dr.abs(), bounds) or near(row_mean(dr), row_mean(dr.abs()) * spread, bounds, rows=True) or \
+                near(row_mean(dr) * n, row_mean(dr.abs()) * n * spread, bounds, rows=True):
+            return True
+    if cfg.opsm.delta is not None:
+        drift = (rollout if rollout is not None else old) - lp
+        if near(row_mean(drift), row_mean(drift.abs()) * spread, [cfg.opsm.delta], rows=True):
+            return True
+    return False
 
 
 def _kl_input_at_its_clamp(step: Step) -> bool:

@@ -26,3 +26,24 @@ def test_edges_are_a_hair_off_each_bound_never_on_it() -> None:
             placed += int(near.sum())
             assert bool((off[near] > 0.5e-9).all() & (off[near] < 2e-9).all()), f"{name}: {off[near].tolist()}"
         assert placed > 0, f"no {name} ratio was placed on an edge"
+
+
+def test_a_ratio_within_rounding_of_a_bound_is_a_knife_edge() -> None:
+    """eps_low = 0 puts PPO's lower clip at ratio 1: bf16 log-probs and fp16 old log-probs of the same −1e-6 differ
+    by ~1e-8, a ratio of exactly 1 in the loss's float32 (not clipped) and 0.99999999 in the float64 reference
+    (clipped): 102 of 1423 tokens of a GPU-sized draw did (clip_frac/low 0.141 vs 0.190). Such draws are rejected;
+    a ratio of exactly 1 (old = log π) and one clearly inside the range are not."""
+    from tests.loss.properties import _ratio_at_a_bound
+    from tests.loss.strategies import Step
+
+    cfg = build_config({"policy": {"eps_low": 0.0}})
+    lp = torch.full((1, 3), -1.0e-6, dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+
+    def step(old: torch.Tensor) -> Step:
+        return Step(cfg, {"logprobs": lp.to(torch.bfloat16), "old_logprobs": old, "loss_mask": mask,
+                          "advantages": torch.tensor([-1.0])}, False, None, None, 1.0)
+
+    assert _ratio_at_a_bound(step(lp.to(torch.float16)))
+    assert not _ratio_at_a_bound(step(lp.to(torch.bfloat16)))  # lp = old: ratio 1 in both
+    assert not _ratio_at_a_bound(step(lp.to(torch.bfloat16) + 0.01))  # ratio 0.99: clipped in both
