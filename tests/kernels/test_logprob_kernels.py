@@ -2,7 +2,8 @@
 GPU: Triton's real compiler (to PTX and, with the ptxas shipped in the triton wheel, to a cubin), not the
 interpreter the CPU suite runs them in — the interpreter accepts code the compiler rejects (a global that is
 not ``tl.constexpr`` did slip through it once). Every logits dtype, with and without entropy and a
-sampling filter's threshold, the threshold search's candidate and select kernels and its radix kernels, at the block
+sampling filter's threshold, the backward's narrowed in-place variant (fp32 logits, a bf16 / fp16 gradient over each
+row's front: its barrier in the PTX), the threshold search's candidate and select kernels and its radix kernels, at the block
 sizes ``kernels/launch_config.py`` picks on a GPU; the mass pass's loop has no layout conversion.
 
 The compilation runs in a subprocess with ``TRITON_INTERPRET=0`` (this file is its script; see ``sm90.py``).
@@ -17,7 +18,7 @@ from tests.kernels.sm90 import Sm90Compiler, needs_nvidia_backend, run_compile_s
 
 @needs_nvidia_backend
 def test_logprob_kernels_compile_for_sm90() -> None:
-    assert "compiled 104 kernels" in run_compile_script(__file__)
+    assert "compiled 116 kernels" in run_compile_script(__file__)
 
 
 def _compile_all() -> None:
@@ -51,14 +52,20 @@ def _compile_all() -> None:
                 inv_temperature="fp32",
             ), dict(HAS_ENTROPY=with_entropy, HAS_THRESHOLD=with_threshold, HAS_SKIP=with_threshold,
                     BLOCK_V=stats_block))
-            stats_compiler.compile(logprob_backward_kernel, dict(
-                x_ptr=logits, grad_x_ptr=logits, target_ptr="*i64", row_max_ptr="*fp32", log_sum_ptr="*fp32",
-                entropy_ptr="*fp32", grad_logprob_ptr="*fp32", grad_entropy_ptr="*fp32", threshold_ptr="*fp32",
-                grad_scale_ptr="*fp32", V_local="i32",
-                vocab_start="i32", ignore_index="i32", stride_x_row="i64", stride_grad_x_row="i64",
-                inv_temperature="fp32",
-            ), dict(HAS_ENTROPY_GRAD=with_entropy, HAS_THRESHOLD=with_threshold, HAS_GRAD_SCALE=with_entropy,
-                     BLOCK_V=stats_block))
+            # In place (the gradient in the logits' dtype), and for fp32 logits narrowed in place (the gradient in
+            # the operands' bf16 / fp16 over the front of each row: ROW_LOOP, a barrier between loads and stores).
+            variants = [(logits, False)] + ([("*bf16", True), ("*fp16", True)] if logits == "*fp32" else [])
+            for grad, row_loop in variants:
+                compiled = stats_compiler.compile(logprob_backward_kernel, dict(
+                    x_ptr=logits, grad_x_ptr=grad, target_ptr="*i64", row_max_ptr="*fp32", log_sum_ptr="*fp32",
+                    entropy_ptr="*fp32", grad_logprob_ptr="*fp32", grad_entropy_ptr="*fp32", threshold_ptr="*fp32",
+                    grad_scale_ptr="*fp32", V_local="i32",
+                    vocab_start="i32", ignore_index="i32", stride_x_row="i64", stride_grad_x_row="i64",
+                    inv_temperature="fp32",
+                ), dict(HAS_ENTROPY_GRAD=with_entropy, HAS_THRESHOLD=with_threshold, HAS_GRAD_SCALE=with_entropy,
+                         ROW_LOOP=row_loop, BLOCK_V=stats_block))
+                if row_loop:  # no warp's store may overtake another warp's load of the same block
+                    assert "bar.sync" in compiled.asm["ptx"], f"narrowed in-place backward without its barrier ({grad})"
     # The threshold search: every (dtype, pass kind) the host code launches, at the GPU block sizes.
     passes = [  # (MODE, DIGIT_BITS, HAS_PREFIX, HAS_ROW_MAX_OUT, BLOCK_V)
         (0, 8, False, True, 4096), (0, 8, False, False, 4096), (0, 8, True, False, 4096),  # top-k counts
