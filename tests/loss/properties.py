@@ -430,7 +430,35 @@ class LogitsReference:
     grad_mask: torch.Tensor
     """``[B, W, V]`` bool: rows that are trained or have a target (elsewhere the gradient is exactly 0)."""
     representable: bool
-    """The loss terms fit float32 with room to spare."""
+    """The loss terms fit float32 with room to spare, and the top-entropy selection does not hang on the float32
+    rounding of the entropies (:func:`_entropy_selection_at_its_threshold`)."""
+
+
+ENTROPY_ROUNDING = 8.0
+"""Multiples of eps32 times a row's logit range (plus its largest |z| and 1) a kernel's float32 entropy may be off by:
+the log-prob op's property's bound (tests/ops/test_logprob_properties.py)."""
+
+
+def _entropy_selection_at_its_threshold(cfg, logits: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+                                        temperature: float) -> bool:
+    """Whether the top-entropy selection (``entropy.top_quantile`` < 1: keep the tokens whose entropy is at least the
+    step's quantile) would change with the float32 rounding of the entropies the loss computes from the logits: the
+    smallest kept and the largest dropped float64 entropy within that rounding of each other. Near-deterministic
+    rows have entropies of 1e-74 and 1e-54 in float64 and 0 in float32 (below its smallest subnormal): float32 ties
+    them, so the loss keeps one the reference drops."""
+    if cfg.entropy.top_quantile >= 1.0 or not bool(mask.any()):
+        return False
+    h = entropy[mask]
+    kept = h >= torch.quantile(h, 1.0 - cfg.entropy.top_quantile)
+    if bool(kept.all()):
+        return False
+    z = logits / temperature
+    accuracy = (ENTROPY_ROUNDING * torch.finfo(torch.float32).eps
+                * ((z.amax(-1) - z.amin(-1)) + z.abs().amax(-1) + 1.0))[mask]
+    lowest_kept = int(torch.where(kept, h, math.inf).argmin())
+    highest_dropped = int(torch.where(kept, -math.inf, h).argmax())
+    gap = h[lowest_kept] - h[highest_dropped]
+    return bool(gap <= accuracy[lowest_kept] + accuracy[highest_dropped])
 
 
 def logits_reference(cfg, logits: torch.Tensor, target: torch.Tensor, inputs: dict[str, torch.Tensor],
@@ -456,7 +484,8 @@ def logits_reference(cfg, logits: torch.Tensor, target: torch.Tensor, inputs: di
             cfg, lp_r.detach(), ref_inputs.get("old_logprobs"), ref_inputs["advantages"], mask, magnitude=True,
             rollout_logprobs=ref_inputs.get("rollout_logprobs"), ref_logprobs=ref_inputs.get("ref_logprobs"),
             entropy=ent_r.detach()))
-    representable = size < 1e30
+    representable = size < 1e30 and not _entropy_selection_at_its_threshold(cfg, r.detach(), ent_r.detach(),
+                                                                             mask, temperature)
     # The kernel's log-probs and entropies are float32 results (not given inputs): their rounding, ~eps32 · the
     # size of the logits, reaches the loss through ∂J/∂log π and ∂J/∂entropy.
     spread_of_logits = (r.detach().amax(-1) - r.detach().amin(-1)) / temperature + 1.0

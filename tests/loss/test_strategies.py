@@ -47,3 +47,18 @@ def test_a_ratio_within_rounding_of_a_bound_is_a_knife_edge() -> None:
     assert _ratio_at_a_bound(step(lp.to(torch.float16)))
     assert not _ratio_at_a_bound(step(lp.to(torch.bfloat16)))  # lp = old: ratio 1 in both
     assert not _ratio_at_a_bound(step(lp.to(torch.bfloat16) + 0.01))  # ratio 0.99: clipped in both
+
+
+def test_a_top_entropy_selection_within_float32_rounding_is_a_knife_edge() -> None:
+    """Near-deterministic rows (two logits 110 and 130 apart at scale 1) have float64 entropies of ~1e-46 and
+    ~1e-55, both 0 in float32: which one the 50 % top-entropy selection keeps is float32's tie. Rows of clearly
+    different entropies are no knife edge."""
+    from tests.loss.properties import _entropy_selection_at_its_threshold
+    from tests.reference import logprobs_reference
+
+    cfg = build_config({"entropy": {"top_quantile": 0.5}})
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for gaps, edge in (((110.0, 130.0), True), ((0.5, 3.0), False)):
+        logits = torch.tensor([[[0.0, -gaps[0]], [0.0, -gaps[1]]]], dtype=torch.float64)
+        _, entropy = logprobs_reference(logits, torch.zeros(1, 2, dtype=torch.int64), temperature=1.0)
+        assert _entropy_selection_at_its_threshold(cfg, logits, entropy, mask, 1.0) == edge, gaps
