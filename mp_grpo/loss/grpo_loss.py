@@ -288,8 +288,11 @@ class GRPOLoss:
         if cfg.policy.objective in COVARIANCE_OBJECTIVES:  # per call = per micro-batch (verl), see .covariance
             tokens = tokens._replace(cov_selected=covariance_selection(
                 cfg.policy, tokens.logprobs, tokens.log_ratio, tokens.advantages, tokens.valid, generator))
-        # --- 4. per-sequence sums over whole sequences, broadcast back ---
-        seq_sums = layout.seq_sum(tokens.seq_columns, token_shape)
+        # --- 4. per-sequence sums over whole sequences (summed in float64, as the fused kernels sum them: a float32
+        #        sum of a long sequence's log-ratios would carry its length times their rounding into exp of it, and
+        #        its order would depend on the batch's width), rounded to the compute dtype once, broadcast back ---
+        columns = tokens.seq_columns
+        seq_sums = layout.seq_sum(columns.to(torch.float64), token_shape).to(columns.dtype)
         seq_tokens = layout.broadcast(seq_sums, token_shape)
         # --- 5. + 6. combine stage and metrics ---
         step = StepValues(
