@@ -60,6 +60,7 @@ from mp_grpo.kernels.token_math import (
     reinforce,
     rejection_keep,
     sapo,
+    score_function_gradient,
     token_divisor,
     truncated_weight,
     weighted_kl,
@@ -209,8 +210,11 @@ def grpo_loss_combine_kernel(
         d_before_clamp = tl.where(x_inside, -d_estimator, 0.0) * weight
         if KL_RATIO == K.KL_RATIO_BIAS_CORRECTION:
             d_before_clamp = d_before_clamp + tl.where(log_ratio_inside, d_log_ratio, 0.0)
-        elif KL_RATIO == K.KL_RATIO_SCORE_FUNCTION:
-            d_before_clamp = d_before_clamp + d_score
+        elif KL_RATIO == K.KL_RATIO_SCORE_FUNCTION:  # inside the input clamp both paths in one exact expression
+            d_before_clamp = tl.where(
+                x_inside, score_function_gradient(x, before_clamp, d_estimator, KL_ESTIMATOR, KL_STRAIGHT_THROUGH),
+                d_score,
+            )
         kl, kl_inside = clamp_sym(before_clamp, param(params_ptr, K.P_KL_OUTPUT_CLAMP, COMPUTE))
         if KL_IN_LOSS:
             kl_coef = param(params_ptr, K.P_KL_COEF, COMPUTE)

@@ -273,6 +273,19 @@ def weighted_kl(x, log_ratio, score, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: 
 
 
 @triton.jit
+def score_function_gradient(x, value, d_estimator, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr):
+    """∂/∂log π_θ of the score-function KL ``k(x)·e^score`` inside the input clamp (``x = log π_ref − log π_θ``,
+    ``value`` = k(x), ``d_estimator`` = ∂k/∂x; the score is 0 in value): k(x) − ∂k/∂x, the score's path plus
+    x's. For k3 that is (eˣ − x − 1) − (eˣ − 1) = −x, taken as such: the two terms are ~eˣ (1e8 at x = 18.5), and
+    their float32 difference keeps only multiples of their ulp (8) of −x."""
+    grad = value - d_estimator
+    if ESTIMATOR == K.KL_K3:
+        if not STRAIGHT_THROUGH:
+            grad = -x
+    return grad
+
+
+@triton.jit
 def chi2(log_ratio):
     """χ² estimate ρ² − 1 = e^{2x} − 1 of a log-ratio x (exact near 0): ``(value, ∂value/∂x)``."""
     value = expm1(2.0 * log_ratio)

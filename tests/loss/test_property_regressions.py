@@ -182,3 +182,50 @@ def test_a_sequence_sum_holds_only_its_own_tokens(backend: LossBackend) -> None:
     torch.testing.assert_close(lp.grad, torch.tensor([[-0.125] * 4, [0.0] * 4]))
     assert metrics["rejected_frac/opsm"].tolist() == [4.0, 8.0]
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_a_long_sequence_log_ratio_is_summed_in_float64(backend: LossBackend) -> None:
+    """A float32 loss (no log-ratio clamp) over one 400-token sequence whose rollout log-ratios are ±50–300 a token
+    and sum to ~0.3: the
+    torch path summed them in float32 (each addition rounded at the partial sum's ~1e-5, in an order set by the
+    batch's width), so exp of the sum — the sequence's χ² and IS weight — was off by ~1e-4 relative and differed
+    between micro-batch splits; the fused kernels sum in float64. Both now round the float64 sum once."""
+    g = torch.Generator().manual_seed(7)
+    n = 400
+    lp = -1000.0 - 10.0 * torch.rand(1, n, generator=g, dtype=torch.float64)
+    x = (50.0 + 250.0 * torch.rand(n // 2, generator=g, dtype=torch.float64)).float().double()
+    d = torch.stack([x, -x], dim=-1).reshape(1, n)  # pairs that cancel, then 0.3 on one token: the sum is 0.3
+    d[0, 0] += 0.3
+    lp32 = lp.float()
+    rollout32 = (lp32.double() - d).float()  # old − rollout is exact in float32 here (the two within a factor 2)
+    s = float((lp32.double() - rollout32.double()).sum())
+    cfg = load_config(None, ["rollout_correction.weight_level=sequence", "policy.log_ratio_clamp=null"])
+    mask = torch.ones(1, n, dtype=torch.bool)
+    _, metrics = GRPOLoss(cfg, backend=backend)(lp32.clone().requires_grad_(), None, torch.tensor([1.0]), mask,
+                                                rollout_logprobs=rollout32)
+    chi2_sum, count = metrics["mismatch/chi2_seq"].tolist()
+    assert count == 1.0
+    assert chi2_sum == pytest.approx(math.expm1(2.0 * s), rel=2e-6)
+    weight = metrics["is_weight/raw/mean"].tolist()
+    assert weight[0] / weight[1] == pytest.approx(math.exp(s), rel=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+@pytest.mark.parametrize("x", [18.5, -3.0, 0.25])
+def test_score_function_k3_gradient_is_minus_x(backend: LossBackend, x: float) -> None:
+    """The score-function k3 KL (NeMo-RL's default): d/dlog π of (eˣ − x − 1)·e^{log π − sg(log π)} with
+    x = ref − log π is −(eˣ − 1) + (eˣ − x − 1) = −x. Both paths summed the two terms in float32, each 1.1e8 at
+    x = 18.5 (ref 18.5 nats above the policy, inside the input clamp of 20), and kept −16 (kernels) or −20 (torch)
+    of −18.5; now −x exactly. Found by the on_logits property on a GPU (a rejected token whose KL is all it trains)."""
+    cfg = load_config(None, ["kl.coef=0.5", "kl.estimator=k3", "kl.score_function=true", "kl.output_clamp=null",
+                             "rollout_correction.reject_level=token", "rollout_correction.reject_max=1.001"])
+    lp = torch.tensor([[-1.9647116661071777, -2.5]], requires_grad=True)
+    ref = lp.detach() + torch.tensor([[x, 0.5]])
+    old = lp.detach()
+    rollout = old - torch.tensor([[40.0, 40.0]])  # ratio e^40 to the rollout: every policy term rejected
+    loss, _ = GRPOLoss(cfg, backend=backend)(lp, old, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                                             rollout_logprobs=rollout, ref_logprobs=ref)
+    loss.backward()
+    x_exact = (ref.double() - lp.detach().double())[0]  # the float32 inputs' difference, exact in float64
+    torch.testing.assert_close(lp.grad[0].double(), -0.5 * x_exact / 2, rtol=1e-6, atol=0)
