@@ -219,11 +219,26 @@ def representable(step: Step, ref: tuple[Result, float, dict]) -> bool:
     room to spare (else the step is out of the range of its dtypes: overflow to inf there is no bug), and no trained
     token's KL input sits within the compute dtype's rounding of ``kl.input_clamp`` (a knife edge: the compute dtype's
     rounding of ref − log π decides which side of the clamp it falls, e.g. 20.0 − (−5.8e-7) is 20 in float32), nor
-    a ratio the loss compares with a bound (:func:`_ratio_at_a_bound`)."""
+    a ratio the loss compares with a bound (:func:`_ratio_at_a_bound`); and every metric fits the compute dtype
+    (χ² of an unclamped sequence log-ratio of 45 is 1.5e39: inf in float32, on both backends); nor normalized
+    weights from old / rollout log-probs wider than the compute dtype (below)."""
     compute = step.compute_dtype()
     if not ref[1] < torch.finfo(compute).max * 1e-6:
         return False
+    metric_limit = torch.finfo(compute).max * 1e-3  # a metric's sum beyond it overflows the compute dtype: inf there
+    if any(math.isfinite(scale) and not scale < metric_limit for _, scale in ref[2].values()):
+        return False
     if _kl_input_at_its_clamp(step) or _ratio_at_a_bound(step):
+        return False
+    if _vespo_weight_ill_conditioned(step):
+        return False
+    if step.cfg.rollout_correction.normalize_weights and any(
+            torch.finfo(step.data[n].dtype).eps < torch.finfo(compute).eps
+            for n in ("old_logprobs", "rollout_logprobs") if n in step.data):
+        # The GlobalBatch takes the step's weight mean from the log-probs as given (float64), the loss its weights
+        # from their rounding to the compute dtype (float32): a sequence-level weight then carries the inputs'
+        # rounding summed over the sequence (4e-5 relative at log-probs ~ −500), which the reference — both from
+        # the rounded inputs — does not. Not a property of the loss: of feeding a float32 loss float64 rollouts.
         return False
     for n, g in ref[0].grads.items():
         if g is not None:
@@ -232,6 +247,41 @@ def representable(step: Step, ref: tuple[Result, float, dict]) -> bool:
             if not float(g.abs().max()) < limit:
                 return False
     return True
+
+
+VESPO_ROUNDING = 1.0
+"""Multiples of the compute dtype's eps times √(Σ x_t²) (a sequence's VESPO inputs, each rounded once: their errors
+add like a random walk) its log w is taken to be off by."""
+
+
+def _vespo_weight_ill_conditioned(step: Step) -> bool:
+    """Whether VESPO's φ(w) = exp(λ + k·log w − λ·w) cannot be computed to the compute dtype's tolerance from the
+    sequence's log w = Σ x_t: each x_t (the token's clamped log π_θ − log π_old, plus its log IS weight) is rounded
+    to the compute dtype, so log w carries ~eps · √(Σ x_t²), which φ multiplies by |k − λ·w| — at λ = 2, w = 12
+    (φ ~ 1e-9) by 25: 4e-5 of φ in float32 for 113 tokens of |x| ~ 4, twice the tolerance (found on a GPU, whose
+    profile draws such sequences). The reference takes the x_t exactly; a third of the tolerance is left."""
+    from mp_grpo.loss.clamps import VESPO_LAMBDA_FLOOR, VESPO_LOG_RATIO_BOUND, VESPO_LOG_W_MAX, VESPO_LOG_W_MIN
+
+    cfg, d = step.cfg, as_computed(step)
+    p, rc = cfg.policy, cfg.rollout_correction
+    if p.objective.value != "vespo":
+        return False
+    valid = d["loss_mask"] != 0
+    lp, rollout = d["logprobs"], d.get("rollout_logprobs")
+    old = d.get("old_logprobs", lp)
+    x = (lp - old).clamp(-VESPO_LOG_RATIO_BOUND, VESPO_LOG_RATIO_BOUND)
+    size = x.abs()
+    if rollout is not None and rc.weight_level is not None and rc.weight_level.value == "token":
+        dr = (old - rollout).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+        x, size = x + dr, size + dr.abs()
+    log_w = torch.where(valid, x, 0.0).sum(-1).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    error = VESPO_ROUNDING * torch.finfo(step.compute_dtype()).eps * (
+        torch.where(valid, size * size, 0.0).sum(-1).sqrt() + log_w.abs() + 1.0)
+    w = log_w.exp()
+    gain = torch.zeros_like(w)
+    for k, lam in ((p.vespo_k_pos, p.vespo_lambda_pos), (p.vespo_k_neg, p.vespo_lambda_neg)):
+        gain = torch.maximum(gain, (k - max(lam, VESPO_LAMBDA_FLOOR) * w).abs())
+    return bool((valid.any(-1) & (gain * error > _rtol(step.compute_dtype()) / 3.0)).any())
 
 
 RATIO_ROUNDING = 4.0

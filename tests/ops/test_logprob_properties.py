@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import assume, event, given, note, settings
 from hypothesis import strategies as st
 
 from mp_grpo import check_errors, vocab_parallel_logprobs
+from mp_grpo.kernels.launch_config import INTERPRETER
 from mp_grpo.ops import SamplingFilter
 from tests.hypothesis_profiles import examples, needs_property_device, on_gpu, property_device
 from tests.reference import filtered_logprobs_reference, sampling_filter_keep_reference
@@ -203,6 +205,8 @@ def test_logprobs_match_float64_reference(data) -> None:
     check_errors()  # on a GPU the op's input checks are deferred to here: every target is valid
 
 
+@pytest.mark.skipif(not INTERPRETER, reason="the interpreter's rounding at a near tie, on CPU tensors; on a GPU the "
+                    "property above covers large logits (the GPU profile draws them)")
 def test_gradient_tolerance_covers_large_logits() -> None:
     """Two logits ~60 apart from nothing, at T = 0.3 (|z| ~ 200, p ≈ ½ each): the interpreter's gradient is off the
     float64 one by ~eps32 · |z| · g · p / T — 9× the tolerance without the p · row_range term, within it with."""
