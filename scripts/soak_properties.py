@@ -18,17 +18,22 @@ Schedule of ``run``
    own (drawn from ``--seed``; as ``--hypothesis-seed`` and ``MP_GRPO_CP_SEED``), a hypothesis storage directory of
    its own, and ``MP_GRPO_PROPERTY_STATS`` pointing at a directory of its own (tests/property_stats.py: hypothesis'
    count of the test cases it ran, by status and event label, rewritten after every test case). CPU suites see no
-   GPU (``CUDA_VISIBLE_DEVICES=``: Triton's interpreter); GPU suites see ``--gpu``. Before the first CPU run one
+   GPU (``CUDA_VISIBLE_DEVICES=``: Triton's interpreter); GPU suites see one GPU of ``--gpu`` (a list: each run
+   gets the one with the fewest GPU runs going). Before the first CPU run one
    small log-prob call under the interpreter (:data:`INTERPRETER_CHECK`): where it fails (Triton 3.6's interpreter
    with numpy >= 2.4 cannot take a loop bound, ``TypeError: only 0-dimensional arrays ...``) the CPU suites get no
    runs and are reported skipped with the error — not as failures of every example. A suite whose run skipped (no
    GPU) or that failed ``--max-failing-runs`` times gets no more runs.
 3. At the time limit (or when a suite reaches its target) the runs still going are stopped (their process trees
-   killed: torchrun's ranks run in sessions of their own); what they counted stays.
+   killed: torchrun's ranks run in sessions of their own); what they counted stays. A run that has failed is not
+   stopped at its suite's target: it goes on until hypothesis reports its shrunk example (or the time limit).
 4. The JSON: per suite, the examples hypothesis ran (passed, failed, rejected by ``assume``), the passing ones by
    label, the runs and their seeds, their CPU seconds (of every process of the run), and every failure: its seed,
    the command that reproduces it, hypothesis' falsifying example and the end of the run's output. A run that
    failed without a failing test case (an error outside hypothesis) counts as a failure too.
+
+``merge`` sums soaks of the same suites (a soak continued in another process or on another machine) into one
+JSON: counts, runs and failures added, each target checked against the sum.
 
 ``report`` renders such JSONs as a markdown table; with ``--md FILE`` it replaces the part of FILE between
 ``<!-- soak-results:begin -->`` and ``<!-- soak-results:end -->``.
@@ -155,6 +160,7 @@ class Run:
     rc: int | None = None
     cpu_s: float | None = None
     ended: float | None = None
+    gpu: str | None = None
     seen: dict[int, int] = field(default_factory=dict)
     """The run's processes seen so far: pid → start time (a rank whose torchrun died is no longer a descendant)."""
 
@@ -221,7 +227,12 @@ def interpreter_problem() -> str | None:
     return f"{versions.stdout.strip() or 'versions unknown'}: {lines[-1].strip()}"
 
 
-def start(suite: Suite, seed: int, cores: list[int], work: Path, args) -> Run:
+def pick_gpu(gpus: list[str], running: list[Run]) -> str:
+    """The GPU of ``gpus`` with the fewest GPU runs going (the first of a tie)."""
+    return min(gpus, key=lambda g: sum(r.gpu == g for r in running))
+
+
+def start(suite: Suite, seed: int, cores: list[int], work: Path, args, gpu: str | None = None) -> Run:
     run_dir = Path(tempfile.mkdtemp(prefix=f"{suite.name.replace(':', '_')}-{seed}-", dir=work))
     env = dict(os.environ, MP_GRPO_HYPOTHESIS_PROFILE=args.profile or suite.profile, MP_GRPO_CP_SEED=str(seed),
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -230,7 +241,7 @@ def start(suite: Suite, seed: int, cores: list[int], work: Path, args) -> Run:
                **dict(suite.env))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     if suite.gpu:
-        env["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
+        env["CUDA_VISIBLE_DEVICES"] = gpu if gpu is not None else str(args.gpu)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "pytest", suite.node, "-x", "-q", "-p", "no:cacheprovider",
@@ -244,7 +255,7 @@ def start(suite: Suite, seed: int, cores: list[int], work: Path, args) -> Run:
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=pin, start_new_session=True)
-    return Run(suite, seed, cores, run_dir / "stats", log, proc, time.time())
+    return Run(suite, seed, cores, run_dir / "stats", log, proc, time.time(), gpu=gpu if suite.gpu else None)
 
 
 def reap(run: Run) -> bool:
@@ -394,6 +405,7 @@ def run_suites(args) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
+    gpus = [g.strip() for g in str(args.gpu).split(",") if g.strip()]
     free = list(cpus)
     running: list[Run] = []
     began = time.time()
@@ -416,15 +428,21 @@ def run_suites(args) -> dict:
                   + f"; {len(running)} runs", flush=True)
         if now >= deadline:
             break
-        done = [r for r in running if fractions[r.suite.name] >= 1.0]
-        if done:  # a suite at its target: its runs stop (what they counted stays), their cores go to the others
+        # A suite at its target: its runs stop (what they counted stays), their cores go to the others — except a run
+        # that has failed, which goes on until hypothesis has shrunk and reported its failing example (or the time
+        # limit): stopped, it would leave a failure count and no example.
+        done = [r for r in running if fractions[r.suite.name] >= 1.0 and not read_stats(r.stats)["failed"]]
+        if done:
             stop(done)
             for run in done:
                 running.remove(run)
                 free.extend(run.cores)
         pending = {n: f for n, f in fractions.items() if f < 1.0 and accounts[n].active(args.max_failing_runs)}
-        if not pending:  # every target reached (or the suites stopped): the runs still going have counted
-            break
+        if not pending and not any(read_stats(r.stats)["failed"] for r in running):
+            break  # every target reached (or the suites stopped), no failing run still shrinking: the rest counted
+        if not pending:  # failing runs still going: wait for their examples
+            time.sleep(POLL_S)
+            continue
         # Fill the free cores, each run for the suite furthest from its target (the runs going for it counted); when
         # that suite's run does not fit, wait for cores rather than give them to another (a 4-rank suite would
         # starve beside a 2-rank one).
@@ -434,7 +452,8 @@ def run_suites(args) -> dict:
             if suite.cores > len(free):
                 break
             cores, free[:] = free[:suite.cores], free[suite.cores:]
-            run = start(suite, rng.randrange(2**32), cores, work, args)
+            gpu = pick_gpu(gpus, running) if suite.gpu else None
+            run = start(suite, rng.randrange(2**32), cores, work, args, gpu)
             accounts[n].runs.append(run)
             running.append(run)
         time.sleep(POLL_S)
@@ -444,7 +463,7 @@ def run_suites(args) -> dict:
 
 def _run_record(run: Run) -> dict:
     c = read_stats(run.stats)
-    return {"seed": run.seed, "rc": run.rc, "stopped": run.stopped,  # by the driver: time limit or target reached
+    return {"seed": run.seed, "rc": run.rc, **({"gpu": run.gpu} if run.gpu is not None else {}), "stopped": run.stopped,  # by the driver: time limit or target reached
             "wall_s": round((run.ended or time.time()) - run.started, 1),
             "cpu_s": None if run.cpu_s is None else round(run.cpu_s, 1),
             "passed": c["passed"], "failed": c["failed"], "gave_up": c["gave_up"]}
@@ -504,13 +523,56 @@ def _host(gpu: str | None) -> dict:
         info["versions"] = f"unavailable: {error}"
     if gpu is not None:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", str(gpu)],
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i",
+                                  str(gpu).split(",")[0]],
                                  capture_output=True, text=True, timeout=30)
             if out.returncode == 0 and out.stdout.strip():
                 info["gpu"] = out.stdout.strip().splitlines()[0]
         except (OSError, subprocess.TimeoutExpired):
             pass
     return info
+
+
+# ----------------------------------------------------------------------------------------------- merge
+def merge(datas: list[dict]) -> dict:
+    """One soak JSON from several of the same suites (in the order given): passed / failed / rejected counts and
+    each label's count summed, runs and failures concatenated, each suite's target (the largest asked) checked
+    against the sum; a suite in some of the JSONs only is taken as it is. Suites whose profiles or environments
+    differ are refused (their examples are not the same draws)."""
+    if not datas:
+        raise ValueError("merge: no JSON given")
+    suites: dict[str, dict] = {}
+    for data in datas:
+        for name, s in data["suites"].items():
+            if name not in suites:
+                suites[name] = json.loads(json.dumps(s))
+                continue
+            m = suites[name]
+            for key in ("node", "profile", "device", "env", "labels"):
+                if m[key] != s[key]:
+                    raise ValueError(f"merge: suite {name!r} has {key} {m[key]!r} in one JSON, {s[key]!r} in another")
+            for key in ("passed", "failed", "gave_up", "failing_runs", "cpu_s"):
+                m[key] = round(m[key] + s[key], 1) if key == "cpu_s" else m[key] + s[key]
+            for label, n in s["by"].items():
+                m["by"][label] = m["by"].get(label, 0) + n
+            m["by"] = dict(sorted(m["by"].items()))
+            m["runs"] += s["runs"]
+            m["failures"] += s["failures"]
+            m["target"] = max(m["target"], s["target"])
+            m["skipped"] = m["skipped"] if m["skipped"] and s["skipped"] else None
+    for m in suites.values():
+        counts = {"passed": m["passed"], "by": m["by"]}
+        m["reached"] = progress(Suite(m.get("name", ""), m["node"], m["profile"], tuple(m["labels"])), counts,
+                                m["target"]) >= 1.0
+        m["cpu_s_per_example"] = round(m["cpu_s"] / max(m["passed"] + m["gave_up"], 1), 3)
+    first = datas[0]
+    return {
+        "command": " + ".join(d["command"] for d in datas),
+        "started": first["started"], "wall_s": round(sum(d["wall_s"] for d in datas), 1),
+        "cores": max(d["cores"] for d in datas), "slots": max(d["slots"] for d in datas),
+        "host": first["host"], "merged_from": len(datas),
+        "suites": suites,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -561,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--time-limit", type=float, default=420.0, help="seconds; runs still going are stopped")
     r.add_argument("--cpus", help="cores to use, e.g. 8-63 (default: all this process may use); a core listed "
                                   "twice takes two processes (0-1,0-1: four on two cores)")
-    r.add_argument("--gpu", default="0", help="CUDA_VISIBLE_DEVICES of the GPU suites")
+    r.add_argument("--gpu", default="0",
+                   help="the GPU suites' GPUs, e.g. 0,1: each run sees one (CUDA_VISIBLE_DEVICES), the least busy")
     r.add_argument("--nice", type=int, default=10)
     r.add_argument("--profile", help="override the suites' hypothesis profiles")
     r.add_argument("--seed", type=int, help="seed of the runs' seeds (default: random)")
@@ -572,10 +635,20 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--print-every", type=float, default=30.0)
     r.add_argument("--work", help="directory of the runs' logs and counts (default: a new temporary one)")
     r.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    g = sub.add_parser("merge", help="sum soak JSONs of the same suites into one")
+    g.add_argument("json", nargs="+", type=Path)
+    g.add_argument("--out", type=Path, required=True, help="the JSON to write")
     p = sub.add_parser("report", help="a markdown table of soak JSONs")
     p.add_argument("json", nargs="+", type=Path)
     p.add_argument("--md", type=Path, help="replace the table between the soak-results markers of this file")
     args = parser.parse_args(argv)
+    if args.command == "merge":
+        merged = merge([json.loads(path.read_text()) for path in args.json])
+        args.out.write_text(json.dumps(merged, indent=1) + "\n")
+        for name, s in merged["suites"].items():
+            print(f"{name}: {s['passed']} passed ({_fmt_by(s)}), {s['failed']} failed in {s['failing_runs']} runs"
+                  f"{'' if s['reached'] else ' — target not reached'}")
+        return 0
     if args.command == "report":
         table = report(args.json)
         if args.md:

@@ -25,6 +25,9 @@ def _suites(monkeypatch, **extra) -> None:
                                                    description="integers"))
     monkeypatch.setitem(S.SUITES, "dummy-fails", S.Suite("dummy-fails", DUMMY, "dev", env=(("MP_GRPO_SOAK_DUMMY_FAIL", "1"),),
                                                          description="integers, failing"))
+    monkeypatch.setitem(S.SUITES, "dummy-fails-slowly", S.Suite(
+        "dummy-fails-slowly", DUMMY, "dev", env=(("MP_GRPO_SOAK_DUMMY_FAIL", "1"), ("MP_GRPO_SOAK_DUMMY_SLOW", "1")),
+        description="integers, failing slowly"))
 
 
 def test_counts_come_from_hypothesis_and_add_up_over_runs(monkeypatch, tmp_path: Path) -> None:
@@ -112,3 +115,55 @@ def test_cpu_suites_are_skipped_where_the_interpreter_fails(monkeypatch, tmp_pat
     assert suite["runs"] == [] and suite["passed"] == 0 and not suite["reached"]
     assert "only 0-dimensional arrays" in suite["skipped"]
     assert "(skipped: " in S.report([out])
+
+
+def _soak_json(passed_even: int, passed_odd: int, failed: int, target: int, seed: int) -> dict:
+    failures = [{"seed": seed, "reproduce": f"--hypothesis-seed={seed}"}] if failed else []
+    return {"command": f"soak {seed}", "started": "t", "wall_s": 10.0, "cores": 4, "slots": 4, "host": {},
+            "suites": {"dummy": {
+                "skipped": None, "description": "integers", "node": DUMMY, "profile": "dev", "device": "cpu", "env": {},
+                "labels": ["parity=even", "parity=odd"], "target": target, "reached": False,
+                "passed": passed_even + passed_odd, "failed": failed, "gave_up": 2,
+                "by": {"parity=even": passed_even, "parity=odd": passed_odd},
+                "runs": [{"seed": seed, "passed": passed_even + passed_odd}], "failing_runs": len(failures),
+                "failures": failures, "cpu_s": 5.0, "cpu_s_per_example": 0.1}}}
+
+
+def test_merge_sums_counts_and_checks_the_target_on_the_sum() -> None:
+    merged = S.merge([_soak_json(6, 9, 0, 10, 1), _soak_json(5, 1, 1, 10, 2)])
+    suite = merged["suites"]["dummy"]
+    assert suite["passed"] == 21 and suite["by"] == {"parity=even": 11, "parity=odd": 10}
+    assert suite["reached"]  # neither soak reached 10 of each label alone; their sum does
+    assert suite["failed"] == 1 and suite["failing_runs"] == 1 and suite["failures"][0]["seed"] == 2
+    assert [r["seed"] for r in suite["runs"]] == [1, 2] and merged["wall_s"] == 20.0 and merged["merged_from"] == 2
+    assert not S.merge([_soak_json(6, 9, 0, 10, 1), _soak_json(3, 0, 0, 10, 2)])["suites"]["dummy"]["reached"]
+
+
+def test_merge_refuses_different_draws() -> None:
+    other = _soak_json(1, 1, 0, 10, 2)
+    other["suites"]["dummy"]["profile"] = "soak"
+    with pytest.raises(ValueError, match="'dummy' has profile"):
+        S.merge([_soak_json(1, 1, 0, 10, 1), other])
+
+
+def test_gpu_runs_go_to_the_least_busy_gpu() -> None:
+    def run(gpu):
+        return S.Run(S.SUITES["gpu:logprob"], 0, [0], Path("."), Path("."), None, 0.0, gpu=gpu)
+
+    assert S.pick_gpu(["0", "1"], []) == "0"
+    assert S.pick_gpu(["0", "1"], [run("0")]) == "1"
+    assert S.pick_gpu(["0", "1"], [run("0"), run("1"), run("1")]) == "0"
+
+
+def test_a_failing_run_is_not_stopped_at_its_suites_target(monkeypatch, tmp_path: Path) -> None:
+    """The dummy's slowly failing flavour (1 s a failing example: shrinking takes seconds) reaches a target of 1
+    passing example while its run shrinks — the run still reports its shrunk example (stopped at the target, it
+    left only a count)."""
+    _suites(monkeypatch)
+    out = tmp_path / "soak.json"
+    rc = S.main(["run", "dummy-fails-slowly=1", "--cpus", "0", "--time-limit", "240", "--nice", "0",
+                 "--max-failing-runs", "1", "--work", str(tmp_path / "work"), "--out", str(out)])
+    assert rc == 1
+    suite = json.loads(out.read_text())["suites"]["dummy-fails-slowly"]
+    assert suite["failing_runs"] == 1 and suite["failures"][0]["falsifying"], suite["failures"]
+    assert "x=5" in suite["failures"][0]["falsifying"][0]["representation"]
