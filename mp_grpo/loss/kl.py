@@ -49,12 +49,8 @@ def kl_penalty(
     # --- 1. the clamped log-ratio of the reference to the policy ---
     x = symmetric_clamp(ref_logprobs.detach() - logprobs, cfg.input_clamp)
     # --- 2. + 3. the estimator and its weight (mp_grpo/kernels/token_math.py; autograd differentiates the value) ---
-    if cfg.bias_correction:
-        mode, score = CODES.KL_RATIO_BIAS_CORRECTION, None
-    elif cfg.score_function:
-        mode, score = CODES.KL_RATIO_SCORE_FUNCTION, logprobs - logprobs.detach()
-    else:
-        mode, score = CODES.KL_RATIO_NONE, None
+    mode = CODES.KL_RATIO_BIAS_CORRECTION if cfg.bias_correction else CODES.KL_RATIO_NONE
+    score = None  # the score function: _score_function_kl
     codes = (_ESTIMATOR_CODES[cfg.estimator], cfg.straight_through, mode)
     if cfg.output_clamp is None:
         return _weighted_kl(x, log_ratio, score, *codes)[0]
