@@ -26,6 +26,12 @@ import torch.distributed as dist
 
 from tests.reference import logprobs_reference
 
+CPU_FP32_MAX_ABS = 1e-4
+"""fp32 setting on the CPU (small sizes, logit max ~15 and ~30): largest abs. error of a log-prob or an entropy
+(nats) vs float64 logits of the same bf16 operands — the ops' tests and the adapters' and integrations'."""
+CPU_BF16_MIN_MAX_ABS = 1e-3
+"""bf16 setting at the same scales: its largest error must exceed this (what the fp32 setting removes, measured so
+that a test which cannot tell the two settings apart fails)."""
 GPU_FP32_MAX_ABS = 5e-4
 """fp32 setting on a GPU at logit max ~30: largest abs. error of a log-prob or an entropy (nats) vs float64, every
 path. The logits come from a bf16 tensor-core GEMM with fp32 output, whose fp32 accumulation is not exact IEEE

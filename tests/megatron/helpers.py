@@ -68,6 +68,22 @@ def full_weights(seed: int = 7) -> dict[str, torch.Tensor]:
     return random_full_weights(cpu_model_config(hidden_size=HIDDEN), vocab_size=VOCAB, max_sequence_length=MAX_LEN, seed=seed)
 
 
+TRAINED_OUTPUT_SCALE = 12.0
+"""The stand-in's output weight × this: row maxima of its logits in 10–40, as a trained model's."""
+
+
+def trained_scale_stand_in(tp_group, tensor_model_parallel_size: int = 1) -> CpuGPTStandIn:
+    """The stand-in in bf16 with :func:`full_weights` (seed 9), its output weight × :data:`TRAINED_OUTPUT_SCALE`: logits
+    at a trained model's scale, where bf16 and fp32 logits give log-probs measurably apart (the logit-dtype tests)."""
+    weights = full_weights(seed=9)
+    weights["output_layer.weight"] = weights["output_layer.weight"] * TRAINED_OUTPUT_SCALE
+    config = cpu_model_config(hidden_size=HIDDEN, tensor_model_parallel_size=tensor_model_parallel_size,
+                              params_dtype=torch.bfloat16)
+    model = CpuGPTStandIn(config, vocab_size=VOCAB, max_sequence_length=MAX_LEN, tp_group=tp_group)
+    model.load_full_weights(weights)
+    return model
+
+
 def full_grads(model: CpuGPTStandIn) -> dict[str, torch.Tensor]:
     """Unsharded gradients of ``model``: vocab-sharded ones all-gathered over its TP group."""
     group = model.word_embeddings.tp_group

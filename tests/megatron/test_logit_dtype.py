@@ -3,7 +3,7 @@
 2 gloo ranks, TP = 2, the CPU stand-in for GPTModel in bf16 (Megatron's ``Float16Module`` dtype) with its output
 weight scaled to a trained model's logit range (row maxima 10–40). Against float64 logits of the same bf16 hidden
 states and output weight: the forward-only pass (``forward_logprobs``, the old / reference policy's log-probs)
-with ``LogitDtype.FP32`` is within ``FP32_MAX_ABS_ERROR`` on both paths (padded and packed), with ``BF16`` it is
+with ``LogitDtype.FP32`` is within ``CPU_FP32_MAX_ABS`` on both paths (padded and packed), with ``BF16`` it is
 not; a training step's loss on the fused path (the loss in forward: ``fused_linear_loss``) equals the logits path's
 at fp32 logits (and differs from it by the bf16 rounding at bf16), and its gradients are finite. A model output
 layer the logits path does not compute itself is refused with fp32, naming ``logit_dtype``.
@@ -19,14 +19,9 @@ from mp_grpo.config.precision import LogitDtype
 from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
 from mp_grpo.megatron.forward_only import forward_logprobs
 from tests.distributed import torchrun, worker_main
+from tests.logit_precision import CPU_BF16_MIN_MAX_ABS, CPU_FP32_MAX_ABS
 from tests.megatron import helpers as H
 from tests.reference import logprobs_reference
-
-FP32_MAX_ABS_ERROR = 1e-4
-"""As tests/ops/test_logit_precision.py: the log-probs of fp32 logits against float64 logits of the same operands."""
-BF16_MIN_MAX_ABS_ERROR = 1e-3
-OUTPUT_SCALE = 12.0
-"""The output weight × this: row maxima of the stand-in's logits in 10–40 (checked), as a trained model's."""
 
 
 def test_logit_dtype_on_both_paths() -> None:
@@ -38,18 +33,13 @@ def case_logit_dtype() -> None:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from mp_grpo.train.cpu_ddp import CpuDistributedDataParallel
-    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
     from mp_grpo.train.cpu_schedule import forward_backward_cpu
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
         groups = ParallelGroups.from_parallel_state()
-        weights = H.full_weights(seed=9)
-        weights["output_layer.weight"] = weights["output_layer.weight"] * OUTPUT_SCALE
-        config = cpu_model_config(hidden_size=H.HIDDEN, tensor_model_parallel_size=2, params_dtype=torch.bfloat16)
-        model = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=groups.tp)
-        model.load_full_weights(weights)
-        ddp = CpuDistributedDataParallel(config, DistributedDataParallelConfig(), model, dp_cp_group=groups.dp_cp)
+        model = H.trained_scale_stand_in(groups.tp, tensor_model_parallel_size=2)
+        ddp = CpuDistributedDataParallel(model.config, DistributedDataParallelConfig(), model, dp_cp_group=groups.dp_cp)
         rollouts = H.make_rollouts(4, seed=5)
         full_weight = _gathered(model.output_layer.weight.detach(), groups.tp)
 
@@ -80,10 +70,10 @@ def case_logit_dtype() -> None:
                     ent_err = max(float((e.double() - r[1]).abs().max()) for e, r in zip(out.entropy, refs))
                     where = f"[{fmt.value}, {path.value}, {logit_dtype.value}]"
                     if logit_dtype is LogitDtype.FP32:
-                        assert lp_err <= FP32_MAX_ABS_ERROR and ent_err <= FP32_MAX_ABS_ERROR, \
-                            f"{where}: max |Δ| log-prob {lp_err:.3g}, entropy {ent_err:.3g} > {FP32_MAX_ABS_ERROR:g}"
+                        assert lp_err <= CPU_FP32_MAX_ABS and ent_err <= CPU_FP32_MAX_ABS, \
+                            f"{where}: max |Δ| log-prob {lp_err:.3g}, entropy {ent_err:.3g} > {CPU_FP32_MAX_ABS:g}"
                     else:
-                        assert max(lp_err, ent_err) > BF16_MIN_MAX_ABS_ERROR, f"{where}: as exact as fp32"
+                        assert max(lp_err, ent_err) > CPU_BF16_MIN_MAX_ABS, f"{where}: as exact as fp32"
         # --- a training step: the fused path's loss in forward equals the logits path's at fp32 logits ---
         micro = [prepare_micro_batch(rollouts.select(slice(i, i + 2))) for i in (0, 2)]
         losses = {}

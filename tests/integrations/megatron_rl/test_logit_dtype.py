@@ -2,7 +2,7 @@
 ``from_args``, a bad value refused naming the argument, a GPTModel's own ``logit_dtype`` checked against it, and the
 value reaching the output layer's GEMM: through ``_model_forward`` on the CPU stand-in for GPTModel in bf16 (its
 output weight scaled to a trained model's logit range), the log-probs of the logits it returns are within
-``FP32_MAX_ABS_ERROR`` of float64 logits of the same bf16 operands with fp32, and not with bf16 (a bf16-rounding
+``CPU_FP32_MAX_ABS`` of float64 logits of the same bf16 operands with fp32, and not with bf16 (a bf16-rounding
 mutant fails the fp32 check)."""
 
 from __future__ import annotations
@@ -19,13 +19,8 @@ from mp_grpo.integrations.megatron_rl.batch import loss_inputs
 from mp_grpo.integrations.megatron_rl.forward_step import check_model_logit_dtype, logit_dtype_from_args
 from tests.distributed import torchrun, worker_main
 from tests.integrations.megatron_rl.helpers import unpacked
+from tests.logit_precision import CPU_BF16_MIN_MAX_ABS, CPU_FP32_MAX_ABS
 from tests.reference import logprobs_reference
-
-FP32_MAX_ABS_ERROR = 1e-4
-"""As tests/ops/test_logit_precision.py: log-probs of fp32 logits against float64 logits of the same operands."""
-BF16_MIN_MAX_ABS_ERROR = 1e-3
-OUTPUT_SCALE = 12.0
-"""The stand-in's output weight × this: row maxima of its logits in 10–40, as a trained model's."""
 
 
 def _args(**extra):
@@ -68,17 +63,12 @@ def case_precision() -> None:
 
     from mp_grpo.megatron.groups import ParallelGroups
     from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
-    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
     from tests.megatron import helpers as H
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         groups = ParallelGroups.from_parallel_state()
-        weights = H.full_weights(seed=9)
-        weights["output_layer.weight"] = weights["output_layer.weight"] * OUTPUT_SCALE
-        config = cpu_model_config(hidden_size=H.HIDDEN, params_dtype=torch.bfloat16)
-        stand_in = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=groups.tp)
-        stand_in.load_full_weights(weights)
+        stand_in = H.trained_scale_stand_in(groups.tp)
 
         class MegatronLMModel(torch.nn.Module):
             """The stand-in called with ``train_rl.py``'s arguments (Float16Module-like: ``.module``)."""
@@ -109,8 +99,8 @@ def case_precision() -> None:
             want, _ = logprobs_reference(reference[valid], x.target[valid])
             got = vocab_parallel_logprobs(logits.detach(), x.target, tp_group=groups.tp)[valid]
             errors[value] = float((got.double() - want).abs().max())
-        assert errors["fp32"] < FP32_MAX_ABS_ERROR, errors
-        assert errors["bf16"] > BF16_MIN_MAX_ABS_ERROR, errors
+        assert errors["fp32"] < CPU_FP32_MAX_ABS, errors
+        assert errors["bf16"] > CPU_BF16_MIN_MAX_ABS, errors
     finally:
         ps.destroy_model_parallel()
         dist.barrier()

@@ -3,8 +3,8 @@
 fp32: NeMo-RL's output layer emulated on bf16 hidden states and a bf16 weight scaled to a trained model's logit range —
 its fp32 head (the GEMM of the upcast operands, as NeMo-RL's ``true``) and its bf16 head (logits rounded to bf16, then
 upcast as NeMo-RL does without ``defer_fp32_logits``). With the old log-probs set to the float64 log-probs of the same
-bf16 operands, the loss's ratio π_θ/π_old is exp(error): within ``FP32_MAX_ABS_ERROR`` of 1 at fp32 (a loss that
-rounded its logits to bf16 fails this), beyond ``BF16_MIN_MAX_ABS_ERROR`` at bf16; rounded logits refused at fp32."""
+bf16 operands, the loss's ratio π_θ/π_old is exp(error): within ``CPU_FP32_MAX_ABS`` of 1 at fp32 (a loss that
+rounded its logits to bf16 fails this), beyond ``CPU_BF16_MIN_MAX_ABS`` at bf16; rounded logits refused at fp32."""
 
 from __future__ import annotations
 
@@ -17,11 +17,9 @@ from mp_grpo.config.precision import LogitDtype
 from mp_grpo.integrations.nemo_rl import InputType, MPGRPOLossFn
 from mp_grpo.integrations.nemo_rl.loss import logit_dtype_of
 from mp_grpo.megatron.groups import ParallelGroups
+from tests.logit_precision import CPU_BF16_MIN_MAX_ABS, CPU_FP32_MAX_ABS
 from tests.reference import logprobs_reference
 
-FP32_MAX_ABS_ERROR = 1e-4
-"""As tests/ops/test_logit_precision.py: log-probs of fp32 logits against float64 logits of the same operands."""
-BF16_MIN_MAX_ABS_ERROR = 1e-3
 B, S, H, V = 2, 24, 32, 96
 LOGIT_MAX = 20.0
 """The weight's scale: the median row maximum of the logits (a trained model's reach ~15–30)."""
@@ -90,8 +88,8 @@ def test_fp32_lm_head_gives_fp32_logprobs() -> None:
 
     fp32 = _max_error(loss(LogitDtype.FP32), heads["fp32"], data)
     bf16 = _max_error(loss(LogitDtype.BF16), heads["bf16"], data)
-    assert fp32 < FP32_MAX_ABS_ERROR, fp32
-    assert bf16 > BF16_MIN_MAX_ABS_ERROR, bf16
+    assert fp32 < CPU_FP32_MAX_ABS, fp32
+    assert bf16 > CPU_BF16_MIN_MAX_ABS, bf16
     # at fp32, logits rounded to bf16 are refused: upcast (first call), or a bf16 tensor (every call)
     with pytest.raises(ValueError, match="^logits: every value is a bf16 number, but logit_dtype=fp32 "
                                          "\\(policy.megatron_cfg.fp32_lm_head\\)"):

@@ -1,7 +1,7 @@
 """The LM-head switch's logit precision (``MP_GRPO_VERL_LOGIT_DTYPE``), without verl: the environment parsed and
 refused naming the variable, and ``with_fp32_logits`` around an engine ``forward_step`` shaped like verl's (the model
 called inside, the processor on its logits) on the CPU stand-in for GPTModel in bf16, its output weight scaled to a
-trained model's logit range: with it the processor's log-probs are within ``FP32_MAX_ABS_ERROR`` of float64 logits of
+trained model's logit range: with it the processor's log-probs are within ``CPU_FP32_MAX_ABS`` of float64 logits of
 the same bf16 operands, without it (verl's bf16 head) they are not; verl's fused-kernel engine refused. (The switch
 installing it in verl's engine: tests/integrations/verl/test_lm_head.py, with verl.)"""
 
@@ -16,13 +16,8 @@ import torch.distributed as dist
 from mp_grpo.config.precision import LogitDtype
 from mp_grpo.integrations.verl.lm_head import ENV_LOGIT_DTYPE, ENV_SWITCH, logit_dtype_from_env, switch_from_env
 from tests.distributed import torchrun, worker_main
+from tests.logit_precision import CPU_BF16_MIN_MAX_ABS, CPU_FP32_MAX_ABS
 from tests.reference import logprobs_reference
-
-FP32_MAX_ABS_ERROR = 1e-4
-"""As tests/ops/test_logit_precision.py: log-probs of fp32 logits against float64 logits of the same operands."""
-BF16_MIN_MAX_ABS_ERROR = 1e-3
-OUTPUT_SCALE = 12.0
-"""The stand-in's output weight × this: row maxima of its logits in 10–40, as a trained model's."""
 
 
 def test_logit_dtype_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,17 +45,12 @@ def case_precision() -> None:
     from mp_grpo.integrations.verl.lm_head import with_fp32_logits
     from mp_grpo.megatron.groups import ParallelGroups
     from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
-    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
     from tests.megatron import helpers as H
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         groups = ParallelGroups.from_parallel_state()
-        weights = H.full_weights(seed=9)
-        weights["output_layer.weight"] = weights["output_layer.weight"] * OUTPUT_SCALE
-        config = cpu_model_config(hidden_size=H.HIDDEN, params_dtype=torch.bfloat16)
-        stand_in = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=groups.tp)
-        stand_in.load_full_weights(weights)
+        stand_in = H.trained_scale_stand_in(groups.tp)
         hidden = []
         stand_in.output_layer.register_forward_pre_hook(lambda module, inputs: hidden.append(inputs[0].detach()))
         gen = torch.Generator().manual_seed(3)
@@ -87,8 +77,8 @@ def case_precision() -> None:
             assert 10.0 < float(reference.max(-1).values.median()) < 40.0, "not a trained model's logit scale"
             want, _ = logprobs_reference(reference, label)
             errors[name] = float((out["log_probs"].double() - want).abs().max())
-        assert errors["fp32"] < FP32_MAX_ABS_ERROR, errors
-        assert errors["bf16"] > BF16_MIN_MAX_ABS_ERROR, errors
+        assert errors["fp32"] < CPU_FP32_MAX_ABS, errors
+        assert errors["bf16"] > CPU_BF16_MIN_MAX_ABS, errors
         fused = Engine()
         fused.engine_config = SimpleNamespace(use_fused_kernels=True)
         try:
