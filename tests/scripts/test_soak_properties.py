@@ -47,13 +47,18 @@ def test_counts_come_from_hypothesis_and_add_up_over_runs(monkeypatch, tmp_path:
     assert all(r["cpu_s"] is not None and r["cpu_s"] > 0 for r in suite["runs"])
 
 
+def _soak_failing(tmp_path: Path, name: str, target: int) -> tuple[int, dict, Path]:
+    """One run of a failing dummy suite on one core, one failing run allowed: (exit code, its suite's entry, JSON)."""
+    out = tmp_path / "soak.json"
+    rc = S.main(["run", f"{name}={target}", "--cpus", "0", "--time-limit", "240", "--nice", "0",
+                 "--max-failing-runs", "1", "--work", str(tmp_path / "work"), "--out", str(out)])
+    return rc, json.loads(out.read_text())["suites"][name], out
+
+
 def test_a_failure_is_reported_with_its_seed_and_example(monkeypatch, tmp_path: Path) -> None:
     _suites(monkeypatch)
-    out = tmp_path / "soak.json"
-    rc = S.main(["run", "dummy-fails=1000", "--cpus", "0", "--time-limit", "240", "--nice", "0",
-                 "--max-failing-runs", "1", "--work", str(tmp_path / "work"), "--out", str(out)])
+    rc, suite, out = _soak_failing(tmp_path, "dummy-fails", 1000)
     assert rc == 1
-    suite = json.loads(out.read_text())["suites"]["dummy-fails"]
     assert suite["failing_runs"] == 1 and suite["failed"] >= 1 and not suite["reached"]
     failure = suite["failures"][0]
     assert f"--hypothesis-seed={failure['seed']}" in failure["reproduce"]
@@ -160,10 +165,7 @@ def test_a_failing_run_is_not_stopped_at_its_suites_target(monkeypatch, tmp_path
     passing example while its run shrinks — the run still reports its shrunk example (stopped at the target, it
     left only a count)."""
     _suites(monkeypatch)
-    out = tmp_path / "soak.json"
-    rc = S.main(["run", "dummy-fails-slowly=1", "--cpus", "0", "--time-limit", "240", "--nice", "0",
-                 "--max-failing-runs", "1", "--work", str(tmp_path / "work"), "--out", str(out)])
+    rc, suite, _ = _soak_failing(tmp_path, "dummy-fails-slowly", 1)
     assert rc == 1
-    suite = json.loads(out.read_text())["suites"]["dummy-fails-slowly"]
     assert suite["failing_runs"] == 1 and suite["failures"][0]["falsifying"], suite["failures"]
     assert "x=5" in suite["failures"][0]["falsifying"][0]["representation"]
