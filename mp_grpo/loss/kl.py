@@ -24,12 +24,13 @@ from __future__ import annotations
 import torch
 
 from mp_grpo.config.loss import KLConfig, KLEstimator
-from mp_grpo.kernels.token_math import kl_estimator, score_function_gradient, weighted_kl
-from mp_grpo.loss.clamps import symmetric_clamp
+from mp_grpo.kernels.token_math import clamp_sym, kl_estimator, score_function_gradient, weighted_kl
+from mp_grpo.loss.clamps import bound_or_inf, symmetric_clamp
 from mp_grpo.loss.dialect import CODES, torch_formula
 
 _weighted_kl = torch_formula(weighted_kl)
 """Estimator and weight of ``mp_grpo/kernels/token_math.py`` (one definition for this path and the fused kernels)."""
+_clamp_sym = torch_formula(clamp_sym)
 _kl_estimator = torch_formula(kl_estimator)
 _score_function_gradient = torch_formula(score_function_gradient)
 _ESTIMATOR_CODES = {KLEstimator.K1: CODES.KL_K1, KLEstimator.K2: CODES.KL_K2, KLEstimator.K3: CODES.KL_K3}
@@ -77,8 +78,7 @@ def _score_function_kl(raw: torch.Tensor, logprobs: torch.Tensor, cfg: KLConfig)
     codes = (_ESTIMATOR_CODES[cfg.estimator], cfg.straight_through)
     with torch.no_grad():
         # --- 1. ---
-        x = symmetric_clamp(raw, cfg.input_clamp)
-        x_inside = torch.ones_like(raw, dtype=torch.bool) if cfg.input_clamp is None else raw.abs() <= cfg.input_clamp
+        x, x_inside = _clamp_sym(raw, bound_or_inf(cfg.input_clamp))  # the kernels' clamp and its inside flag
         # --- 2. + 3. ---
         value, d_estimator = _kl_estimator(x, *codes)
         grad = torch.where(x_inside, _score_function_gradient(x, value, d_estimator, *codes), value)
