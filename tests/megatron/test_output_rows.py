@@ -11,8 +11,9 @@ one of two different computations. Variants: both output paths (the fused path's
 op), padded and packed, GRPOLoss's torch and Triton backends, a token-level and a sequence-level loss, bf16 through
 ``Float16Module`` with bf16 and with fp32 logits, the rollout's sampling filter (per-sequence top-k).
 
-One process: a trained position outside ``mb.loss_rows`` (a loss mask replaced by a larger one) is an error naming
-``loss_rows``; the setting's type; an output of the loss rows under ``OutputRows.ALL`` is refused.
+One process: a micro-batch without a loss token on both paths (no row computed, a zero share and gradient); a trained
+position outside ``mb.loss_rows`` (a loss mask replaced by a larger one) is an error naming ``loss_rows``; the
+setting's type; an output of the loss rows under ``OutputRows.ALL`` is refused.
 """
 
 from __future__ import annotations
@@ -174,6 +175,24 @@ def test_a_trained_position_outside_the_rows_is_an_error() -> None:
     assert lp.shape == mb.targets.shape
     remade = replace(larger, loss_rows=None)  # the rows made again from the new mask
     assert remade.loss_rows.numel() == mb.targets.numel()
+
+
+@pytest.mark.parametrize("path", list(OutputPath))
+def test_a_micro_batch_without_loss_rows(path: OutputPath) -> None:
+    """No trained token (K = 0): the output of no row, log-probs and entropy 0, a zero gradient, a zero share."""
+    r = H.make_rollouts(2, seed=6)
+    mb = prepare_micro_batch(replace(r, loss_mask=torch.zeros_like(r.loss_mask)))
+    assert mb.loss_rows.numel() == 0
+    grpo = _grpo(OutputRows.LOSS, path)
+    x = torch.zeros(1, 0, H.HIDDEN if path == OutputPath.FUSED else H.VOCAB, requires_grad=True)
+    weight = OutputWeight(torch.randn(H.VOCAB, H.HIDDEN, requires_grad=True), False) if path == OutputPath.FUSED else None
+    lp, ent = grpo.token_logprobs(x, mb, output_weight=weight)
+    assert lp.shape == ent.shape == mb.targets.shape and not lp.any() and not ent.any()
+    loss, metrics = grpo.loss_func(mb, grpo.global_batch([mb], step=0), x, output_weight=weight)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and x.grad.shape == x.shape
+    if weight is not None:
+        assert not weight.weight.grad.any()
 
 
 def test_bad_settings_and_outputs() -> None:
