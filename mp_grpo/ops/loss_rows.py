@@ -23,8 +23,8 @@ the K loss rows only, and hand back full-size results:
 
 What the result is. A loss row's logits, log-prob, entropy and logits gradient are those of its own hidden state and
 the weight: the same arithmetic as on all rows, except that the GEMMs run on K rows instead of N, and cuBLAS may
-tile a GEMM of another shape differently (a logit can then differ by one rounding step of its dtype; on the CPU the
-rows come out bitwise equal). The hidden-state gradient of every other row is exactly 0 — on the all-rows path it is
+tile a GEMM of another shape differently (a logit can then differ by one rounding step of its dtype; on the CPU, at
+the tests' sizes, they came out bitwise equal). The hidden-state gradient of every other row is exactly 0 — on the all-rows path it is
 ``0 @ W``, also exactly 0 — and the weight gradient sums the K rows' products, where the all-rows path also adds the
 other rows' exact zeros (in another order: the same rounding, not the same bits). Under tensor parallelism every
 rank of the group must select the same rows, as it already passes the same targets (the ops' collectives gather
