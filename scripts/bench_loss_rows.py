@@ -22,6 +22,9 @@ from the mask before timing (at data preparation in training: ``MicroBatch.loss_
    inputs. SkyRL's own figures for this case (their PR's table, their GPU: eager cross-entropy 92.2 GB / 357 ms,
    their fused linear cross-entropy 4.0 GB / 784 ms) are quoted beside, not measured here.
 
+3. Finding the loss rows from a mask (``loss_rows``, at data preparation): microseconds per call from a host mask and
+   from a GPU one (a host read), at both token counts.
+
 Before timing, ``rows`` and ``logits_rows`` are checked against ``all_rows`` at a small size on the device (the
 hidden and the weight gradients: bf16 tolerance on their largest entry; the hidden gradient of every row outside the
 mask exactly 0). Results: ``loss_rows.json``, ``loss_rows.md`` (tables, one line per target: met or not, by how much),
@@ -163,6 +166,30 @@ def check_rows(n: int = 512, hidden: int = 256, v: int = 3000, fraction: float =
     return worst
 
 
+HOST_READ_CALLS = 50
+"""Calls of ``loss_rows`` per timing of the mask's host read (the median is kept)."""
+
+
+def rows_host_read_us(n: int, fraction: float) -> dict:
+    """Microseconds to find the loss rows of an ``n``-token mask (``loss_rows``: ``nonzero`` sizes its output from the
+    data): from a mask on the host (what ``prepare_micro_batch`` does) and from one on the GPU (a host read: the
+    synchronization a MicroBatch made on the GPU pays once, at data preparation), the GPU idle before each call."""
+    out = {}
+    for where in ("cpu", "cuda") if fused_cases.DEVICE == "cuda" else ("cpu",):
+        saved, fused_cases.DEVICE = fused_cases.DEVICE, where
+        mask = loss_mask(n, fraction)
+        fused_cases.DEVICE = saved
+        times = []
+        for _ in range(HOST_READ_CALLS):
+            if where == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss_rows(mask)
+            times.append((time.perf_counter() - start) * 1e6)
+        out[f"{where}_mask_us"] = sorted(times)[len(times) // 2]
+    return out
+
+
 def measure_row(key: str, n: int, hidden: int, v: int, fraction: float) -> dict:
     row = {"key": key, "case": NAMES[key], "N": n, "H": hidden, "V_local": v, "loss_fraction": fraction}
     fwd = fwd_bwd = None
@@ -206,6 +233,7 @@ def run(args) -> dict:
     n, hidden, v = args.tokens, args.hidden, args.vocab
     jobs = [("fractions", key, n, v, f) for f in args.fractions for key in KEYS
             if key != "bare" or f == args.fractions[0]]  # the bare matmuls do not depend on the mask
+    result["rows_host_read"] = {str(tokens): rows_host_read_us(tokens, 0.5) for tokens in (n, args.long_tokens)}
     if not args.skip_long:
         jobs += [("long", key, args.long_tokens, args.long_vocab, LONG["fraction"]) for key in ("rows", "all_rows", "bare")]
     for part, key, tokens, vocab, fraction in jobs:
@@ -267,7 +295,12 @@ def write_report(result: dict, out: Path, plot: bool = False) -> None:
             lines.append(f"| {r['loss_fraction']:.0%} | {r['case']} | {r['N']} | {r['V_local']} | "
                          f"{_cell(r, 'fwd_bwd_ms', '.2f')} | {_cell(r, 'vs_bare', '.3f')} | {_cell(r, 'peak_GiB', '.2f')} "
                          f"| {_cell(r, 'extra_peak_GiB', '.2f')} |")
+    reads = "; ".join(f"{n} tokens: " + ", ".join(f"{k.split('_')[0]} mask {v:.0f} µs" for k, v in r.items())
+                      for n, r in result.get("rows_host_read", {}).items())
     lines += ["", "Targets (`rows` against the bare all-token matmuls, the same run):", *target_lines(result), "",
+              f"Finding the loss rows (`loss_rows`, a median of {HOST_READ_CALLS} calls, half the tokens trained on; "
+              "at data preparation, never in the micro-batch loop; from a GPU mask it is a host read): " + reads + ".",
+              "",
               f"SkyRL #1841's figures for the long-context case ({LONG['tokens']} tokens, vocabulary shard "
               f"{LONG['v_local']}; their PR's table, their GPU, every token through the loss; quoted, not measured "
               "here): " + "; ".join(f"{name} {gb} GB / {ms:g} ms" for name, (gb, ms) in SKYRL.items()) + "."]

@@ -20,9 +20,11 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    fused path with a token-separable loss (:func:`~mp_grpo.megatron.fused_output.loss_in_forward`)
    steps 2–3 run together in :func:`~mp_grpo.megatron.fused_output.fused_output_loss`: the loss's
    gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On
-   the logits path without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
+   the logits path of every row without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
    autograd Function, the loss's backward inside the log-prob backward kernel (same values, fewer host
-   steps per micro-batch). On the logits path the gradient of the logits is written into the logits
+   steps per micro-batch). With ``OutputRows.LOSS`` (the default) the model output is that of the micro-batch's loss
+   rows alone (:meth:`call_model`; :mod:`mp_grpo.megatron.output_rows`): the ops run on those rows and their
+   log-probs and entropy are scattered back to the micro-batch's positions (0 elsewhere) before GRPOLoss. On the logits path the gradient of the logits is written into the logits
    (``inplace_backward``: Megatron's schedule never reads the model output again), and
    :meth:`MegatronGRPO.call_model`'s batch-major output layer (:mod:`mp_grpo.megatron.logits_output`)
    copies neither them nor their gradient: one ``[N, V_local]`` buffer is all the logits path holds.

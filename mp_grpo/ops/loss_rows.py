@@ -34,15 +34,12 @@ rank of the group must select the same rows, as it already passes the same targe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 
+from mp_grpo.ops.fused_linear_loss import LossFn
 from mp_grpo.ops.sampling_filter import SamplingFilter
-
-LossFn = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, Any]"]
 
 
 def loss_rows(loss_mask: torch.Tensor) -> torch.Tensor:

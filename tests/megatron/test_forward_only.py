@@ -2,7 +2,8 @@
 
 2 gloo ranks. ``case_tp``: TP = 2 with the CPU stand-in under Megatron DDP and megatron-core's own
 ``forward_step`` (``mp_grpo.train.cpu_schedule`` with ``forward_only=True``), padded and packed, logits
-and fused output paths, the output layer on the loss rows alone (``OutputRows.LOSS``) and on every row (``ALL``):
+and fused output paths, the output layer on the loss rows alone (``OutputRows.LOSS``; on every row, ``ALL``, for
+each path once):
 equal to :meth:`MegatronGRPO.model_logprobs` and to the float64 reference on the unsharded logits (at the loss rows;
 0 elsewhere with ``LOSS``, the entropy of every position with ``ALL``); with the rollout's sampling filter (top-k and top-p) on the micro-batches, equal to the
 float64 reference of the filtered distribution (the kept sets exactly). ``case_pp``: a PP group of 2 whose
@@ -58,7 +59,9 @@ def case_tp() -> None:
             kwargs.pop("seq_length"), kwargs.pop("micro_batch_size")
             return forward_backward_cpu(groups=groups, **kwargs)
 
-        for fmt, path, rows in itertools.product(SequenceFormat, OutputPath, OutputRows):
+        grid = [(fmt, path, OutputRows.LOSS) for fmt, path in itertools.product(SequenceFormat, OutputPath)]
+        for fmt, path, rows in grid + [(SequenceFormat.PADDED, OutputPath.FUSED, OutputRows.ALL),
+                                       (SequenceFormat.PACKED, OutputPath.LOGITS, OutputRows.ALL)]:
             where = f"[{fmt.value}, {path.value}, rows {rows.value}]"
             micro = [prepare_micro_batch(rollouts.select(slice(i, i + 2)), sequence_format=fmt) for i in (0, 2, 4)]
             grpo = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=3,

@@ -33,6 +33,7 @@ def test_bench_loss_rows_dry_run(tmp_path) -> None:
     assert result["dry_run"] and result["check_worst_error_over_tolerance"] <= 1.0
     assert {r["key"] for r in result["fractions"]} == {"bare", "all_rows", "rows", "logits_rows"}
     assert {r["key"] for r in result["long"]} == {"rows", "all_rows", "bare"}
+    assert result["rows_host_read"]["64"]["cpu_mask_us"] > 0
     assert all("fwd_bwd_ms" in r and "vs_bare" in r for r in result["fractions"] + result["long"]), result
     report = (tmp_path / "loss_rows.md").read_text()
     assert "DRY RUN" in report and "target ≤ 0.55x" in report and "3% loss tokens: not measured this run" in report

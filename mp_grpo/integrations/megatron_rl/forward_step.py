@@ -224,7 +224,7 @@ class GRPOForwardStep:
         fill = rows.fill_outside(x.mask)[0]
         full_entropy = self.entropy_term == EntropyTerm.FULL  # as on_logits: its metrics report the entropy
         out = vocab_parallel_logprobs(logits, rows.select(x.target), tp_group=self.groups.tp,
-                                      temperature=self.temperature, with_entropy=full_entropy, inplace_backward=True)
+                                      temperature=self.temperature, with_entropy=full_entropy)
         lp, ent = out if full_entropy else (out, None)
         return self.loss_on_logprobs(rows.scatter(lp, fill), x, batch,
                                      entropy=rows.scatter(ent, fill) if full_entropy else None)
