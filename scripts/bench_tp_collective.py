@@ -341,8 +341,8 @@ def manual_variant(s: Shard, group, tp: int, *, collective: str, prealloc: bool 
 
     def forward(mark):
         gathered = statistics_and_gather(mark)
-        merged = merge_statistics(gathered, target, v_local=s.v_local, ignore_index=IGNORE_INDEX, with_entropy=True,
-                                  errors=errors)
+        merged = merge_statistics(gathered, target, v_local=s.v_local, ignore_index=IGNORE_INDEX, inv_temperature=1.0,
+                                  with_entropy=True, errors=errors)
         mark("merge")
         return merged
 
@@ -352,7 +352,7 @@ def manual_variant(s: Shard, group, tp: int, *, collective: str, prealloc: bool 
     def fwd_bwd(mark):
         merged = forward(mark)
         grad = fixed["grad"] if prealloc else torch.empty_like(s.x)
-        logprob_backward(s.x.detach(), grad, target, merged.row_max, merged.log_sum, None, s.g, None,
+        logprob_backward(s.x.detach(), grad, target, merged.row_max, merged.log_sum, merged.complement, None, None, s.g, None,
                          vocab_start=vocab_start, ignore_index=IGNORE_INDEX, inv_temperature=1.0)
         mark("backward")
         return grad
