@@ -166,6 +166,7 @@ def train(spec: RunSpec, argv: list[str], out: Path) -> None:
     from model_provider import model_provider
 
     apply_run_patches()
+    (out / "rewards.jsonl").unlink(missing_ok=True)
     record_rewards(out / "rewards.jsonl")
     train_rl.train_valid_test_datasets_provider.is_distributed = True
     args = parse_and_validate_args(extra_args_provider=add_inference_args, args_defaults={})
