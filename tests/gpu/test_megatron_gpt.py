@@ -21,6 +21,11 @@ Each case is a fresh ``torchrun`` (NCCL) launched from pytest, like the CPU test
    parallelism (``tp2`` with ``sequence_parallel=True``, logits and fused; needs transformer-engine's layer
    spec, skipped without it), against the same logits-path reference.
 
+Where Transformer Engine imports, every case builds TE's layer spec (``mp_grpo.megatron.gpt`` picks it), whose fp32
+GEMMs run on TF32 tensor cores unless ``NVIDIA_TF32_OVERRIDE=0``: the launcher (``tests/gpu/launch.py``) sets it for
+every run, the reference's included — without it the fp32 gradients differ by ~1e-4 relative L2 against the 2e-5
+asked for.
+
 Gradients are compared by their relative L2 error ‖g − g_ref‖ / ‖g_ref‖: over all parameters together it must
 stay within ``tests/tolerances``' rtol of the model's dtype (fp32: 2e-5, bf16: 1.6e-2), and so must every single
 parameter in fp32 (in bf16: ``BF16_PER_PARAMETER_RTOL``); the reduced loss must match at the same rtol. A wrong
