@@ -441,7 +441,8 @@ def time_misses(results: Results) -> list[str]:
         floor = rows.get("floor", {})
         if kind != "train" or "ms" not in floor or "matmul_ms" not in floor:
             continue
-        missed = [p for p, limit in limits.items() if "ms" in rows.get(p, {}) and rows[p]["ms"] / floor["ms"] > limit]
+        x = ratios(rows)
+        missed = [p for p, limit in limits.items() if x.get(p, {}).get("time_vs_floor", 0.0) > limit]
         if not missed:
             continue
         excess = ", ".join(f"{p} +{rows[p]['ms'] - floor['ms']:.1f} ms" for p in missed)
