@@ -577,9 +577,9 @@ def run(args) -> Results:
                     f.write(f"## {shape_name} @ {seq}, {recompute} recompute ({results.meta.get('device')})\n{text}\n")
             log(text.splitlines()[1])
         # --- 3. the largest micro-batches (before the optimizer exists: its state is no part of these rows);
-        #        the floor first: the other paths start from its largest B ---
+        #        the training pass before the forward-only one, the floor first: the other paths start from its B ---
         if args.search:
-            order = sorted(todo, key=lambda kp: (kp[0], kp[1] != Path.FLOOR))
+            order = sorted(todo, key=lambda kp: (KINDS.index(kp[0]), kp[1] != Path.FLOOR))
             for kind, path in order:
                 key = key_of(path, kind)
                 if (kind == "step" or not searched(kind, path) or "ms" not in results.row(key)
