@@ -368,8 +368,8 @@ def manual_variant(s: Shard, group, tp: int, *, collective: str, prealloc: bool 
     def fwd_bwd(mark):
         merged = forward(mark)
         grad = fixed["grad"] if prealloc else torch.empty_like(s.x)
-        logprob_backward(s.x.detach(), grad, target, merged.row_max, merged.log_sum, merged.complement, None, None, s.g, None,
-                         vocab_start=vocab_start, ignore_index=IGNORE_INDEX, inv_temperature=1.0)
+        logprob_backward(s.x.detach(), grad, target, merged.row_max, merged.log_sum, merged.complement, None, None,
+                         s.g, None, vocab_start=vocab_start, ignore_index=IGNORE_INDEX, inv_temperature=1.0)
         mark("backward")
         return grad
 
