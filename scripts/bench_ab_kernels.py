@@ -8,7 +8,9 @@ turn, tree after tree, ``--rounds`` times, so that drift shows as a difference b
 child draws the same inputs (fixed seeds) and times, for V in ``--vocab`` (bf16 logits, N = ``--tokens``):
 ``vocab_parallel_logprobs`` forward, forward+backward, forward+backward with the entropy (default checks), and
 ``GRPOLoss.on_logits`` (DAPO token-mean, off-policy) forward+backward — each eagerly (``do_bench`` median:
-host time included) and as the replay of a captured CUDA graph (GPU time only). It also reports the compiled
+host time included) and as the replay of a captured CUDA graph (GPU time only); and once, at ``--hidden``
+(default 4096) and the largest V, the fused output layer (bf16 hidden states and weight): ``fused_linear_logprobs``
+forward+backward with the entropy and ``fused_linear_loss`` with the DAPO loss, eagerly. It also reports the compiled
 kernels' registers, spills and PTX instruction counts. Written: ``<name>.json`` and ``<name>.md`` (the
 median over rounds of each tree, its ratio to the first tree's, and the spread between rounds).
 """
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 
 
-def _child(root: str, tokens: int, vocabs: list[int]) -> dict:
+def _child(root: str, tokens: int, vocabs: list[int], hidden: int) -> dict:
     sys.path.insert(0, root)
     import torch
     import triton
@@ -91,6 +93,8 @@ def _child(root: str, tokens: int, vocabs: list[int]) -> dict:
             torch.cuda.synchronize()
             rows[f"{name} V={V} eager"] = bench(fn)
             rows[f"{name} V={V} graph"] = graphed(fn)
+        if V == max(vocabs) and hidden:
+            _fused_rows(rows, bench, mp_grpo, torch, loss_fn, batch, t, old, adv, mask, B, L, V, hidden, gen)
         mp_grpo.check_errors()
         del x
         torch.cuda.empty_cache()
@@ -108,18 +112,46 @@ def _child(root: str, tokens: int, vocabs: list[int]) -> dict:
                 device=torch.cuda.get_device_name())
 
 
+def _fused_rows(rows, bench, mp_grpo, torch, loss_fn, batch, t, old, adv, mask, B, L, V, hidden, gen) -> None:
+    """The fused output layer at [N, hidden] x [V, hidden] (bf16), eagerly: fused_linear_logprobs forward+backward with
+    the entropy, and fused_linear_loss with ``loss_fn`` (the same DAPO loss as on_logits)."""
+    dev = t.device
+    h = (torch.randn(t.shape[0], hidden, device=dev, generator=gen) * hidden**-0.25).to(torch.bfloat16)
+    w = (torch.randn(V, hidden, device=dev, generator=gen) * hidden**-0.25).to(torch.bfloat16)
+    g = torch.randn(t.shape[0], device=dev, generator=gen)
+
+    def fused_logprobs_fwdbwd():
+        hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
+        lp, ent = mp_grpo.fused_linear_logprobs(hl, wl, t, with_entropy=True)
+        torch.autograd.grad([lp, ent], [hl, wl], [g, g])
+
+    def fused_loss_fwdbwd():
+        hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
+        loss, _ = mp_grpo.fused_linear_loss(
+            hl, wl, t, lambda lp, ent: loss_fn(lp.view(B, L), old, adv, mask, batch=batch), with_entropy=False)
+        torch.autograd.grad(loss, [hl, wl])
+
+    for name, fn in (("fused_linear_logprobs+entropy fwd+bwd", fused_logprobs_fwdbwd),
+                     ("fused_linear_loss dapo fwd+bwd", fused_loss_fwdbwd)):
+        fn()
+        torch.cuda.synchronize()
+        rows[f"{name} V={V} H={hidden} eager"] = bench(fn)
+    del h, w
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a source tree (the first is the base)")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
+    parser.add_argument("--hidden", type=int, default=4096, help="the fused output layer's rows (0: not timed)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--name", default="ab_kernels")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(_child(args.child, args.tokens, args.vocab)))
+        print(json.dumps(_child(args.child, args.tokens, args.vocab, args.hidden)))
         return
     if not args.tree:
         parser.error("give at least one --tree NAME=PATH")
@@ -128,7 +160,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for label, root in trees.items():
             cmd = [sys.executable, __file__, "--child", str(Path(root).resolve()), "--tokens", str(args.tokens),
-                   "--vocab", *map(str, args.vocab)]
+                   "--hidden", str(args.hidden), "--vocab", *map(str, args.vocab)]
             # the child puts its tree first on sys.path and checks that mp_grpo came from it
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=str(Path(root).resolve()))
             if out.returncode:

@@ -7,7 +7,12 @@ Single GPU (default)::
   N = 16384 tokens, H = 4096, bf16, for V = 151936 and V = 18992 (one TP = 8 shard). For each
   implementation: median forward and forward+backward time (triton.testing.do_bench) and extra peak
   memory — the peak of one forward+backward beyond what was allocated before it (inputs, and the
-  gradients of the previous step, which it frees and allocates again). Implementations:
+  gradients of the previous step, which it frees and allocates again). Each row's figure against the bare
+  matmuls (``fwd_bwd_vs_bare``; Liger's row aside) — and an fp32 row's against its bf16 counterpart
+  (``fwd_bwd_vs_bf16``) — is the median of per-round ratios of their forward+backward timed in ``--rounds``
+  interleaved rounds in one process (``measure.interleaved_ms`` / ``ratio_to``: bare, row, and back; CUDA events),
+  with its distribution-free 95 % interval; separate medians minutes apart cannot resolve the few per cent these
+  ratios are about. Implementations:
 
   - bare matmul ``h @ Wᵀ`` forward, its two backward GEMMs (3 GEMMs; no softmax): the time floor of
     any unfused output layer; its extra peak is the logits;
@@ -282,6 +287,8 @@ def run_single_gpu(args) -> dict:
             row["extra_peak_GiB"] = extra_peak_bytes(fwd_bwd) / GiB
             row["fwd_ms"] = median_ms(fwd)
             row["fwd_bwd_ms"] = median_ms(fwd_bwd)
+            if key not in NOT_INTERLEAVED:
+                row.update(interleaved_ratios(key, fwd_bwd, n, hidden_size, v, args.rounds))
             if key.startswith("cce"):
                 row["cce_version"] = cce_module(key).__version__
             if key in logprob_fns():
@@ -312,6 +319,31 @@ def run_single_gpu(args) -> dict:
     return result
 
 
+NOT_INTERLEAVED = ("bare", "liger")
+"""Rows without an interleaved ratio: the base itself, and Liger's (seconds a call, a ratio of ~10)."""
+
+
+def interleaved_ratios(key: str, fwd_bwd, n: int, hidden_size: int, v: int, rounds: int) -> dict:
+    """``key``'s forward+backward against the bare matmuls' (and an fp32 row's against its bf16 row's), timed in
+    ``rounds`` interleaved rounds: the median per-round ratios with their 95 % intervals, the rounds' times."""
+    all_cases = cases(n, hidden_size, v)
+    calls = {"bare": all_cases["bare"][1]()[1], key: fwd_bwd}
+    if key in BASELINE:
+        calls[BASELINE[key]] = all_cases[BASELINE[key]][1]()[1]
+    times = measure.interleaved_ms(calls, rounds, warmup=1, timer=round_timer)
+    out = {"rounds": rounds, "rounds_fwd_bwd_ms": times,
+           "fwd_bwd_vs_bare_interval": measure.ratio_to(times[key], times["bare"]).as_dict()}
+    if key in BASELINE:
+        out["fwd_bwd_vs_bf16_interval"] = measure.ratio_to(times[key], times[BASELINE[key]]).as_dict()
+    del calls
+    empty_cache()
+    return out
+
+
+round_timer = measure.cuda_event_ms
+"""How one call of the interleaved rounds is timed (the dry run: the host clock)."""
+
+
 def profile_all(args) -> None:
     torch.cuda.empty_cache()
     for v in args.vocab:
@@ -319,12 +351,18 @@ def profile_all(args) -> None:
 
 
 def add_ratios(result: dict) -> None:
-    """Per row: fwd+bwd time relative to the bare matmuls and Liger's time relative to it."""
+    """Per row: fwd+bwd time relative to the bare matmuls — the interleaved rounds' median ratio where the row has
+    them, else the ratio of the two medians (Liger's) —, an fp32 row's relative to its bf16 row (interleaved), and
+    Liger's time relative to it."""
     for v in {r["V"] for r in result["rows"]}:
         rows = {r["case"]: r for r in result["rows"] if r["V"] == v and "fwd_bwd_ms" in r}
         for r in rows.values():
-            if BARE in rows:
+            if "fwd_bwd_vs_bare_interval" in r:
+                r["fwd_bwd_vs_bare"] = r["fwd_bwd_vs_bare_interval"]["median"]
+            elif BARE in rows:
                 r["fwd_bwd_vs_bare"] = r["fwd_bwd_ms"] / rows[BARE]["fwd_bwd_ms"]
+            if "fwd_bwd_vs_bf16_interval" in r:
+                r["fwd_bwd_vs_bf16"] = r["fwd_bwd_vs_bf16_interval"]["median"]
             if LIGER in rows:
                 r["liger_fwd_bwd_over_this"] = rows[LIGER]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
 
@@ -449,7 +487,7 @@ def empty_cache() -> None:
 
 def dry_run(args) -> None:
     """``--dry-run``: the CPU, tiny sizes, every measurement one untimed call (a check of this script)."""
-    global median_ms, timed_ms, extra_peak_bytes
+    global median_ms, timed_ms, extra_peak_bytes, round_timer
     import time
 
     def once_ms(fn, *_args) -> float:
@@ -458,10 +496,10 @@ def dry_run(args) -> None:
         return (time.perf_counter() - start) * 1e3
 
     fused_cases.DEVICE, fused_cases.CCE_IMPL_OVERRIDE = "cpu", "torch_compile"
-    median_ms, timed_ms = once_ms, once_ms
+    median_ms, timed_ms, round_timer = once_ms, once_ms, once_ms
     extra_peak_bytes = lambda fn: (fn(), 0)[1]  # noqa: E731
     cce_anchor.run_without_compile()
-    args.tokens, args.hidden, args.vocab, args.iters, args.profile = 32, 32, [256, 128], 1, False
+    args.tokens, args.hidden, args.vocab, args.iters, args.profile, args.rounds = 32, 32, [256, 128], 1, False, 2
 
 
 # ----------------------------------------------------------------------------- reports
@@ -475,6 +513,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="interleaved rounds of each row's forward+backward against the bare matmuls'")
     parser.add_argument("--profile", action="store_true", help="also profile the with-loss op's kernels per V")
     parser.add_argument("--only", nargs="+", metavar="ROW", help=f"run only these rows: KEY (every V) or KEY@V; keys: "
                         f"{', '.join(CASE_KEYS)} (ratios need the bare row)")

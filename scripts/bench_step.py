@@ -1,52 +1,67 @@
 """Benchmark: a Qwen2.5-shaped GRPO step — mp_grpo against the no-loss floor and the common path, on one GPU or
-split over a tensor-parallel group.
+split over a tensor-parallel group, on Transformer Engine's layer spec or megatron-core's local one.
 
     python scripts/bench_step.py --out docs/benchmarks                                  # TP = 1: step.{json,md,png}
     torchrun --nproc_per_node 2 scripts/bench_step.py --shape 1.5b --seq 2048 --recompute selective \\
         --out docs/benchmarks                                                           # TP = 2: step_tp.{json,md,png}
     torchrun --nproc_per_node 4 scripts/bench_step.py --shape 7b ...                    # TP = 4 (7B shape)
 
-megatron-core GPTModel (local layer spec, bf16, ``Float16Module``, Megatron DDP with fp32 gradient buffers) in
-the Qwen2.5-1.5B and -0.5B shapes (``step_model.SHAPES``; V = 151936, tied embeddings) and the -7B shape (V =
-152064, untied), rows of 2048 and 8192 tokens, selective and full activation recompute; under torchrun the model
-is split over ``--tp`` ranks (all of them: TP = world size; no sequence parallelism — the local spec's norms
-refuse it), every rank fed the same micro-batches. The paths (``step_paths``): ``floor`` (the decoder alone;
-the bare output-layer matmuls of this rank's vocabulary shard timed apart and added), ``common`` (verl's
-Megatron path: fp32 logits, megatron-core's ``vocab_parallel_cross_entropy``, a torch PPO loss), mp_grpo's
-``logits`` and ``fused`` paths, their fp32 logit precision (``logits_fp32``, ``fused_fp32``), the frameworks'
-fp32 head with TF32 on and off (``fp32_head_tf32``, ``fp32_head``), and on request ``logits_model_layer`` (the
-logits path on GPTModel's own output layer, before the batch-major layer). Rows, each for every path:
+megatron-core GPTModel (bf16, ``Float16Module``, Megatron DDP with fp32 gradient buffers) in the Qwen2.5-1.5B and
+-0.5B shapes (``step_model.SHAPES``; V = 151936, tied embeddings) and the -7B shape (V = 152064, untied), rows of
+2048 and 8192 tokens, selective and full activation recompute. ``--spec te`` (the default wherever
+``transformer_engine`` imports): Transformer Engine's layer spec, the decoder Megatron users train with; ``--spec
+local``: megatron-core's local spec (unfused attention storing the S × S scores), for machines without TE. The spec
+names the reports: ``step`` / ``step_tp`` on TE, ``step_local`` / ``step_tp_local`` on the local spec (a report
+holds one spec's rows; another spec's run into it is refused). Under torchrun the model is split over ``--tp``
+ranks (all of them: TP = world size; no sequence parallelism — the local spec's norms refuse it, and both specs run
+alike), every rank fed the same micro-batches. The paths (``step_paths``): ``floor`` (the decoder alone; the bare
+output-layer matmuls of this rank's vocabulary shard timed as one more call of each round and added), ``common``
+(verl's Megatron path: fp32 logits, megatron-core's ``vocab_parallel_cross_entropy``, a torch PPO loss), mp_grpo's
+``logits`` and ``fused`` paths, their fp32 logit precision (``logits_fp32``, ``fused_fp32``), the frameworks' fp32
+head with TF32 on and off (``fp32_head_tf32``, ``fp32_head``), and on request ``logits_model_layer`` (the logits path
+on GPTModel's own output layer, before the batch-major layer). Rows, each for every path:
 
 - ``train``: one training ``forward_backward_func`` (forward, loss, backward, ``finalize_model_grads``) of one
-  micro-batch of 8192 tokens (4 × 2048 or 1 × 8192): median time over ``--iters`` steps after ``--warmup``
-  (CUDA events, ``measure.timed_ms``; under TP the slowest rank's median, every rank's kept), peak allocated
-  memory of one step (weights and gradients included; the largest over ranks), and the largest micro-batch B
-  that fits (``--search``);
-- ``forward``: the forward-only log-prob pass (old / reference policy) of the same micro-batch under
-  ``no_grad`` (floor: decoder forward + the output matmul), same three figures;
+  micro-batch of 8192 tokens (4 × 2048 or 1 × 8192); ``forward``: the forward-only log-prob pass (old / reference
+  policy) of the same micro-batch under ``no_grad`` (floor: decoder forward + the output matmul). **Timing**: the
+  passes of one kind, every path, in ``--rounds`` interleaved rounds in one process (``measure.interleaved_ms``:
+  floor, its output matmuls, A, B, … and back in the next round; each call timed with CUDA events; under TP a
+  barrier before every call and each round's slowest rank). A row's time is the median over the rounds; its figure
+  against the floor (``vs_floor``) is the median of the per-round ratios path / (decoder + matmuls), with a
+  distribution-free 95 % interval (``measure.ratio_to``); the JSON keeps every round's times. Then each path's peak
+  allocated memory of one pass (weights and gradients included; the largest over ranks), and the largest
+  micro-batch B that fits (``--search``);
 - ``step`` (``--step-configs``, default the 1.5B shape at 2048 at TP = 1, none under TP): a whole GRPO step of
   ``--step-micro-batches`` micro-batches — the forward-only pass (old log-probs), the training pass on them,
-  megatron-core's Adam step (fp32 master weights) — time and peak.
+  megatron-core's Adam step (fp32 master weights) — every path in ``--step-rounds`` interleaved rounds, and its peak.
 
-The max-micro-batch search (``measure.largest_fitting``): probes run one step (or pass) at B and catch the
-out-of-memory error (``measure.fits_in_memory``: everything freed and the cache emptied between probes). The
-floor's first probe is 2·B₀; the line through the peaks at B₀ and 2·B₀ predicts the largest B that fits in the
-free memory, which is probed next; then steps of 1, 2, 4, … and bisection. The other paths start from the
-floor's largest B (its own first failure is the next probe): two probes when a path fits what the floor fits.
-``--search-paths`` limits the search to some paths. Capped at ``--max-tokens``. Under TP every rank probes the
-same B and a probe fits only where it fits on every rank (the memory figures are agreed first: the largest
-peak, the smallest free memory); the ranks run out of memory at the same allocation (the same shapes on every
-rank), and a rank left waiting in a collective is ended by the process group's timeout (``--collective-timeout``).
+The max-micro-batch search (``measure.largest_fitting``, exact to one sequence: it ends when the largest fit and
+the smallest failure are one row apart): probes run one pass at B and catch the out-of-memory error
+(``measure.fits_in_memory``: everything freed and the cache emptied between probes). The floor's first probe is
+2·B₀; the line through the peaks at B₀ and 2·B₀ predicts the largest B that fits in the free memory, which is probed
+next; then steps of 1, 2, 4, … and bisection. The other paths start from the floor's largest B (its own first
+failure is the next probe): two probes when a path fits what the floor fits. ``--search-paths`` limits the search
+to some paths. Capped at ``--max-tokens``. Under TP every rank probes the same B and a probe fits only where it
+fits on every rank (the memory figures are agreed first: the largest peak, the smallest free memory); the ranks run
+out of memory at the same allocation (the same shapes on every rank), and a rank left waiting in a collective is
+ended by the process group's timeout (``--collective-timeout``).
 
-Resumable: rows already in the JSON are skipped (``--force`` measures them again); ``--shape``, ``--seq``,
-``--recompute``, ``--rows`` (``KIND`` or ``KIND:PATH``) and ``--paths`` select; the configurations run in the
-order 1.5B @ 2048 (selective, full), 0.5B @ 2048, 1.5B @ 8192, 0.5B @ 8192 (then any other shape).
-``--time-budget`` stops starting new rows after that many seconds. The JSON and the markdown are rewritten after
-every row, the plot at the end; under TP also ``step_tp_scaling.png`` (each path's time and largest micro-batch
-against the floor's, per TP size). ``--profile KIND:PATH ...`` (for ``--profile-configs``) writes
-``step_profile.txt``: per pass the host time to issue it, its kernel time against its wall time (GPU idle), its
-memory statistics and its top kernels. Before timing, the loss paths are checked to give the same gradients on a
-tiny model (``check_paths``; under TP on every rank's shard).
+``--memory-snapshot DIR``: after the search, one training pass of the floor, the fused path and (when run) the
+fp32 fused path at the largest B all of them fit, each with ``torch.cuda.memory``'s history on: the snapshots
+(``DIR/<path>.pickle``, readable at pytorch.org/memory_viz) and ``DIR/memory_snapshot.md`` — each peak, and what
+the fused paths hold at their peak that the floor does not, by allocation site (``memory_snapshot.compare``; also
+in the report).
+
+Resumable: rows already in the JSON are skipped (``--force`` measures them again; a kind with a row to time is
+timed again whole, the floor included, so that every ratio comes from its own rounds); ``--shape``, ``--seq``,
+``--recompute``, ``--rows`` (``KIND`` or ``KIND:PATH``) and ``--paths`` select; the configurations run in the order
+1.5B @ 2048 (selective, full), 0.5B @ 2048, 1.5B @ 8192, 0.5B @ 8192 (then any other shape). ``--time-budget`` stops
+starting new parts after that many seconds; the JSON records how long each part took (``meta.phase_s``). The JSON
+and the markdown are rewritten after every part, the plot at the end; under TP also ``step_tp_scaling.png`` (each
+path's time and largest micro-batch against the floor's, per TP size). ``--profile KIND:PATH ...`` (for
+``--profile-configs``) writes ``<report>_profile.txt``: per pass the host time to issue it, its kernel time against
+its wall time (GPU idle), its memory statistics and its top kernels. Before timing, the loss paths are checked to
+give the same gradients on a tiny model of the same spec (``check_paths``; under TP on every rank's shard).
 
 ``--loss-fraction F``: the completion (the tokens trained on) is the last F of every row instead of 7/8 (e.g. 0.5:
 a 50 %-masked micro-batch). mp_grpo's paths compute the output layer on those rows alone (``OutputRows.LOSS``),
@@ -54,12 +69,13 @@ the floor's output matmuls stay on every token: the all-token floor. A JSON hold
 other fractions to another ``--out``).
 
 ``--dry-run``: the whole driver on the CPU (gloo, Triton's interpreter) with the CPU stand-in model
-(``step_model.cpu_rig``: no attention) at tiny sizes and **stubbed measurements** (times from the host clock,
-memory from a fixed per-token model, a fake memory limit for the search) — a check of the script's plumbing
-(arguments, TP groups, the rows, the search, the reports), never a measurement: its reports say so and it
+(``step_model.cpu_rig``: no attention, whatever ``--spec`` says — the spec is only recorded) at tiny sizes and
+**stubbed measurements** (``step_meter.DryMeter``: times from the host clock, memory and snapshots from a fixed
+per-token model, a fake memory limit for the search) — a check of the script's plumbing (arguments, TP groups, the
+rounds, the rows, the search, the snapshot report, the reports), never a measurement: its reports say so and it
 refuses to write under ``docs/``.
 
-Needs (without ``--dry-run``) CUDA GPUs, megatron-core, torch, triton, matplotlib.
+Needs (without ``--dry-run``) CUDA GPUs, megatron-core, torch, triton, matplotlib; Transformer Engine for ``--spec te``.
 """
 
 from __future__ import annotations
@@ -68,6 +84,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path as FilePath
 
@@ -78,10 +96,12 @@ sys.path.insert(0, str(FilePath(__file__).resolve().parents[1]))
 sys.path.insert(0, str(FilePath(__file__).resolve().parent))
 
 import measure  # noqa: E402
+import memory_snapshot  # noqa: E402
 from measure import GiB, largest_fitting  # noqa: E402
-from step_model import SHAPES, Recompute, cpu_rig, gpu_rig, synthetic_micro_batches  # noqa: E402
-from step_paths import Path, forward_pass, grpo_step, output_matmuls, training_pass, unavailable  # noqa: E402
-from step_report import PLAN, Results, report_name, row_key, write_reports  # noqa: E402
+from step_meter import DRY_SEQ, DryMeter, GpuMeter  # noqa: E402
+from step_model import SHAPES, LayerSpec, Recompute, cpu_rig, default_spec, gpu_rig, synthetic_micro_batches  # noqa: E402
+from step_paths import Path, forward_pass, grpo_step, training_pass, unavailable  # noqa: E402
+from step_report import PLAN, REPORT_NAMES, Results, report_name, row_key, write_reports  # noqa: E402
 
 ALLOC_CONF = "expandable_segments:True"
 TIMING_TOKENS = 8192
@@ -96,8 +116,15 @@ CHECK_RTOL = 1.6e-2
 COLLECTIVE_TIMEOUT_S = 300
 """Default process-group timeout under TP: a rank left in a collective (a probe that ran out of memory on another
 rank only) ends the run after this long instead of NCCL's 10 minutes; rerun the command to resume."""
-DRY_SEQ = 12
-"""``--dry-run``: tokens per row of the stand-in model (timing micro-batches of 4 rows)."""
+ROUNDS = 20
+"""Interleaved rounds of the training and forward-only passes: 20 per-round ratios give a 95.9 % interval between
+the 6th and the 15th smallest (``measure.median_interval``)."""
+STEP_ROUNDS = 10
+"""Interleaved rounds of the whole steps (each ~3× a training pass): a 97.9 % interval between the 2nd and 9th."""
+FLOOR_MATMULS = "floor_matmuls"
+"""The name, among a round's calls, of the floor's bare output-layer GEMMs."""
+SNAPSHOT_PATHS = (Path.FLOOR, Path.FUSED, Path.FUSED_FP32)
+"""``--memory-snapshot``: the passes snapshotted (those of them that run), the floor first: the base of the comparison."""
 DRY_HIDDEN, DRY_VOCAB = 16, 64
 """``--dry-run``: the CPU stand-in's width and (global) vocabulary."""
 LOSS_FRACTION: float | None = None
@@ -118,111 +145,6 @@ def world() -> int:
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-class GpuMeter:
-    """The measurements on CUDA (``measure``), each agreed over the ranks by the caller."""
-
-    dry = False
-    device = "cuda"
-
-    def timed(self, run, iters: int, warmup: int) -> float:
-        return measure.timed_ms(run, iters, warmup=warmup)
-
-    def peak(self, run, *, tokens: int, path: Path, kind: str) -> int:
-        return measure.peak_bytes(run)
-
-    def fits(self, run, *, tokens: int, path: Path, kind: str) -> tuple[bool, int | None]:
-        return measure.fits_in_memory(run)
-
-    def matmul_ms(self, tokens: int, hidden: int, vocab: int, *, backward: bool, rep_ms: int = 200) -> float:
-        matmuls = output_matmuls(tokens, hidden, vocab, backward=backward, device=self.device)
-        ms = measure.median_ms(matmuls, warmup_ms=50, rep_ms=rep_ms)
-        del matmuls
-        self.cleanup()
-        return ms
-
-    def cleanup(self) -> None:
-        """Free what the last pass left: megatron-core's global memory buffer (the local attention writes its S × S
-        scores there, and the buffer keeps the largest size ever asked for: without this a probe at a large B
-        would stay resident through every later row), garbage cycles, the caching allocator's free blocks."""
-        import gc
-
-        from megatron.core import parallel_state as ps
-
-        if ps._GLOBAL_MEMORY_BUFFER is not None:
-            ps.get_global_memory_buffer().buffer.clear()
-        gc.collect()
-        torch.cuda.empty_cache()
-
-    def resting_bytes(self) -> int:
-        self.cleanup()
-        return torch.cuda.memory_allocated()
-
-    def usable_bytes(self) -> int:
-        return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
-
-    def device_name(self) -> str:
-        return torch.cuda.get_device_name()
-
-
-class DryMeter(GpuMeter):
-    """``--dry-run``: every pass still runs (on the CPU), but its time is the host clock's and its memory a fixed
-    model — ``DRY_BASE`` + tokens × a per-path cost, against ``DRY_USABLE`` — so that the search has something to
-    find. Nothing here is a measurement."""
-
-    dry = True
-    device = "cpu"
-    DRY_BASE = 1 * GiB
-    DRY_USABLE = 2 * GiB
-    DRY_RUN_ROWS = 8
-    """Probes above this many rows are decided by the model alone (the pass is not run)."""
-    DRY_PER_TOKEN = {"floor": 1.0, "logits": 1.0, "fused": 1.0, "fused_fp32": 1.0, "logits_fp32": 1.02,
-                     "logits_model_layer": 1.2, "common": 1.3, "fp32_head_tf32": 1.4, "fp32_head": 1.4}
-
-    def _model_peak(self, tokens: int, path: Path, kind: str) -> int:
-        per_token = (GiB / (40 * DRY_SEQ)) * self.DRY_PER_TOKEN[Path(path).value] * (0.25 if kind == "forward" else 1)
-        return int(self.DRY_BASE + tokens * per_token)
-
-    def timed(self, run, iters: int, warmup: int) -> float:
-        for _ in range(warmup):
-            run()
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - start) * 1e3)
-        return sorted(times)[len(times) // 2]
-
-    def peak(self, run, *, tokens: int, path: Path, kind: str) -> int:
-        run()
-        return self._model_peak(tokens, path, kind)
-
-    def fits(self, run, *, tokens: int, path: Path, kind: str) -> tuple[bool, int | None]:
-        peak = self._model_peak(tokens, path, kind)
-        if peak > self.DRY_USABLE:
-            return False, None
-        if tokens <= self.DRY_RUN_ROWS * DRY_SEQ:
-            run()
-        return True, peak
-
-    def matmul_ms(self, tokens: int, hidden: int, vocab: int, *, backward: bool, rep_ms: int = 200) -> float:
-        matmuls = output_matmuls(tokens, hidden, vocab, backward=backward, device="cpu", dtype=torch.float32)
-        return self.timed(matmuls, 3, 1)
-
-    def cleanup(self) -> None:
-        import gc
-
-        gc.collect()
-
-    def resting_bytes(self) -> int:
-        return self.DRY_BASE
-
-    def usable_bytes(self) -> int:
-        return self.DRY_USABLE
-
-    def device_name(self) -> str:
-        return "CPU DRY RUN (stubbed measurements)"
-
-
 METER: GpuMeter = GpuMeter()
 
 
@@ -233,6 +155,16 @@ def agreed(value: float, op: str) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=METER.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
     return float(t.item())
+
+
+def slowest_rank(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each function's time per round as the slowest rank's (every rank holds the same names and rounds)."""
+    if world() == 1:
+        return times
+    names = list(times)
+    t = torch.tensor([times[n] for n in names], dtype=torch.float64, device=METER.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {n: [float(v) for v in row] for n, row in zip(names, t.tolist())}
 
 
 def per_rank(value: float) -> list[float]:
@@ -274,12 +206,12 @@ def init_distributed(tp: int, *, dry: bool, timeout_s: float) -> None:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def build_rig(shape_name: str, recompute: Recompute, seq: int):
+def build_rig(shape_name: str, recompute: Recompute, seq: int, spec: LayerSpec):
     if METER.dry:
         from mp_grpo.megatron import ParallelGroups
 
         return cpu_rig(ParallelGroups.from_parallel_state(), hidden=DRY_HIDDEN, vocab=DRY_VOCAB, seq_len=seq)
-    return gpu_rig(SHAPES[shape_name], recompute, seq_len=seq)
+    return gpu_rig(SHAPES[shape_name], recompute, seq_len=seq, spec=spec)
 
 
 def release_optimizer(rig, optimizer) -> None:
@@ -314,11 +246,11 @@ def timing_rows(seq: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ check
-def check_paths(paths: list[Path], seq: int = 128, batch: int = 2) -> float:
-    """The loss paths on the tiny shape (dry run: the stand-in): the same objective, so the same gradients
-    (relative L2 against the common path's, on this rank's shard, bf16 tolerance; the worst over ranks)."""
+def check_paths(paths: list[Path], spec: LayerSpec, seq: int = 128, batch: int = 2) -> float:
+    """The loss paths on the tiny shape with the ``spec`` layer (dry run: the stand-in): the same objective, so the
+    same gradients (relative L2 against the common path's, on this rank's shard, bf16 tolerance; the worst over ranks)."""
     seq = seq_of(seq)
-    rig = build_rig("tiny", Recompute.SELECTIVE, seq)
+    rig = build_rig("tiny", Recompute.SELECTIVE, seq, spec)
     micro = micro_batches(2, batch, seq, rig, seed=3)
     grads = {}
     for path in [Path.COMMON, *[p for p in paths if p not in (Path.FLOOR, Path.COMMON)]]:
@@ -340,30 +272,60 @@ def pass_closure(rig, kind: str, path: Path, micro):
     return (training_pass if kind == "train" else forward_pass)(rig, path, micro)
 
 
-def time_row(rig, kind: str, path: Path, seq: int, args) -> dict:
-    """Median time and peak of one pass on the timing micro-batch (floor: + the output matmuls of this rank's
-    shard); under TP the slowest rank's figures, every rank's times kept."""
+def round_names(paths: list[Path]) -> list[str]:
+    """The calls of one round, in order: the floor, its output matmuls, then the other paths."""
+    names = [p.value for p in paths]
+    return names[:1] + [FLOOR_MATMULS] + names[1:] if Path.FLOOR in paths else names
+
+
+def rows_from_rounds(paths: list[Path], mine: dict[str, list[float]], base: dict) -> dict[Path, dict]:
+    """The rows of one group from this rank's per-round times: the slowest rank's per round, their median, each
+    path's median per-round ratio to the floor's decoder + matmuls with its 95 % interval; ``base`` (B, tokens,
+    resting memory) goes into every row."""
+    times = slowest_rank(mine)
+    floor = [d + m for d, m in zip(times[Path.FLOOR.value], times[FLOOR_MATMULS])] if Path.FLOOR in paths else None
+    rows = {}
+    for path in paths:
+        own = floor if path == Path.FLOOR else times[path.value]
+        row = {**base, "rounds": len(own), "times_ms": own, "ms": measure.median(own)}
+        if path == Path.FLOOR:
+            row.update(decoder_ms=measure.median(times[path.value]), matmul_ms=measure.median(times[FLOOR_MATMULS]),
+                       decoder_times_ms=times[path.value], matmul_times_ms=times[FLOOR_MATMULS])
+        elif floor is not None:
+            row["vs_floor"] = measure.ratio_to(own, floor).as_dict()
+        if world() > 1:
+            local = ([d + m for d, m in zip(mine[path.value], mine[FLOOR_MATMULS])] if path == Path.FLOOR
+                     else mine[path.value])
+            row["tp"] = world()
+            row["ms_per_rank"] = per_rank(measure.median(local))
+        rows[path] = row
+    return rows
+
+
+def time_group(rig, kind: str, paths: list[Path], seq: int, args) -> dict[Path, dict]:
+    """The ``kind`` pass of every path in ``paths`` on the timing micro-batch, in ``args.rounds`` interleaved
+    rounds (the floor first, with its output matmuls of this rank's shard as one more call), then each path's peak
+    of one pass alone."""
     b0 = timing_rows(seq)
     micro = micro_batches(1, b0, seq, rig, seed=11)
-    run = pass_closure(rig, kind, path, micro)
-    resting = resting_gib()
-    ms = METER.timed(run, args.iters, args.warmup + (kind == "forward"))
-    row = {"B": b0, "tokens": b0 * seq, "resting_GiB": resting}
-    peak = METER.peak(run, tokens=b0 * seq, path=path, kind=kind)
-    row["peak_bytes"] = int(agreed(peak, "max"))
-    row["peak_GiB"] = row["peak_bytes"] / GiB
-    del run
+    base = {"B": b0, "tokens": b0 * seq, "resting_GiB": resting_gib()}
+    runs = {p: pass_closure(rig, kind, p, micro) for p in paths}
+    calls = {p.value: runs[p] for p in paths}
+    if Path.FLOOR in paths:
+        calls[FLOOR_MATMULS] = METER.output_matmuls(b0 * seq, rig.hidden, rig.vocab // world(), backward=kind == "train")
+    mine = METER.rounds({name: calls[name] for name in round_names(paths)}, args.rounds,
+                        warmup=args.warmup + (kind == "forward"))
+    del calls
     METER.cleanup()
-    if path == Path.FLOOR:
-        matmul = METER.matmul_ms(b0 * seq, rig.hidden, rig.vocab // world(), backward=kind == "train")
-        row["decoder_ms"] = agreed(ms, "max")
-        row["matmul_ms"] = agreed(matmul, "max")
-        ms = ms + matmul
-    if world() > 1:
-        row["tp"] = world()
-        row["ms_per_rank"] = per_rank(ms)
-    row["ms"] = agreed(ms, "max")
-    return row
+    rows = rows_from_rounds(paths, mine, base)
+    for path in paths:
+        peak = METER.peak(runs[path], tokens=b0 * seq, path=path, kind=kind)
+        rows[path]["peak_bytes"] = int(agreed(peak, "max"))
+        rows[path]["peak_GiB"] = rows[path]["peak_bytes"] / GiB
+        METER.cleanup()
+    del runs
+    METER.cleanup()
+    return rows
 
 
 def memory_model_guess(b0: int, p0: int, b1: int, p1: int | None, *, usable: int, base: int) -> int:
@@ -466,28 +428,59 @@ def profile_row(rig, kind: str, path: Path, seq: int) -> str:
     return text
 
 
-def step_row(rig, path: Path, seq: int, optimizer, args) -> dict:
+def step_group(rig, paths: list[Path], seq: int, optimizer, args) -> dict[Path, dict]:
+    """A whole GRPO step of every path in ``args.step_rounds`` interleaved rounds (the floor's output matmuls — per
+    micro-batch the forward-only pass's GEMM and the training pass's three — as one more call), then each step's peak."""
     b0 = timing_rows(seq)
     micro = micro_batches(args.step_micro_batches, b0, seq, rig, seed=17)
-    run = grpo_step(rig, path, micro, optimizer)
-    row = {"B": b0, "micro_batches": len(micro), "tokens": b0 * seq * len(micro), "resting_GiB": resting_gib()}
-    ms = METER.timed(run, args.iters, args.warmup)
-    row["peak_bytes"] = int(agreed(METER.peak(run, tokens=row["tokens"], path=path, kind="train"), "max"))
-    row["peak_GiB"] = row["peak_bytes"] / GiB
-    del run
-    METER.cleanup()
-    if path == Path.FLOOR:  # per micro-batch: the forward pass's matmul and the training pass's three
+    base = {"B": b0, "micro_batches": len(micro), "tokens": b0 * seq * len(micro), "resting_GiB": resting_gib()}
+    runs = {p: grpo_step(rig, p, micro, optimizer) for p in paths}
+    calls = {p.value: runs[p] for p in paths}
+    if Path.FLOOR in paths:
         tokens, v_local = b0 * seq, rig.vocab // world()
-        fwd = METER.matmul_ms(tokens, rig.hidden, v_local, backward=False)
-        fwd_bwd = METER.matmul_ms(tokens, rig.hidden, v_local, backward=True)
-        row["decoder_ms"] = agreed(ms, "max")
-        row["matmul_ms"] = agreed(len(micro) * (fwd + fwd_bwd), "max")
-        ms = ms + len(micro) * (fwd + fwd_bwd)
-    if world() > 1:
-        row["tp"] = world()
-        row["ms_per_rank"] = per_rank(ms)
-    row["ms"] = agreed(ms, "max")
-    return row
+        fwd = METER.output_matmuls(tokens, rig.hidden, v_local, backward=False)
+        fwd_bwd = METER.output_matmuls(tokens, rig.hidden, v_local, backward=True)
+
+        def step_matmuls() -> None:
+            for _ in micro:
+                fwd()
+                fwd_bwd()
+
+        calls[FLOOR_MATMULS] = step_matmuls
+    mine = METER.rounds({name: calls[name] for name in round_names(paths)}, args.step_rounds, warmup=args.warmup)
+    del calls
+    METER.cleanup()
+    rows = rows_from_rounds(paths, mine, base)
+    for path in paths:
+        rows[path]["peak_bytes"] = int(agreed(METER.peak(runs[path], tokens=base["tokens"], path=path, kind="train"), "max"))
+        rows[path]["peak_GiB"] = rows[path]["peak_bytes"] / GiB
+        METER.cleanup()
+    del runs
+    METER.cleanup()
+    return rows
+
+
+def snapshot_group(rig, paths: list[Path], seq: int, results: Results, key_of, out: FilePath) -> list[str]:
+    """``--memory-snapshot``: one training pass of each of ``paths`` (the floor first) at the largest B every one of
+    them fit (B₀ where none was searched), each recorded (``METER.snapshot``); the pickles under ``out`` (rank 0)
+    and the comparison lines of each path against the floor (``memory_snapshot.compare``)."""
+    fitted = [results.row(key_of(p)).get("max_B") for p in paths]
+    b = min((f for f in fitted if f), default=timing_rows(seq))
+    micro = micro_batches(1, b, seq, rig, seed=13)
+    peaks = {}
+    for path in paths:
+        snap = METER.snapshot(pass_closure(rig, "train", path, micro), tokens=b * seq, path=path, kind="train")
+        if rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            memory_snapshot.save(snap, out / f"train_{path.value}.pickle")
+        peaks[path] = memory_snapshot.at_peak(snap)
+        del snap
+        METER.cleanup()
+    lines = [f"Training pass, B = {b} × S = {seq} ({b * seq} tokens)" + (f", TP = {world()} (rank 0)" if world() > 1 else "")
+             + f": snapshots `{out}/train_<path>.pickle`."]
+    for path in paths[1:]:
+        lines += memory_snapshot.compare(path.value, peaks[path], Path.FLOOR.value, peaks[Path.FLOOR])
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -495,13 +488,32 @@ def selected(kind: str, path: Path, rows: list[str] | None) -> bool:
     return rows is None or kind in rows or f"{kind}:{path.value}" in rows
 
 
+@contextmanager
+def phase(results: Results, where: str, name: str) -> Iterator[None]:
+    """Adds the seconds the block takes to ``meta.phase_s[where][name]`` (how long each part of a run took)."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        spent = results.meta.setdefault("phase_s", {}).setdefault(where, {})
+        spent[name] = round(spent.get(name, 0.0) + time.monotonic() - start, 1)
+
+
+def log_row(kind: str, path: Path, row: dict) -> None:
+    ratio = row.get("vs_floor")
+    versus = f"  {ratio['median']:.4f}x floor [{ratio['low']:.4f}, {ratio['high']:.4f}]" if ratio else ""
+    log(f"{kind:<8} {path.value:<18} {row['ms']:9.2f} ms{versus}  peak {row['peak_GiB']:6.2f} GiB "
+        f"(resting {row['resting_GiB']:.2f} GiB, {row['rounds']} rounds)")
+
+
 def run(args) -> Results:
     tp = world()
-    results = Results.load(args.out / f"{args.report or report_name(tp)}.json")
+    spec = LayerSpec(args.spec)
+    results = Results.load(args.out / f"{args.report or report_name(tp, spec.value)}.json")
     launcher = "python" if tp == 1 else f"torchrun --nproc_per_node {tp}"
     results.meta["loss_fraction"] = LOSS_FRACTION
     results.start(command=" ".join([launcher, "scripts/bench_step.py", *sys.argv[1:]]), device=METER.device_name(),
-                  dry_run=METER.dry)
+                  dry_run=METER.dry, spec=spec.value)
     deadline = time.monotonic() + args.time_budget
     paths = []
     for p in map(Path, args.paths):
@@ -515,78 +527,106 @@ def run(args) -> Results:
     configs += [(s, q, r) for s in args.shape for q in args.seq for r in args.recompute
                 if (s, q, r) not in configs]  # shapes or lengths outside the plan (the tiny smoke test)
     if args.check:
-        results.meta[f"check_worst_relative_l2{'' if tp == 1 else f'_tp{tp}'}"] = check_paths(paths)
+        with phase(results, "all", "check"):
+            results.meta[f"check_worst_relative_l2{'' if tp == 1 else f'_tp{tp}'}"] = check_paths(paths, spec)
     step_configs = args.step_configs if args.step_configs is not None else (["1.5b@2048"] if tp == 1 else [])
 
     def searched(kind: str, path: Path) -> bool:
         return args.search_paths is None or path.value in args.search_paths or f"{kind}:{path.value}" in args.search_paths
 
     for shape_name, seq, recompute in configs:
+        where = f"{shape_name}@{seq}@{recompute}"
+
+        def key_of(path: Path, kind: str = "train") -> str:
+            return row_key(shape_name, seq, recompute, kind, path, tp)
+
         step_here = f"{shape_name}@{seq}" in step_configs
         todo = [(kind, path) for kind in KINDS for path in paths if selected(kind, path, args.rows)
                 and (kind != "step" or step_here) and (kind != "forward" or recompute == FORWARD_RECOMPUTE)
-                and (args.force or not results.complete(row_key(shape_name, seq, recompute, kind, path, tp),
+                and (args.force or not results.complete(key_of(path, kind),
                                                         search=args.search and kind != "step" and searched(kind, path)))]
-        profiles = [spec for spec in args.profile or [] if f"{shape_name}@{seq}@{recompute}" in args.profile_configs]
-        if not todo and not profiles:
+        profiles = [p for p in args.profile or [] if where in args.profile_configs]
+        snap_paths = [p for p in SNAPSHOT_PATHS if p in paths] if args.memory_snapshot else []
+        snap_here = Path.FLOOR in snap_paths and len(snap_paths) > 1 and (args.force or where not in results.meta.get("memory_snapshot", {}))
+        if not todo and not profiles and not snap_here:
             continue
         if past(deadline):
             log("time budget reached: rerun the same command to continue")
             break
         run_seq = seq_of(seq)
-        log(f"=== {shape_name} @ {seq}, {recompute} recompute, TP = {tp}: {len(todo)} rows ===")
-        rig = build_rig(shape_name, Recompute(recompute), run_seq)
-        # --- 1. times and peaks at the timing micro-batch (cheap) ---
-        for kind, path in todo:
-            key = row_key(shape_name, seq, recompute, kind, path, tp)
-            if kind == "step" or (not args.force and "ms" in results.row(key)) or past(deadline):
+        log(f"=== {shape_name} @ {seq}, {recompute} recompute, TP = {tp}, {spec.value} layer spec: {len(todo)} rows ===")
+        with phase(results, where, "build"):
+            rig = build_rig(shape_name, Recompute(recompute), run_seq, spec)
+
+        def group(kind: str) -> list[Path]:
+            """The paths of ``kind`` to time together: all selected ones and the floor, when one of them needs timing."""
+            if not any(k == kind and (args.force or "ms" not in results.row(key_of(p, k))) for k, p in todo):
+                return []
+            return [p for p in paths if p == Path.FLOOR or selected(kind, p, args.rows)]
+
+        # --- 1. times (interleaved rounds) and peaks at the timing micro-batch ---
+        for kind in ("train", "forward"):
+            timed = group(kind)
+            if not timed or past(deadline):
                 continue
-            row = time_row(rig, kind, path, run_seq, args)
-            results.update(key, row)
-            log(f"{kind:<8} {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB "
-                f"(resting {row['resting_GiB']:.2f} GiB)")
+            with phase(results, where, kind):
+                rows = time_group(rig, kind, timed, run_seq, args)
+            for path, row in rows.items():
+                results.update(key_of(path, kind), row)
+                log_row(kind, path, row)
             save(results, args)
         # --- 2. profiles ---
-        for spec in profiles:
-            kind, _, path = spec.partition(":")
+        for entry in profiles:
+            kind, _, path = entry.partition(":")
             if past(deadline) or METER.dry:
                 break
             text = profile_row(rig, kind, Path(path), run_seq)
             if rank() == 0:
-                with open(args.out / "step_profile.txt", "a") as f:
+                with open(args.out / f"{results.path.stem}_profile.txt", "a") as f:
                     f.write(f"## {shape_name} @ {seq}, {recompute} recompute ({results.meta.get('device')})\n{text}\n")
             log(text.splitlines()[1])
         # --- 3. the largest micro-batches (before the optimizer exists: its state is no part of these rows);
-        #        the floor first: the other paths start from its largest B ---
+        #        the training pass before the forward-only one, the floor first: the other paths start from its B ---
         if args.search:
-            order = sorted(todo, key=lambda kp: (kp[0], kp[1] != Path.FLOOR))
+            order = sorted(todo, key=lambda kp: (KINDS.index(kp[0]), kp[1] != Path.FLOOR))
             for kind, path in order:
-                key = row_key(shape_name, seq, recompute, kind, path, tp)
+                key = key_of(path, kind)
                 if (kind == "step" or not searched(kind, path) or "ms" not in results.row(key)
                         or (not args.force and "max_B" in results.row(key))):
                     continue
                 if past(deadline):
                     break
-                floor = results.row(row_key(shape_name, seq, recompute, kind, Path.FLOOR, tp))
+                floor = results.row(key_of(Path.FLOOR, kind))
                 floor = floor if path != Path.FLOOR and "max_B" in floor else None
-                found = search_row(rig, kind, path, run_seq, results.row(key), args, floor=floor)
+                with phase(results, where, f"search_{kind}"):
+                    found = search_row(rig, kind, path, run_seq, results.row(key), args, floor=floor)
                 results.update(key, found)
                 log(f"{kind:<8} {path.value:<18} max B = {found['max_B']} ({found['max_tokens']} tokens), "
                     f"{len(found['probes'])} probes, {found['search_s']:.0f} s")
                 save(results, args)
-        # --- 4. whole GRPO steps with megatron-core's optimizer ---
-        step_todo = [path for kind, path in todo if kind == "step"]
-        if step_todo and not past(deadline):
-            optimizer = make_optimizer(rig)
-            for path in step_todo:
-                if past(deadline):
-                    break
-                row = step_row(rig, path, run_seq, optimizer, args)
-                results.update(row_key(shape_name, seq, recompute, "step", path, tp), row)
-                log(f"step     {path.value:<18} {row['ms']:9.2f} ms  peak {row['peak_GiB']:6.2f} GiB")
-                save(results, args)
-            release_optimizer(rig, optimizer)
-            del optimizer
+        # --- 4. what the fused paths hold at their peak that the floor does not ---
+        if snap_here and not past(deadline):
+            with phase(results, where, "memory_snapshot"):
+                lines = snapshot_group(rig, snap_paths, run_seq, results, key_of, args.memory_snapshot / where)
+            results.meta.setdefault("memory_snapshot", {})[where] = lines
+            if rank() == 0:
+                (args.memory_snapshot / where / "memory_snapshot.md").write_text(
+                    f"# Memory at the peak: {where}, {spec.value} layer spec — {results.meta.get('device')}\n\n"
+                    + "\n".join(lines) + "\n")
+            log("\n".join(lines))
+            save(results, args)
+        # --- 5. whole GRPO steps with megatron-core's optimizer ---
+        stepped = group("step")
+        if stepped and not past(deadline):
+            with phase(results, where, "step"):
+                optimizer = make_optimizer(rig)
+                rows = step_group(rig, stepped, run_seq, optimizer, args)
+                release_optimizer(rig, optimizer)
+                del optimizer
+            for path, row in rows.items():
+                results.update(key_of(path, "step"), row)
+                log_row("step", path, row)
+            save(results, args)
         release_rig(rig)
         del rig
     save(results, args, plot=True)
@@ -632,20 +672,27 @@ def main() -> None:
     parser.add_argument("--step-configs", nargs="*", default=None, metavar="SHAPE@SEQ",
                         help="whole-step rows (default: 1.5b@2048 at TP = 1, none under TP)")
     parser.add_argument("--step-micro-batches", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=3, help="timed steps per row (median)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--spec", choices=[s.value for s in LayerSpec], default=None,
+                        help="the decoder's layer spec: te (Transformer Engine's; the default where transformer_engine "
+                             "imports) or local (megatron-core's)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds of the training and forward passes")
+    parser.add_argument("--step-rounds", type=int, default=STEP_ROUNDS, help="interleaved rounds of the whole steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls of every path before the rounds")
+    parser.add_argument("--memory-snapshot", type=FilePath, default=None, metavar="DIR",
+                        help="torch.cuda.memory snapshots of the floor's and the fused paths' training pass at the "
+                             "largest B they all fit, and what the fused paths hold that the floor does not")
     parser.add_argument("--max-tokens", type=int, default=2**19, help="the search's cap on a micro-batch's tokens")
     parser.add_argument("--no-search", dest="search", action="store_false")
     parser.add_argument("--no-check", dest="check", action="store_false")
     parser.add_argument("--force", action="store_true", help="measure rows already in the JSON again")
-    parser.add_argument("--profile", nargs="+", metavar="KIND:PATH", help="profile these passes (step_profile.txt)")
+    parser.add_argument("--profile", nargs="+", metavar="KIND:PATH", help="profile these passes (<report>_profile.txt)")
     parser.add_argument("--profile-configs", nargs="*", default=["1.5b@2048@selective"], metavar="SHAPE@SEQ@RECOMPUTE")
     parser.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; no new row starts after")
     parser.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT_S,
                         help="seconds a rank may wait in one collective (under TP) before the run ends")
-    parser.add_argument("--report", choices=["step", "step_tp"], default=None,
-                        help="the report to write: step (TP = 1 only) or step_tp (rows of every TP size); default: "
-                             "step at TP = 1, step_tp under TP")
+    parser.add_argument("--report", choices=sorted(REPORT_NAMES.values()), default=None,
+                        help="the report to write: step / step_local (TP = 1 only) or step_tp / step_tp_local (rows of "
+                             "every TP size); default: by TP size and --spec (the _local names for the local spec)")
     parser.add_argument("--tp1-json", type=FilePath, default=None,
                         help="TP = 1 rows for the TP-scaling plot (default: the step_tp.json's own TP = 1 rows)")
     parser.add_argument("--dry-run", action="store_true",
@@ -669,8 +716,26 @@ def main() -> None:
             parser.error(f"--search-paths: {spec!r} is not PATH or KIND:PATH with KIND train or forward")
     if args.tp < 1:
         parser.error(f"--tp: must be ≥ 1, got {args.tp}")
-    if args.report == "step" and args.tp != 1:
-        parser.error(f"--report step: holds TP = 1 rows only, got --tp {args.tp} (use step_tp)")
+    for name, value, least in (("--rounds", args.rounds, 1), ("--step-rounds", args.step_rounds, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:
+            parser.error(f"{name}: must be ≥ {least}, got {value}")
+    if args.spec is None:
+        args.spec = default_spec().value
+        print(f"--spec {args.spec}: transformer_engine {'imports' if args.spec == 'te' else 'does not import'} here",
+              flush=True)
+    if args.report is not None and args.report.startswith("step_tp") != (args.tp != 1):
+        parser.error(f"--report {args.report}: " + ("holds TP = 1 rows only" if args.tp != 1 else "is the TP report")
+                     + f", got --tp {args.tp}")
+    if args.report is not None and args.report.endswith("_local") != (args.spec == LayerSpec.LOCAL.value):
+        parser.error(f"--report {args.report}: holds {'local' if args.report.endswith('_local') else 'te'}-spec rows, "
+                     f"got --spec {args.spec}")
+    if args.spec == LayerSpec.TE.value and not args.dry_run:
+        from mp_grpo.megatron.gpt import have_transformer_engine
+
+        if not have_transformer_engine():
+            parser.error("--spec te: transformer_engine does not import here (PYTHONPATH, NVTE_FRAMEWORK=pytorch); "
+                         "or --spec local")
     if not args.dry_run:
         for name in args.shape:
             try:
@@ -685,7 +750,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("bench_step.py needs CUDA GPUs (or --dry-run)")
     LOSS_FRACTION = args.loss_fraction
-    existing = Results.load(args.out / f"{args.report or report_name(args.tp)}.json")
+    existing = Results.load(args.out / f"{args.report or report_name(args.tp, args.spec)}.json")
     if existing.rows and existing.meta.get("loss_fraction") != LOSS_FRACTION:
         parser.error(f"--out {args.out}: its rows were measured with --loss-fraction "
                      f"{existing.meta.get('loss_fraction')}, this run has {LOSS_FRACTION}: use another --out")

@@ -9,16 +9,19 @@ The question. ``vocab_parallel_logprobs`` on this rank's shard (N = 16384, V = 1
 ranks, bf16, with entropy) against the same kernel on the same shard without its collective (``tp_group=None``,
 targets folded into the shard): an independent harness measured TP = 4 forward +8.6 % and forward+backward
 +17 %, though backward has no collective. This script separates the candidate causes in one run, each variant
-beside its no-collective twin timed the same way (per-rank medians of ``--iters`` iterations; a figure is the
-slowest rank's median; every rank's kept):
+beside its no-collective twin timed the same way: every variant of a mode and part timed in ``--iters``
+interleaved rounds (``measure.interleaved_ms``: each round calls every variant once, the order reversed every
+other round), a variant's time the slowest rank's median (every rank's kept), its figure against its twin the
+median over the rounds of the per-round ratio of the slowest ranks' times, with a distribution-free 95 % interval
+(``measure.ratio_to``):
 
 Timing modes (how an iteration starts):
-  eager          the harness's loop: one barrier, then back-to-back iterations, each synchronized at its end
-                 (``measure.timed_ms``). A rank that finished its last iteration early waits in the next
-                 all-gather for the others; the host's time to issue a call is inside the timed window.
-  eager_barrier  as eager with ``torch.cuda.synchronize(); dist.barrier()`` before every iteration: the skew
-                 carried over from the previous iteration removed (candidate: rank skew).
-  host_ahead     every iteration starts with a one-element all-reduce (the GPUs aligned) and a ``--sleep-ms``
+  eager          the harness's loop: one barrier, then back-to-back calls, each synchronized at its end. A rank
+                 that finished its last call early waits in the next all-gather for the others; the host's time to
+                 issue a call is inside the timed window.
+  eager_barrier  as eager with ``torch.cuda.synchronize(); dist.barrier()`` before every call: the skew
+                 carried over from the previous call removed (candidate: rank skew).
+  host_ahead     every call starts with a one-element all-reduce (the GPUs aligned) and a ``--sleep-ms``
                  spin kernel, behind which the host issues the whole call: the GPU never waits for the host
                  (candidate: host-bound launches, e.g. the NCCL call's host path before the backward launch).
   graph          the call captured in a CUDA graph (NCCL inside) and replayed, aligned as host_ahead
@@ -68,7 +71,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import measure  # noqa: E402
 from mp_grpo import CheckInputs, vocab_parallel_logprobs  # noqa: E402
 from mp_grpo.ops.checks import kernel_counters, merge_error_kinds  # noqa: E402
 from mp_grpo.ops.logprob_launch import logprob_backward, merge_statistics, new_stats_buffer, shard_statistics  # noqa: E402
@@ -194,45 +199,56 @@ NO_MARKS = Marks(None)
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def timed(fn, mode: str, *, device: Device, group, iters: int, warmup: int, sleep_ms: float) -> dict:
-    """Per-iteration times of ``fn(mark)`` on this rank under ``mode`` (module docstring); the phases between its
-    marks (GPU ms since the iteration's start, host ms since the iteration's start), the iterations' host start
-    times (CLOCK_MONOTONIC) and the allocator's counts over the timed loop."""
+def timed(fns: dict, mode: str, *, device: Device, group, iters: int, warmup: int, sleep_ms: float) -> dict[str, dict]:
+    """Per-call times of every ``fns[name](mark)`` on this rank under ``mode`` (module docstring), in ``iters``
+    interleaved rounds (``measure.interleaved_ms``); per function: its times, the phases between its marks (GPU ms
+    since the call's start, host ms since the call's start; medians), its calls' host start times (CLOCK_MONOTONIC)
+    and the allocator's counts over its calls."""
     one = torch.ones(1, device=device.name)
     for _ in range(warmup):
-        fn(NO_MARKS)
+        for fn in fns.values():
+            fn(NO_MARKS)
     device.sync()
     dist.barrier(group=group)
-    mallocs0, retries0 = device.memory_counts()
-    times, starts, phases = [], [], []
-    for _ in range(iters):
+    seen = {name: {"starts": [], "phases": [], "cuda_mallocs": 0, "alloc_retries": 0} for name in fns}
+
+    def align() -> None:
         if mode == "eager_barrier":
             device.sync()
             dist.barrier(group=group)
         elif mode in ("host_ahead", "graph"):
             dist.all_reduce(one, group=group)
             device.sleep(sleep_ms)
-        marks = Marks(device if mode != "graph" else None)
-        start, end = device.event(), device.event()
-        starts.append(time.monotonic())
-        host0 = time.perf_counter()
-        start.record()
-        fn(marks)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-        phases.append({name: (start.elapsed_time(ev), (host - host0) * 1e3) for name, ev, host in marks.events})
-    mallocs1, retries1 = device.memory_counts()
-    names = list(phases[0]) if phases else []
-    return {
-        "ms": statistics.median(times),
-        "times": times,
-        "starts": starts,
-        "phases": {n: [statistics.median(p[n][0] for p in phases), statistics.median(p[n][1] for p in phases)]
-                   for n in names},
-        "cuda_mallocs": mallocs1 - mallocs0,
-        "alloc_retries": retries1 - retries0,
-    }
+
+    def one_call(name: str, fn):
+        def call() -> float:
+            mallocs0, retries0 = device.memory_counts()
+            marks = Marks(device if mode != "graph" else None)
+            start, end = device.event(), device.event()
+            seen[name]["starts"].append(time.monotonic())
+            host0 = time.perf_counter()
+            start.record()
+            fn(marks)
+            end.record()
+            end.synchronize()
+            mallocs1, retries1 = device.memory_counts()
+            seen[name]["cuda_mallocs"] += mallocs1 - mallocs0
+            seen[name]["alloc_retries"] += retries1 - retries0
+            seen[name]["phases"].append({n: (start.elapsed_time(ev), (host - host0) * 1e3) for n, ev, host in marks.events})
+            return start.elapsed_time(end)
+
+        return call
+
+    times = measure.interleaved_ms({name: one_call(name, fn) for name, fn in fns.items()}, iters, warmup=0,
+                                   timer=lambda call: call(), before_each=align)
+    out = {}
+    for name, record in seen.items():
+        phases = record.pop("phases")
+        names = list(phases[0]) if phases else []
+        out[name] = {"ms": statistics.median(times[name]), "times": times[name], **record,
+                     "phases": {n: [statistics.median(p[n][0] for p in phases), statistics.median(p[n][1] for p in phases)]
+                                for n in names}}
+    return out
 
 
 def graphed(fn, device: Device):
@@ -341,8 +357,8 @@ def manual_variant(s: Shard, group, tp: int, *, collective: str, prealloc: bool 
 
     def forward(mark):
         gathered = statistics_and_gather(mark)
-        merged = merge_statistics(gathered, target, v_local=s.v_local, ignore_index=IGNORE_INDEX, with_entropy=True,
-                                  errors=errors)
+        merged = merge_statistics(gathered, target, v_local=s.v_local, ignore_index=IGNORE_INDEX, inv_temperature=1.0,
+                                  with_entropy=True, errors=errors)
         mark("merge")
         return merged
 
@@ -352,8 +368,8 @@ def manual_variant(s: Shard, group, tp: int, *, collective: str, prealloc: bool 
     def fwd_bwd(mark):
         merged = forward(mark)
         grad = fixed["grad"] if prealloc else torch.empty_like(s.x)
-        logprob_backward(s.x.detach(), grad, target, merged.row_max, merged.log_sum, None, s.g, None,
-                         vocab_start=vocab_start, ignore_index=IGNORE_INDEX, inv_temperature=1.0)
+        logprob_backward(s.x.detach(), grad, target, merged.row_max, merged.log_sum, merged.complement, None, None,
+                         s.g, None, vocab_start=vocab_start, ignore_index=IGNORE_INDEX, inv_temperature=1.0)
         mark("backward")
         return grad
 
@@ -417,39 +433,49 @@ def run_vocab(v: int, args, device: Device, group, cta_group) -> tuple[list[dict
     check = {k: bool(min(o[k] for o in _gathered(same, tp))) for k in same}  # on every rank
     if rank == 0:
         print(json.dumps({"V": v, "manual gradient bitwise equal to the op's, every rank": check}), flush=True)
-    for name, (build, modes, twin) in variants(s, group, tp, chunks=args.chunks, cta_group=cta_group).items():
-        fns = build()
-        for mode in modes:
-            for part, fn in zip(PARTS, fns):
-                row = {"V": v, "N": n, "tp": tp, "variant": name, "twin": twin, "mode": mode, "part": part}
+    table = variants(s, group, tp, chunks=args.chunks, cta_group=cta_group)
+    built = {name: build() for name, (build, _, _) in table.items()}
+    for mode in MODES:
+        names = [name for name, (_, modes, _) in table.items() if mode in modes]
+        for part_index, part in enumerate(PARTS):
+            base = {"V": v, "N": n, "tp": tp, "mode": mode, "part": part}
+            per_name = {name: {**base, "variant": name, "twin": table[name][2]} for name in names}
+            calls = {}
+            for name in names:  # each variant alone first: one that cannot run here is reported, the rest timed
+                fn = built[name][part_index]
                 try:
                     if mode == "graph" and device.dry:
-                        row["skipped"] = "dry run: no CUDA graphs on the CPU"
-                    else:
-                        call = fn
-                        if mode == "graph":
-                            graph = graphed(fn, device)
-                            call = lambda mark, graph=graph: graph.replay()  # noqa: E731
-                        row.update(timed(call, mode, device=device, group=group, iters=args.iters,
-                                         warmup=args.warmup, sleep_ms=args.sleep_ms))
-                        if mode == "graph":
-                            del graph, call
+                        per_name[name]["skipped"] = "dry run: no CUDA graphs on the CPU"
+                        continue
+                    if mode == "graph":
+                        graph = graphed(fn, device)
+                        fn = lambda mark, graph=graph: graph.replay()  # noqa: E731
+                    fn(NO_MARKS)
+                    calls[name] = fn
                 except Exception as err:  # reported, not hidden (a variant that cannot run on this torch)
                     if rank == 0:
                         traceback.print_exc()
-                    row["error"] = repr(err)[:300]
-                gathered = [None] * tp
-                dist.all_gather_object(gathered, row)
-                rows.append(merge_ranks(gathered))
+                    per_name[name]["error"] = repr(err)[:300]
+            # every rank times the same variants (a variant that failed on one rank is left out on all)
+            ok = [name for name in names if min(_gathered(name in calls, tp))]
+            if ok:
+                measured = timed({name: calls[name] for name in ok}, mode, device=device, group=group, iters=args.iters,
+                                 warmup=args.warmup, sleep_ms=args.sleep_ms)
+                for name in ok:
+                    per_name[name].update(measured[name], interleaved_with=ok)
+            for name in names:
+                rows.append(merge_ranks(_gathered(per_name[name], tp)))
                 if rank == 0:
                     r = rows[-1]
                     print(json.dumps({k: r[k] for k in ("V", "tp", "variant", "mode", "part")}
                                      | {"ms": r.get("ms"), "error": r.get("error"), "skipped": r.get("skipped")}),
                           flush=True)
-                if not device.dry:
-                    torch.cuda.empty_cache()
-        del fns
-    del s
+            del calls
+            if not device.dry:
+                torch.cuda.empty_cache()
+    del built, s
+    order = list(table)
+    rows.sort(key=lambda r: (order.index(r["variant"]), MODES.index(r["mode"]), PARTS.index(r["part"])))
     return rows, check
 
 
@@ -463,7 +489,7 @@ def merge_ranks(per_rank: list[dict]) -> dict:
     """One row from every rank's: the slowest rank's median, every rank's median and phases, the host clocks'
     spread over ranks at each iteration's start."""
     row = {k: v for k, v in per_rank[0].items() if k not in ("ms", "times", "starts", "phases", "cuda_mallocs",
-                                                              "alloc_retries")}
+                                                              "alloc_retries", "interleaved_with")}
     if any("error" in r for r in per_rank):
         row["error"] = next(r["error"] for r in per_rank if "error" in r)
         return row
@@ -476,20 +502,46 @@ def merge_ranks(per_rank: list[dict]) -> dict:
     row["alloc_retries"] = max(r["alloc_retries"] for r in per_rank)
     spreads = [1e6 * (max(t) - min(t)) for t in zip(*(r["starts"] for r in per_rank))]
     row["start_spread_us"] = {"median": statistics.median(spreads), "max": max(spreads)}
-    # the per-iteration spread of times over ranks (skew absorbed by the gather shows as equal times)
-    row["iteration_max_over_ranks_median_ms"] = statistics.median(max(ts) for ts in zip(*(r["times"] for r in per_rank)))
+    # the per-round slowest rank (skew absorbed by the gather shows as equal times): the ratios' rounds
+    row["round_max_ms"] = [max(ts) for ts in zip(*(r["times"] for r in per_rank))]
+    row["iteration_max_over_ranks_median_ms"] = statistics.median(row["round_max_ms"])
+    if "interleaved_with" in per_rank[0]:
+        row["interleaved_with"] = per_rank[0]["interleaved_with"]
     return row
 
 
 # ------------------------------------------------------------------------------------------------ report
-def ratio(rows: list[dict], row: dict) -> float | None:
+def _twin(rows: list[dict], row: dict) -> dict | None:
     if row.get("twin") is None or "ms" not in row:
         return None
-    twin = next((r for r in rows if r["variant"] == row["twin"] and r["mode"] == row["mode"] and r["part"] == row["part"]
+    return next((r for r in rows if r["variant"] == row["twin"] and r["mode"] == row["mode"] and r["part"] == row["part"]
                  and r["V"] == row["V"] and "ms" in r), None)
-    if twin is None and row["mode"] == "graph":
+
+
+def ratio_interval(rows: list[dict], row: dict) -> measure.MedianInterval | None:
+    """The row against its twin round by round, where both were timed in the same interleaved rounds: the median of
+    the per-round ratios of the slowest ranks' times and its 95 % interval (None otherwise)."""
+    twin = _twin(rows, row)
+    if twin is None or row["twin"] not in row.get("interleaved_with", ()) or "round_max_ms" not in twin:
         return None
-    return None if twin is None else row["ms"] / twin["ms"]
+    return measure.ratio_to(row["round_max_ms"], twin["round_max_ms"])
+
+
+def ratio(rows: list[dict], row: dict) -> float | None:
+    """The row's time against its twin's: the median per-round ratio (interleaved rounds), else the ratio of the two
+    slowest-rank medians (rows timed before the rounds)."""
+    twin = _twin(rows, row)
+    if twin is None:
+        return None
+    interval = ratio_interval(rows, row)
+    return row["ms"] / twin["ms"] if interval is None else interval.median
+
+
+def _ratio_cell(rows: list[dict], row: dict) -> str:
+    x, interval = ratio(rows, row), ratio_interval(rows, row)
+    if x is None:
+        return "—"
+    return f"{x:.3f}" if interval is None else f"{x:.3f} ({interval.low:.3f}–{interval.high:.3f})"
 
 
 def gather_times(rows: list[dict], v: int, variant: str, mode: str) -> list[float] | None:
@@ -545,7 +597,9 @@ def write_report(result: dict, out: Path) -> None:
         "logits ~ N(0, 3²), with entropy, `check_inputs=False` unless the row says checked) against its no-collective "
         "twin (the same kernels on the same shard, `tp_group=None`, targets folded into the shard). Each figure: the "
         f"slowest rank's median of {result['iters']} iterations (every rank's in brackets); × = / the twin in the same "
-        "mode. Modes and variants: `scripts/bench_tp_collective.py`'s docstring. "
+        "mode: where the rows were timed in interleaved rounds, the median of the per-round ratios of the slowest "
+        "ranks' times with its 95 % interval in parentheses (`scripts/measure.py`), else the ratio of the medians. "
+        "Modes and variants: `scripts/bench_tp_collective.py`'s docstring. "
         f"Target: within {TARGET:.2f}×. torch {result['torch']}, triton {result['triton']}.",
         "",
     ]
@@ -566,9 +620,7 @@ def write_report(result: dict, out: Path) -> None:
             for part in PARTS:
                 r = next((x for x in rows if (x["V"], x["variant"], x["mode"], x["part"]) == (v, variant, mode, part)), {})
                 if "ms" in r:
-                    x = ratio(rows, r)
-                    cells += [f"{r['ms']:.3f} [{' / '.join(f'{m:.3f}' for m in r['ms_per_rank'])}]",
-                              "—" if x is None else f"{x:.3f}"]
+                    cells += [f"{r['ms']:.3f} [{' / '.join(f'{m:.3f}' for m in r['ms_per_rank'])}]", _ratio_cell(rows, r)]
                     if part == "fwd_bwd":
                         extra = (f"| {r['cuda_mallocs']} / {r['alloc_retries']} | "
                                  f"{r['start_spread_us']['median']:.0f} / {r['start_spread_us']['max']:.0f} |")
@@ -644,7 +696,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
-    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--iters", type=int, default=40, help="interleaved rounds (each: every variant of a mode once)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sleep-ms", type=float, default=1.5, help="host_ahead / graph: the spin kernel's length")
     parser.add_argument("--chunks", type=int, default=4, help="row chunks of the pipelined variant")

@@ -30,6 +30,12 @@ def _verdict(value: float, limit: float, unit: str, at_most: bool = True) -> str
     return f"{'met' if margin >= 0 else 'NOT MET'} (by {abs(margin):.2f}{unit})"
 
 
+def _interval(r: dict, key: str) -> str:
+    """`` [low, high], N interleaved rounds`` of a row's ratio where it has them ('' for a ratio of two medians)."""
+    iv = r.get(f"{key}_interval")
+    return "" if iv is None else f" [95 % interval {iv['low']:.3f}–{iv['high']:.3f}, {iv['n']} interleaved rounds]"
+
+
 def _targets(result: dict) -> list[str]:
     """One line per target and vocabulary size (met or not, and by how much), then the sequence-level case."""
     lines = []
@@ -43,7 +49,7 @@ def _targets(result: dict) -> list[str]:
             ratio = ours["fwd_bwd_vs_bare"]
             lines.append(
                 f"- V = {v}, time: {WITH_LOSS} fwd+bwd {ours['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the bare matmuls "
-                f"({bare['fwd_bwd_ms']:.2f} ms); target ≤ {TARGET_TIME_RATIO:.2f}x: "
+                f"({bare['fwd_bwd_ms']:.2f} ms){_interval(ours, 'fwd_bwd_vs_bare')}; target ≤ {TARGET_TIME_RATIO:.2f}x: "
                 f"{_verdict(ratio, TARGET_TIME_RATIO, 'x')[:-1]} = "
                 f"{abs(TARGET_TIME_RATIO * bare['fwd_bwd_ms'] - ours['fwd_bwd_ms']):.2f} ms)"
             )
@@ -78,11 +84,12 @@ def _fp32_targets(v: int, rows: dict) -> list[str]:
     lines = []
     loss, bare, op, op16 = (rows.get(k, {}) for k in ("loss_fp32", "bare", "per_token_fp32", "per_token"))
     if "fwd_bwd_ms" in loss and "fwd_bwd_ms" in bare:
-        ratio = loss["fwd_bwd_ms"] / bare["fwd_bwd_ms"]
-        margin_ms = TARGET_FP32_TIME_RATIO * bare["fwd_bwd_ms"] - loss["fwd_bwd_ms"]
+        ratio = loss.get("fwd_bwd_vs_bare", loss["fwd_bwd_ms"] / bare["fwd_bwd_ms"])
+        margin_ms = (TARGET_FP32_TIME_RATIO - ratio) * bare["fwd_bwd_ms"]
         lines.append(
             f"- V = {v}, fp32 logits, time: {WITH_LOSS}{FP32} {loss['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the bare bf16 "
-            f"matmuls; target ≤ {TARGET_FP32_TIME_RATIO:.2f}x: {'met' if margin_ms >= 0 else 'NOT MET'} "
+            f"matmuls{_interval(loss, 'fwd_bwd_vs_bare')}; target ≤ {TARGET_FP32_TIME_RATIO:.2f}x: "
+            f"{'met' if margin_ms >= 0 else 'NOT MET'} "
             f"(by {abs(ratio - TARGET_FP32_TIME_RATIO):.4f}x = {abs(margin_ms):.3f} ms)")
         lines.append(
             f"- V = {v}, fp32 logits, memory: extra peak {loss['extra_peak_GiB']:.2f} GiB; target ≤ "
@@ -91,11 +98,11 @@ def _fp32_targets(v: int, rows: dict) -> list[str]:
         lines.append(f"- V = {v}, fp32 logits: {WITH_LOSS}{FP32} or the bare row {NOT_MEASURED} "
                      f"({loss.get('skipped') or loss.get('error') or bare.get('error') or 'row not run'})")
     if "fwd_bwd_ms" in op and "fwd_bwd_ms" in op16:
-        ratio = op["fwd_bwd_ms"] / op16["fwd_bwd_ms"]
+        ratio = op.get("fwd_bwd_vs_bf16", op["fwd_bwd_ms"] / op16["fwd_bwd_ms"])
         lines.append(
             f"- V = {v}, fp32 logits, per-token op: {FUSED}{FP32} {op['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the bf16 op "
-            f"({op16['fwd_bwd_ms']:.2f} ms); target ≤ 1.00x: {_verdict(ratio, 1.0, 'x')[:-1]} = "
-            f"{abs(op['fwd_bwd_ms'] - op16['fwd_bwd_ms']):.2f} ms)")
+            f"({op16['fwd_bwd_ms']:.2f} ms){_interval(op, 'fwd_bwd_vs_bf16')}; target ≤ 1.00x: "
+            f"{_verdict(ratio, 1.0, 'x')[:-1]} = {abs(ratio - 1.0) * op16['fwd_bwd_ms']:.2f} ms)")
     return lines
 
 
@@ -132,7 +139,10 @@ def write_single_gpu_report(result: dict, out: Path, plot: bool = True) -> None:
         f"# Output layer + token log-probs, fused vs. unfused — {result['device']}",
         "",
         f"N = {result['tokens']} tokens, H = {result['hidden']}, bf16, one GPU (torch {result['torch']}). "
-        "Median of triton.testing.do_bench. Extra peak: peak of one forward+backward beyond the memory allocated "
+        "Median of triton.testing.do_bench; a row's forward+backward against the bare matmuls (and an fp32 row's "
+        "against its bf16 row), where the row has interleaved rounds, is the median of the per-round ratios of the "
+        "two timed in alternating order in one process (CUDA events; `scripts/measure.py`), with its 95 % interval "
+        "in brackets — else the ratio of the two medians. Extra peak: peak of one forward+backward beyond the memory allocated "
         "before it (inputs and the previous step's gradients, which each step frees and allocates again). "
         "mp_grpo rows run with `check_inputs=False`. Liger and `fused_linear_loss` compute the loss's gradients in "
         "forward: their forward and forward+backward are therefore alike. Loss rows: GRPOLoss (PPO clip, or GSPO) on "
@@ -149,7 +159,10 @@ def write_single_gpu_report(result: dict, out: Path, plot: bool = True) -> None:
     ]
     for r in result["rows"]:
         if "fwd_bwd_ms" in r:
-            vs_bare = f"{r['fwd_bwd_vs_bare']:.2f}" if "fwd_bwd_vs_bare" in r else "—"
+            vs_bare = f"{r['fwd_bwd_vs_bare']:.3f}" if "fwd_bwd_vs_bare" in r else "—"
+            if "fwd_bwd_vs_bare_interval" in r:
+                iv = r["fwd_bwd_vs_bare_interval"]
+                vs_bare += f" [{iv['low']:.3f}, {iv['high']:.3f}]"
             vs_liger = f"{r['liger_fwd_bwd_over_this']:.1f}" if "liger_fwd_bwd_over_this" in r else "—"
             lines.append(
                 f"| {r['case']} | {r['V']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {vs_bare} | "

@@ -11,12 +11,22 @@
 - :func:`fits_in_memory`: whether one call runs without running out of device memory (and its peak).
 - :func:`largest_fitting`: the largest integer size that fits, by probes (exponential steps from a guess,
   then bisection); the search itself takes any ``fits(size) -> bool`` and runs without a GPU.
+- :func:`interleaved_ms`: several calls timed in interleaved rounds in one process (each round times every call
+  once with CUDA events, :func:`cuda_event_ms`, in the order given and in the reverse order every other round); :func:`ratio_to` and
+  :func:`median_interval`: the figure a benchmark reports for "A against B" from those rounds — the median of the
+  per-round ratios A / B with a distribution-free 95 % interval (order statistics of the median). Both take any
+  timer and run without a GPU.
+
+Why rounds: on a shared machine the same call timed again in the same process moves by several per cent from one
+minute to the next, so medians of A's iterations and then B's cannot resolve the 1 % a target is about; in one
+round A and B see the same machine state, and the per-round ratio cancels what drifts slower than a round.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -186,3 +196,109 @@ def largest_fitting(fits: Callable[[int], bool], guess: int, *, limit: int, know
             probe = (lo + hi) // 2
         step *= 2
     return Search(largest=lo, first_failure=hi, probes=probes)
+
+
+
+# ------------------------------------------------------------------------------------------------ interleaved rounds
+CONFIDENCE = 0.95
+"""The coverage asked of :func:`median_interval`: a 95 % interval."""
+
+Timer = Callable[[Callable[[], object]], float]
+"""Times one call of a function in milliseconds."""
+
+
+def cuda_event_ms(fn: Callable[[], object]) -> float:
+    """One call of ``fn`` timed with CUDA events: the GPU drained first, the end event waited for."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def interleaved_ms(fns: Mapping[str, Callable[[], object]], rounds: int, *, warmup: int = 1,
+                   timer: Timer = cuda_event_ms, before_each: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Each function's time in ``rounds`` interleaved rounds: ``warmup`` untimed calls of every function (in order),
+    then round r times every function once with ``timer`` — in the order of ``fns`` (``floor, A, B, …``) in even
+    rounds and in the reverse order in odd rounds, so that a machine whose speed drifts steadily during a round
+    favours neither the first nor the last function (a fixed order puts that drift into every per-round ratio).
+    ``before_each`` runs before every timed call, outside its timed window (e.g. a barrier aligning the ranks).
+    Returns ``{name: [ms of round 0, round 1, …]}``."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be ≥ 1, got {rounds}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be ≥ 0, got {warmup}")
+    if not fns:
+        raise ValueError("fns must name at least one function to time")
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns.items())
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else reversed(order):
+            if before_each is not None:
+                before_each()
+            times[name].append(float(timer(fn)))
+    return times
+
+
+@dataclass(frozen=True)
+class MedianInterval:
+    """The sample median of n values and a distribution-free interval for the true median."""
+
+    median: float
+    low: float
+    high: float
+    """The order statistics x₍ₖ₎ and x₍ₙ₊₁₋ₖ₎ (sorted values, 1-based) of :func:`median_interval`."""
+    coverage: float
+    """The interval's exact coverage for any continuous distribution: P(Bin(n, ½) ∈ [k, n − k]). ≥ the confidence asked
+    for whenever n allows it (n ≥ 6 for 95 %); with fewer values the interval is the whole range and this says how
+    little it covers."""
+    n: int
+
+    def as_dict(self) -> dict:
+        return {"median": self.median, "low": self.low, "high": self.high, "coverage": self.coverage, "n": self.n}
+
+
+def _binomial_half_cdf(k: int, n: int) -> float:
+    """P(Bin(n, ½) ≤ k)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> MedianInterval:
+    """The median of ``values`` and the narrowest symmetric order-statistic interval [x₍ₖ₎, x₍ₙ₊₁₋ₖ₎] whose coverage
+    of the true median, 1 − 2·P(Bin(n, ½) ≤ k − 1), is at least ``confidence`` — assuming only that the values are
+    independent draws of one continuous distribution (no normality). With too few values for ``confidence``: k = 1
+    (the range), its smaller coverage recorded."""
+    xs = sorted(float(v) for v in values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_interval: no values")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if any(not math.isfinite(x) for x in xs):
+        raise ValueError(f"median_interval: values must be finite, got {values!r}")
+    median = xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 1.0 - 2.0 * _binomial_half_cdf(k, n) >= confidence:
+        k += 1
+    coverage = 1.0 - 2.0 * _binomial_half_cdf(k - 1, n)
+    return MedianInterval(median=median, low=xs[k - 1], high=xs[n - k], coverage=coverage, n=n)
+
+
+def ratio_to(times: Sequence[float], base: Sequence[float], confidence: float = CONFIDENCE) -> MedianInterval:
+    """``times`` against ``base`` round by round (both from the same :func:`interleaved_ms` rounds): the median of
+    the per-round ratios times[r] / base[r] and its interval (:func:`median_interval`)."""
+    if len(times) != len(base):
+        raise ValueError(f"ratio_to: {len(times)} times against {len(base)} base times: not the same rounds")
+    if any(b <= 0 for b in base):
+        raise ValueError(f"ratio_to: base times must be > 0, got {list(base)!r}")
+    return median_interval([t / b for t, b in zip(times, base)], confidence)
+
+
+def median(values: Sequence[float]) -> float:
+    """The sample median (the mean of the middle two for an even count)."""
+    return median_interval(values).median

@@ -4,12 +4,16 @@
   tied embeddings, V = 151936), Qwen2.5-7B (the same layout, untied embeddings, V = 152064; for TP = 4) and a
   tiny shape for smoke tests (its heads and query groups divide by 4, so it runs at every TP size).
 - :func:`gpt_config`: their ``TransformerConfig`` with selective or full activation recompute, bf16, no dropout.
+- :class:`LayerSpec` / :func:`layer_spec`: the decoder layer — Transformer Engine's (megatron-core's
+  ``get_gpt_layer_with_transformer_engine_spec``: TE's fused attention, its norms fused into the next linear
+  layer; what Megatron users train with) or megatron-core's local one (unfused attention that stores the S × S
+  scores; runs without TE); :func:`default_spec`: TE wherever ``transformer_engine`` imports.
 - :class:`Rig`: what a step needs — the DDP-wrapped model, its config, the process groups, a
   ``forward_backward_func`` with Megatron's keyword signature, and the model-call keywords; :func:`gpu_rig`
   builds it on the current GPU at the tensor-parallel size ``parallel_state`` was initialized with
-  (megatron-core's local layer spec, no sequence parallelism — the local spec's norms refuse it —,
-  ``Float16Module``, Megatron DDP with fp32 gradient buffers, ``finalize_model_grads``); :func:`cpu_rig` builds
-  one from the CPU stand-ins (``mp_grpo.train``: no attention) for the tests and ``bench_step.py --dry-run``.
+  (the layer spec asked for, no sequence parallelism — the local spec's norms refuse it, and both specs are run
+  alike —, ``Float16Module``, Megatron DDP with fp32 gradient buffers, ``finalize_model_grads``); :func:`cpu_rig`
+  builds one from the CPU stand-ins (``mp_grpo.train``: no attention) for the tests and ``bench_step.py --dry-run``.
 - :func:`synthetic_micro_batches`: padded micro-batches of full-length rows (a prompt, then a completion
   trained on: the last 7/8 of a row, or the last ``loss_fraction`` of it), random tokens, one advantage per sequence.
 """
@@ -69,6 +73,40 @@ PROMPT_FRACTION = 8
 """A row's first S / 8 tokens are its prompt (not trained on); the rest is the completion."""
 
 
+class LayerSpec(str, Enum):
+    """The decoder layer's implementation (megatron-core's layer specs)."""
+
+    TE = "te"
+    """``get_gpt_layer_with_transformer_engine_spec()``: Transformer Engine's modules (fused attention with
+    ``cu_seqlens`` support, RMSNorm fused into the following linear layer). Needs ``transformer_engine``."""
+    LOCAL = "local"
+    """``get_gpt_layer_local_spec(normalization="RMSNorm")``: megatron-core's own modules; its core attention is
+    unfused (softmax over stored S × S scores, in megatron-core's global memory buffer)."""
+
+
+def default_spec() -> LayerSpec:
+    """TE's spec wherever ``transformer_engine`` imports, else the local one."""
+    from mp_grpo.megatron.gpt import have_transformer_engine
+
+    return LayerSpec.TE if have_transformer_engine() else LayerSpec.LOCAL
+
+
+def layer_spec(spec: LayerSpec):
+    """megatron-core's ``ModuleSpec`` of a decoder layer for ``spec``; TE asked for where it does not import: an
+    error naming ``--spec``."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from mp_grpo.megatron.gpt import have_transformer_engine
+
+    spec = LayerSpec(spec)
+    if spec == LayerSpec.LOCAL:
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if not have_transformer_engine():
+        raise RuntimeError("--spec te: transformer_engine does not import here (put Transformer Engine on PYTHONPATH, "
+                           "NVTE_FRAMEWORK=pytorch) — or run --spec local")
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+
+
 class Recompute(str, Enum):
     """Megatron's activation recompute."""
 
@@ -125,11 +163,11 @@ class Rig:
         self.model.zero_grad_buffer()
 
 
-def gpu_rig(shape: ModelShape, recompute: Recompute, *, seq_len: int, seed: int = 1234) -> Rig:
-    """``shape`` as megatron-core's GPTModel on the current GPU, split over ``parallel_state``'s tensor-parallel
-    group (initialized before; every rank of it builds the same model and feeds it the same micro-batches)."""
+def gpu_rig(shape: ModelShape, recompute: Recompute, *, seq_len: int, spec: LayerSpec, seed: int = 1234) -> Rig:
+    """``shape`` as megatron-core's GPTModel with the ``spec`` layer on the current GPU, split over ``parallel_state``'s
+    tensor-parallel group (initialized before; every rank of it builds the same model and feeds it the same
+    micro-batches)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -143,7 +181,7 @@ def gpu_rig(shape: ModelShape, recompute: Recompute, *, seq_len: int, seed: int 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     gpt = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=config, transformer_layer_spec=layer_spec(spec),
         vocab_size=shape.vocab, max_sequence_length=seq_len, parallel_output=True,
         share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope", rotary_base=ROPE_BASE,
     ).cuda()

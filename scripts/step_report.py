@@ -1,14 +1,21 @@
 """Results and reports of ``bench_step.py``: ``step.json`` (TP = 1, resumable), ``step.md`` (tables, targets,
 predictions beside the measurements) and ``step.png``; under tensor parallelism ``step_tp.{json,md,png}`` (rows
 of every TP size, keyed by it; TP = 1 rows measured in the same session may sit there too) and
-``step_tp_scaling.png`` (each path against the floor, per TP size).
+``step_tp_scaling.png`` (each path against the floor, per TP size). Those names hold Transformer Engine's layer
+spec; the local spec's reports are ``step_local`` and ``step_tp_local`` (``report_name``). A report holds one
+spec (``meta.spec``; a file from before the spec was recorded holds local-spec rows).
+
+A row's time against the floor is the median of its per-round ratios with a 95 % interval (``vs_floor``, from
+``bench_step.py``'s interleaved rounds); rows measured before the rounds have the ratio of the two medians only.
 
 The targets, on every configuration: in the training and the forward-only passes the fused path takes ≤ 1.01×
 the floor's time and fits ≥ 0.95× its tokens and the logits path takes ≤ 1.02× the floor's time; the whole step
 is held to the same time targets; the forward-only pass on the logits path fits ≥ 2× the common path's tokens.
 In the TP report also: the logits path fits ≥ 0.95× the floor's tokens; the fp32 fused path takes ≤ 1.02× the
-floor's time in both passes and fits the floor's largest micro-batch (≥ 1.0×). A dry run's report
-(``bench_step.py --dry-run``) is titled as one and carries no targets.
+floor's time in both passes and fits the floor's largest micro-batch (≥ 1.0×). On Transformer Engine's spec the
+fused path at bf16 and at fp32 logits: ≤ 1.01× the floor's time in the training pass with the 95 % interval's
+upper end below 1.02, ≤ 1.01× in the forward-only pass, and ≥ 0.97× the floor's largest micro-batch. A dry run's
+report (``bench_step.py --dry-run``) is titled as one and carries no targets.
 ``python scripts/step_report.py --merge A/step_tp.json B/step_tp.json --out DIR``: the TP rows of several runs (e.g.
 two device calls) in one report.
 The predictions were written before the runs that measured the rows.
@@ -40,12 +47,16 @@ PATH_NAMES = {
                       "tensor cores (NeMo-RL's tf32), then the common path's log-probs and loss",
     "fp32_head": "the same fp32 head with TF32 off (TRL's cast_lm_head_to_fp32, torchtitan)",
 }
-REPORT_NAMES = {1: "step"}
-"""The JSON / markdown / plot base name per TP size of the run that writes them (``step_tp`` otherwise)."""
+REPORT_NAMES = {(False, "te"): "step", (True, "te"): "step_tp", (False, "local"): "step_local",
+                (True, "local"): "step_tp_local"}
+"""The JSON / markdown / plot base name by (the TP report, the layer spec)."""
+SPEC_TITLES = {"te": "Transformer Engine's layer spec", "local": "megatron-core's local layer spec"}
+LEGACY_SPEC = "local"
+"""The spec of a report written before the spec was recorded: every such run used the local spec."""
 
 
-def report_name(tp: int) -> str:
-    return REPORT_NAMES.get(tp, "step_tp")
+def report_name(tp: int, spec: str) -> str:
+    return REPORT_NAMES[(tp != 1, spec)]
 KIND_TITLES = {
     "train": "Training pass: forward + loss + backward of one micro-batch (forward_backward_func, finalize_model_grads)",
     "forward": "Forward-only log-prob pass (old / reference policy), no_grad",
@@ -71,6 +82,12 @@ TARGET_FORWARD_TOKENS_VS_COMMON = 2.0
 TARGET_LOGITS_TOKENS = 0.95
 TARGET_FP32_FUSED_TIME = 1.02
 TARGET_FP32_FUSED_TOKENS = 1.0
+TARGET_TE_FUSED_TIME = 1.01
+"""Transformer Engine's spec: the fused path (bf16 and fp32 logits) against the floor, training and forward-only pass."""
+TARGET_TE_FUSED_HIGH = 1.02
+"""… with the upper end of the training pass's 95 % interval below this."""
+TARGET_TE_FUSED_TOKENS = 0.97
+"""… and its largest micro-batch at least this fraction of the floor's."""
 
 # (shape, seq, kind, path, metric) -> predicted value, both recompute modes unless the key names one.
 # Written before the first run from the independent harness's table and the change's arithmetic:
@@ -110,6 +127,24 @@ CHANGE_PREDICTIONS = {
     ("1.5b", 2048, "step", "fused", "time_vs_floor"): 1.007,
 }
 
+
+# Transformer Engine's layer spec, (shape, seq, kind, path, metric) -> predicted value, selective recompute. Written
+# before the first run of this script on TE from an independent harness's measurement on one H200 (GPTModel with TE's
+# spec, one micro-batch of 4 × 2048 tokens forward + backward outside Megatron's schedule, 20 interleaved rounds,
+# median per-round ratio): fused 1.012, fused at fp32 logits 1.024, the logits path 1.055, megatron-core's CE path
+# 1.151; the fused path's largest micro-batch 21 against the floor's 22 rows (0.955). Megatron's schedule and DDP add
+# the same work to every path, so the ratios here are expected a little closer to 1; the forward-only pass reads the
+# logits once (about 1 % of a ~60 ms pass).
+PREDICTIONS_TE = {
+    ("1.5b", 2048, "train", "fused", "time_vs_floor"): 1.011,
+    ("1.5b", 2048, "train", "fused_fp32", "time_vs_floor"): 1.022,
+    ("1.5b", 2048, "train", "logits", "time_vs_floor"): 1.05,
+    ("1.5b", 2048, "train", "common", "time_vs_floor"): 1.14,
+    ("1.5b", 2048, "train", "fused", "tokens_vs_floor"): 0.955,
+    ("1.5b", 2048, "forward", "fused", "time_vs_floor"): 1.01,
+    ("1.5b", 2048, "forward", "logits", "time_vs_floor"): 1.01,
+    ("1.5b", 2048, "step", "fused", "time_vs_floor"): 1.01,
+}
 
 # (tp, shape, seq, kind, path, metric) -> predicted value, selective recompute, for the TP report. Written before
 # the run that measures them, from the TP = 1 rows above, the independent harness's TP = 1 fp32-head anchor
@@ -175,6 +210,18 @@ PREDICTIONS_TP = {
 }
 
 
+# Transformer Engine's spec under TP, written before the first such run: at TP = 2 every rank's decoder and its
+# output-layer shard both halve, so the loss paths' share of the pass stays about what TP = 1 shows on TE
+# (PREDICTIONS_TE); the log-prob op's all-gather adds ~0.03 ms to a ~100 ms pass.
+PREDICTIONS_TP_TE = {
+    (2, "1.5b", 2048, "train", "fused", "time_vs_floor"): 1.012,
+    (2, "1.5b", 2048, "train", "fused_fp32", "time_vs_floor"): 1.022,
+    (2, "1.5b", 2048, "train", "logits", "time_vs_floor"): 1.05,
+    (2, "1.5b", 2048, "forward", "fused", "time_vs_floor"): 1.01,
+    (2, "1.5b", 2048, "train", "fused", "tokens_vs_floor"): 0.97,
+}
+
+
 def row_key(shape: str, seq: int, recompute: str, kind: str, path, tp: int = 1) -> str:
     return f"{shape}|{seq}|{recompute}|{kind}|{getattr(path, 'value', path)}|{int(tp)}"
 
@@ -199,14 +246,26 @@ class Results:
     @property
     def tp_report(self) -> bool:
         """The tensor-parallel report (``step_tp``): rows of several TP sizes, a TP column."""
-        return self.path.stem != "step"
+        return self.path.stem.startswith("step_tp")
+
+    @property
+    def spec(self) -> str:
+        """The layer spec of every row here (``te`` / ``local``)."""
+        return self.meta.get("spec", LEGACY_SPEC)
 
     @property
     def dry_run(self) -> bool:
         return bool(self.meta.get("dry_run"))
 
-    def start(self, command: str, *, device: str | None = None, dry_run: bool = False) -> None:
+    def start(self, command: str, *, device: str | None = None, dry_run: bool = False, spec: str = "te") -> None:
+        """Records a run (its command, versions, device) that adds rows measured with the ``spec`` layer; a report
+        that holds another spec's rows refuses it."""
         import torch
+
+        if self.rows and self.spec != spec:
+            raise SystemExit(f"{self.path} holds rows of the {self.spec} layer spec: a --spec {spec} run writes its own "
+                             f"report (--report {REPORT_NAMES[(self.tp_report, spec)]}, the default for that spec)")
+        self.meta["spec"] = spec
 
         versions = {"torch": torch.__version__, "python": platform.python_version()}
         try:
@@ -216,6 +275,13 @@ class Results:
             versions.update(megatron_core=megatron.core.__version__, triton=triton.__version__)
         except ImportError:
             pass
+        if spec == "te" and not dry_run:
+            try:
+                import transformer_engine
+
+                versions["transformer_engine"] = transformer_engine.__version__
+            except ImportError:
+                pass
         if device is not None:
             versions["device"] = device
         elif torch.cuda.is_available():
@@ -266,11 +332,12 @@ class Results:
     def summary(self) -> str:
         lines = []
         for (shape, seq, rec, kind, tp), rows in self.groups(tp=None).items():
-            floor = rows.get("floor", {})
+            x_all = ratios(rows)
             for name in PATH_ORDER:
                 r = rows.get(name)
                 if r and "ms" in r:
-                    ratio = f"{r['ms'] / floor['ms']:.3f}x" if "ms" in floor else "  —  "
+                    x = x_all.get(name, {}).get("time_vs_floor")
+                    ratio = "  —  " if x is None else f"{x:.3f}x"
                     tokens = r.get("max_tokens", "—")
                     lines.append(f"TP {tp} {shape:>5} {seq:>5} {rec:<9} {kind:<7} {name:<18} {r['ms']:9.1f} ms "
                                  f"{ratio:>7} {r['peak_GiB']:6.2f} GiB  max tokens {tokens}")
@@ -286,12 +353,19 @@ def _order(r: dict):
 
 # ------------------------------------------------------------------------------------------------ metrics
 def ratios(rows: dict) -> dict:
-    """Per path: time / floor, max tokens / floor, max tokens / common (where measured)."""
+    """Per path: time / floor — the median per-round ratio and its 95 % interval (``time_vs_floor_low`` / ``_high``)
+    where the row has its rounds' ``vs_floor``, else the ratio of the medians —, max tokens / floor, max tokens /
+    common (where measured)."""
     floor, common = rows.get("floor", {}), rows.get("common", {})
     out = {}
     for name, r in rows.items():
         x = {}
-        if "ms" in r and "ms" in floor:
+        if "vs_floor" in r:
+            x.update(time_vs_floor=r["vs_floor"]["median"], time_vs_floor_low=r["vs_floor"]["low"],
+                     time_vs_floor_high=r["vs_floor"]["high"])
+        elif name == "floor" and "ms" in r:
+            x["time_vs_floor"] = 1.0
+        elif "ms" in r and "ms" in floor:
             x["time_vs_floor"] = r["ms"] / floor["ms"]
         if r.get("max_tokens") and floor.get("max_tokens"):
             x["tokens_vs_floor"] = r["max_tokens"] / floor["max_tokens"]
@@ -321,6 +395,9 @@ def targets(results: Results) -> list[str]:
                     checks += [("fused_fp32", "time_vs_floor", TARGET_FP32_FUSED_TIME, True)]
                 if kind == "train":
                     checks += [("fused_fp32", "tokens_vs_floor", TARGET_FP32_FUSED_TOKENS, False)]
+            if results.spec == "te":  # Transformer Engine's spec: the fused path at bf16 and fp32 logits
+                checks = [c for c in checks if c[0] not in ("fused", "fused_fp32")] + te_fused_checks(kind)
+            if results.tp_report or results.spec == "te":  # only the paths that ran
                 checks = [c for c in checks if c[0] in rows and (c[1] != "tokens_vs_common" or "common" in r
                                                                  and "max_tokens" in rows["common"])]
             for path, metric, limit, at_most in checks:
@@ -338,6 +415,18 @@ def targets(results: Results) -> list[str]:
     return lines
 
 
+def te_fused_checks(kind: str) -> list[tuple[str, str, float, bool]]:
+    """The targets of the fused path at bf16 and fp32 logits on Transformer Engine's spec, for one kind of row."""
+    checks = []
+    for path in ("fused", "fused_fp32"):
+        checks.append((path, "time_vs_floor", TARGET_TE_FUSED_TIME, True))
+        if kind == "train":
+            checks.append((path, "time_vs_floor_high", TARGET_TE_FUSED_HIGH, True))
+        if kind in ("train", "forward"):
+            checks.append((path, "tokens_vs_floor", TARGET_TE_FUSED_TOKENS, False))
+    return checks
+
+
 def time_misses(results: Results) -> list[str]:
     """For every training pass whose fused or logits path misses its time target: each missing path's excess over
     the floor in ms against the output layer's whole GPU work in that pass (the floor's bare output matmuls on this
@@ -352,7 +441,8 @@ def time_misses(results: Results) -> list[str]:
         floor = rows.get("floor", {})
         if kind != "train" or "ms" not in floor or "matmul_ms" not in floor:
             continue
-        missed = [p for p, limit in limits.items() if "ms" in rows.get(p, {}) and rows[p]["ms"] / floor["ms"] > limit]
+        x = ratios(rows)
+        missed = [p for p, limit in limits.items() if x.get(p, {}).get("time_vs_floor", 0.0) > limit]
         if not missed:
             continue
         excess = ", ".join(f"{p} +{rows[p]['ms'] - floor['ms']:.1f} ms" for p in missed)
@@ -376,7 +466,7 @@ def write_reports(results: Results, out: FilePath, *, plot: bool, tp1_json: File
         plot_results(results, out / f"{name}.png")
         if results.tp_report:
             tp1 = Results.load(tp1_json) if tp1_json is not None else None
-            plot_tp_scaling(results, out / "step_tp_scaling.png", tp1=tp1)
+            plot_tp_scaling(results, out / f"{name}_scaling.png", tp1=tp1)
 
 
 def _fmt_tokens(r: dict) -> str:
@@ -386,32 +476,100 @@ def _fmt_tokens(r: dict) -> str:
     return f"{'≥ ' if capped else ''}{r['max_tokens']}"
 
 
+def _timing_text(results: Results) -> str:
+    """How the times of the report's rows were taken: interleaved rounds, or (older rows) medians of a few steps."""
+    rounds = sorted({r["rounds"] for r in results.rows.values() if "rounds" in r})
+    old = any("ms" in r and "rounds" not in r for r in results.rows.values())
+    text = []
+    if rounds:
+        text.append(
+            "Times: every path of one kind timed in interleaved rounds in one process (" + " / ".join(map(str, rounds))
+            + " rounds: floor, its bare output matmuls, then each path, and back in reverse order the next round; "
+            "each call timed with CUDA events"
+            + ("; under TP a barrier before each call and each round's slowest rank" if results.tp_report else "")
+            + "). `ms` is the median over the rounds; `× floor` is the median of the per-round ratios path / (decoder + "
+            "matmuls) with its distribution-free 95 % interval in brackets (order statistics of the median; every "
+            "round's times are in the JSON)")
+    if old:
+        text.append("Rows without an interval were timed before the rounds: the median of a few steps of that path "
+                    "alone (CUDA events), `× floor` the ratio of two such medians")
+    return ". ".join(text) + "."
+
+
+def _spec_text(results: Results) -> str:
+    if results.spec == "te":
+        return ("megatron-core GPTModel with **Transformer Engine's layer spec** "
+                "(`get_gpt_layer_with_transformer_engine_spec`: TE's fused attention, RMSNorm fused into the next "
+                "linear layer)")
+    return "megatron-core GPTModel with the **local layer spec** (no Transformer Engine)"
+
+
+def _time_cell(x: dict) -> str:
+    if "time_vs_floor" not in x:
+        return "—"
+    if "time_vs_floor_low" in x:
+        return f"{x['time_vs_floor']:.3f} [{x['time_vs_floor_low']:.3f}, {x['time_vs_floor_high']:.3f}]"
+    return f"{x['time_vs_floor']:.3f}"
+
+
+def _extra_sections(results: Results) -> list[str]:
+    """What the fused paths hold at their peak that the floor does not (``--memory-snapshot``), and how long each part
+    of the runs took."""
+    lines = []
+    snapshots = results.meta.get("memory_snapshot", {})
+    if snapshots:
+        lines += ["## Memory at the peak: the fused paths against the floor", "",
+                  "`bench_step.py --memory-snapshot DIR`: one training pass of each path with `torch.cuda.memory`'s "
+                  "history on; the allocation trace replayed to each pass's peak and the blocks live there summed by "
+                  "the Python line that allocated them (`scripts/memory_snapshot.py`).", ""]
+        for where, text in snapshots.items():
+            lines += [f"### {where}", "", *text, ""]
+    phases = results.meta.get("phase_s", {})
+    if phases:
+        lines += ["## Where a run's time went (seconds)", "",
+                  "; ".join(f"{where}: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
+                            for where, parts in phases.items()), ""]
+    return lines
+
+
 def markdown(results: Results) -> str:
     meta = results.meta
     commands = "; ".join(f"`{run['command']}`" for run in meta.get("runs", []))
+    local = results.spec == "local"
     lines = [
-        f"# A GRPO step of a Qwen2.5-shaped model on one GPU — {meta.get('device', '?')}",
+        f"# A GRPO step of a Qwen2.5-shaped model on one GPU, {SPEC_TITLES[results.spec]} — {meta.get('device', '?')}",
         "",
-        "megatron-core GPTModel with the **local layer spec** (no Transformer Engine), bf16 (`Float16Module`), Megatron "
+    ]
+    if results.dry_run:
+        lines += ["**DRY RUN — not a measurement.** `bench_step.py --dry-run` ran the driver on the CPU with the CPU "
+                  "stand-in model (no attention, whatever the spec), gloo and Triton's interpreter; times are "
+                  "host-clock times of the stand-in, memory figures, snapshots and the search's limit a fixed model. "
+                  "It checks the script's plumbing only.", ""]
+    lines += [
+        _spec_text(results) + ", bf16 (`Float16Module`), Megatron "
         "DDP with fp32 gradient buffers, TP = 1, in the Qwen2.5-1.5B (H 1536, 28 layers, 12 heads, 2 query groups, "
         "FFN 8960) and -0.5B (H 896, 24 layers, 14 heads, 2 query groups, FFN 4864) shapes: SwiGLU, RMSNorm, RoPE, QKV "
         "bias, V = 151936, tied embeddings. Padded rows of S tokens (the first S/8 a prompt, the rest trained on), "
-        "random tokens. Every pass runs through megatron-core's `forward_backward_func`. Times: median of a few steps "
-        "(CUDA events) of one micro-batch of 8192 tokens (4 × 2048 or 1 × 8192); peak: allocated memory during one "
-        "step, weights and gradient buffers included; max tokens: the largest micro-batch (B × S) that runs, found by "
-        "probing (out-of-memory caught; between probes and rows the caching allocator is emptied and so is "
-        "megatron-core's global memory buffer, which holds the local attention's S × S scores at the largest size "
-        "ever asked for; `PYTORCH_CUDA_ALLOC_CONF="
+        "random tokens. Every pass runs through megatron-core's `forward_backward_func`, on one micro-batch of 8192 "
+        "tokens (4 × 2048 or 1 × 8192). " + _timing_text(results) + " Peak: allocated memory during one "
+        "pass, weights and gradient buffers included; max tokens: the largest micro-batch (B × S) that runs, found by "
+        "probing to one row (out-of-memory caught; between probes and rows the caching allocator is emptied"
+        + (" and so is megatron-core's global memory buffer, which holds the local attention's S × S scores at the "
+           "largest size ever asked for" if local else "") + "; `PYTORCH_CUDA_ALLOC_CONF="
         f"{meta.get('runs', [{}])[-1].get('PYTORCH_CUDA_ALLOC_CONF')}`). The loss is the same objective on every "
         "path (PPO clip 0.2, dual clip 3, token mean, on-policy in the timed rows; no entropy, no KL). "
-        f"torch {meta.get('torch')}, triton {meta.get('triton')}, megatron-core {meta.get('megatron_core')}.",
+        f"torch {meta.get('torch')}, triton {meta.get('triton')}, megatron-core {meta.get('megatron_core')}"
+        + (f", transformer-engine {meta['transformer_engine']}" if meta.get("transformer_engine") else "") + ".",
         "",
-        "**Caveat.** The local layer spec's attention is unfused (it materializes the S × S scores, softmax in fp32) "
-        "and slower than Transformer Engine's fused attention: the decoder here costs more time and more memory "
-        "per token than under TE, so every loss path is a *smaller* share of the step than it would be there; the "
-        "ratios to the floor understate the gaps a TE user sees. The `common` path calls the model as verl does, "
-        "with `Float16Module`'s default fp32 output.",
-        "",
+    ]
+    if local:
+        lines += [
+            "**Caveat.** The local layer spec's attention is unfused (it materializes the S × S scores, softmax in fp32) "
+            "and slower than Transformer Engine's fused attention: the decoder here costs more time and more memory "
+            "per token than under TE, so every loss path is a *smaller* share of the step than it would be there; the "
+            "ratios to the floor understate the gaps a TE user sees (`step.md`: the same rows on TE's spec). The "
+            "`common` path calls the model as verl does, with `Float16Module`'s default fp32 output.", ""]
+    lines += [
         "Paths: " + "; ".join(f"`{k}` = {v}" for k, v in PATH_NAMES.items() if k in _paths_present(results)) + ".",
         "",
         f"Commands: {commands}",
@@ -436,7 +594,7 @@ def markdown(results: Results) -> str:
                 if not r or "ms" not in r:
                     continue
                 x = r_all.get(name, {})
-                time_ratio = f"{x['time_vs_floor']:.3f}" if "time_vs_floor" in x else "—"
+                time_ratio = _time_cell(x)
                 ms = f"{r['ms']:.1f}" + (f" ({r['decoder_ms']:.1f} + {r['matmul_ms']:.1f})" if "matmul_ms" in r else "")
                 if kind == "step":
                     lines.append(f"| {shape} | {seq} | {rec} | {name} | {ms} | {time_ratio} | {r['peak_GiB']:.2f} |")
@@ -447,10 +605,15 @@ def markdown(results: Results) -> str:
                              f"{r.get('max_B', '—')} | {_fmt_tokens(r)} | {tok_f} | {tok_c} |")
         lines.append("")
     lines += ["## Targets", "", *targets(results), ""]
-    lines += _predictions("Predictions (written before the first run) and measurements", PREDICTIONS, results)
-    lines += _predictions("Predictions for the last change (the output weight's gradient into `main_grad`; the "
-                          "forward-only rows' MegatronGRPO built once), written before the run that measured it",
-                          CHANGE_PREDICTIONS, results)
+    lines += _extra_sections(results)
+    if local:
+        lines += _predictions("Predictions (written before the first run) and measurements", PREDICTIONS, results)
+        lines += _predictions("Predictions for the last change (the output weight's gradient into `main_grad`; the "
+                              "forward-only rows' MegatronGRPO built once), written before the run that measured it",
+                              CHANGE_PREDICTIONS, results)
+    else:
+        lines += _predictions("Predictions (written before the first run on Transformer Engine's spec, from an "
+                              "independent harness's interleaved rounds) and measurements", PREDICTIONS_TE, results)
     return "\n".join(lines)
 
 
@@ -516,7 +679,7 @@ def plot_results(results: Results, path: FilePath) -> None:
             ax.axhline(TARGET_LOGITS_TIME, color="tab:blue", linestyle="--", linewidth=0.8)
             ax.set_ylim(0.95, None)
         ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
-    what = "tensor parallel" if tp_report else "local layer spec"
+    what = ("tensor parallel, " if tp_report else "") + SPEC_TITLES[results.spec]
     fig.suptitle(_dry_prefix(results) + f"GRPO step, Qwen2.5 shapes, {what}, bf16 — {results.meta.get('device', '')}",
                  fontsize=10)
     fig.tight_layout(h_pad=2.5)
@@ -588,22 +751,23 @@ def markdown_tp(results: Results) -> str:
     """The TP report (``step_tp.md``): every TP size's rows, targets, predictions."""
     meta = results.meta
     commands = "; ".join(f"`{run['command']}`" for run in meta.get("runs", []))
-    title = "# A GRPO step under tensor parallelism"
+    title = f"# A GRPO step under tensor parallelism, {SPEC_TITLES[results.spec]}"
     lines = [f"{title} — {meta.get('device', '?')}", ""]
     if results.dry_run:
         lines += ["**DRY RUN — not a measurement.** `bench_step.py --dry-run` ran the driver on the CPU with the CPU "
-                  "stand-in model (no attention), gloo and Triton's interpreter; times are host-clock times of the "
-                  "stand-in, memory figures and the search's limit a fixed model. It checks the script's plumbing only.",
-                  ""]
+                  "stand-in model (no attention, whatever the spec), gloo and Triton's interpreter; times are "
+                  "host-clock times of the stand-in, memory figures, snapshots and the search's limit a fixed model. "
+                  "It checks the script's plumbing only.", ""]
     shapes = sorted({r["shape"] for r in results.rows.values()})
     lines += [
-        "megatron-core GPTModel with the **local layer spec** (no Transformer Engine), bf16 (`Float16Module`), Megatron "
+        _spec_text(results) + ", bf16 (`Float16Module`), Megatron "
         "DDP with fp32 gradient buffers, split over TP ranks (TP = world size, no sequence parallelism: the local "
-        "spec's norms refuse it; every rank fed the same micro-batches), shapes " + ", ".join(shapes) + " "
+        "spec's norms refuse it, and both specs run alike; every rank fed the same micro-batches), shapes "
+        + ", ".join(shapes) + " "
         "(1.5b: H 1536, 28 layers, 12 heads, 2 query groups, FFN 8960, V = 151936, tied embeddings; 7b: H 3584, 28 "
         "layers, 28 heads, 4 query groups, FFN 18944, V = 152064, untied). Padded rows of S tokens (the first S/8 a "
-        "prompt), random tokens, through megatron-core's `forward_backward_func`. Times: the slowest rank's median "
-        "over a few steps (CUDA events) of one micro-batch of 8192 tokens; the floor's output matmuls are this "
+        "prompt), random tokens, through megatron-core's `forward_backward_func`, one micro-batch of 8192 tokens. "
+        + _timing_text(results) + " The floor's output matmuls are this "
         "rank's vocabulary shard's (V / TP columns); peak: the largest over ranks of the allocated memory during one "
         "step; max tokens: the largest micro-batch that runs on every rank (probes agreed over the ranks; the mp_grpo "
         "and other paths start from the floor's largest B, so `≥` is not used there: the next probe is the floor's "
@@ -631,7 +795,7 @@ def markdown_tp(results: Results) -> str:
                 if not r or "ms" not in r:
                     continue
                 x = r_all.get(name, {})
-                time_ratio = f"{x['time_vs_floor']:.3f}" if "time_vs_floor" in x else "—"
+                time_ratio = _time_cell(x)
                 ms = f"{r['ms']:.1f}" + (f" ({r['decoder_ms']:.1f} + {r['matmul_ms']:.1f})" if "matmul_ms" in r else "")
                 if len(r.get("ms_per_rank", [])) > 1:
                     ms += " [" + " / ".join(f"{v:.1f}" for v in r["ms_per_rank"]) + "]"
@@ -647,13 +811,15 @@ def markdown_tp(results: Results) -> str:
                   "Each training pass that misses a time target: the excess over the floor, in multiples of the "
                   "output layer's GPU work (all that the loss paths change), and the forward-only pass beside it. An excess larger than that work would mean the loss paths' own kernels "
                   "(GEMMs included) take over twice the bare GEMMs' time; "
-                  "`bench_step.py --profile train:floor train:logits train:fused` (under the same torchrun, more "
-                  "`--iters`) writes each pass's kernel time against its wall time (`step_profile.txt`).", "",
+                  "`bench_step.py --profile train:floor train:logits train:fused` (under the same torchrun) writes "
+                  f"each pass's kernel time against its wall time (`{results.path.stem}_profile.txt`).", "",
                   *misses, ""]
+    lines += _extra_sections(results)
     lines += ["## Predictions (written before the run) and measurements (selective recompute)", "",
               "| TP | model | S | row | path | metric | predicted | measured |", "|---|---|---|---|---|---|---|---|"]
     groups = results.groups(tp=None)
-    for (tp, shape, seq, kind, path, metric), predicted in PREDICTIONS_TP.items():
+    for (tp, shape, seq, kind, path, metric), predicted in (PREDICTIONS_TP if results.spec == "local"
+                                                            else PREDICTIONS_TP_TE).items():
         value = ratios(groups.get((shape, seq, "selective", kind, tp), {})).get(path, {}).get(metric)
         lines.append(f"| {tp} | {shape} | {seq} | {kind} | {path} | {metric.replace('_', ' ')} | {predicted} | "
                      f"{'—' if value is None else f'{value:.3f}'} |")
@@ -661,11 +827,16 @@ def markdown_tp(results: Results) -> str:
 
 
 def merge(sources: list[FilePath], out: FilePath) -> Results:
-    """The rows of several ``step_tp.json`` files (runs of different calls) in one ``out/step_tp.json``, its markdown
-    and plots; a row measured in two files is taken from the later file. Dry-run files are refused."""
-    merged = Results(out / "step_tp.json")
-    for source in sources:
-        part = Results.load(source)
+    """The rows of several ``step_tp.json`` files (runs of different calls, one layer spec) in one ``out/step_tp.json``
+    (``step_tp_local.json`` for the local spec), its markdown and plots; a row measured in two files is taken from
+    the later file. Dry-run files and files of different specs are refused."""
+    parts = [Results.load(source) for source in sources]
+    specs = {part.spec for part in parts}
+    if len(specs) != 1:
+        raise SystemExit(f"--merge: the files hold rows of several layer specs ({', '.join(sorted(specs))}): one report "
+                         "holds one spec")
+    merged = Results(out / f"{REPORT_NAMES[(True, specs.pop())]}.json")
+    for source, part in zip(sources, parts):
         if not part.rows:
             raise SystemExit(f"--merge: {source} holds no rows")
         if part.dry_run:

@@ -55,7 +55,7 @@ class OutputPath(str, Enum):
     ``[tokens, V_local]`` logits (4.6 GiB there), the fused path 0.69–0.72 GiB beyond its inputs. MegatronGRPO
     writes the logits' gradient into them. In a whole training step of a Qwen2.5-1.5B-shaped GPTModel on one
     H100 both paths take ≤ 1.01x the time of the decoder without an output layer plus the bare output
-    matmuls (``docs/benchmarks/step.md``).
+    matmuls (``docs/benchmarks/step_local.md``, megatron-core's local layer spec).
     """
 
     LOGITS = "logits"

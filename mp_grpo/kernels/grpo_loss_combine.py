@@ -82,8 +82,8 @@ def grpo_loss_combine_kernel(
     grad_lp_ptr, grad_ent_ptr, seq_factor_ptr, partial_ptr,
     # sizes
     N, T, S, search_steps,
-    # FROM_STATS: sizes and strides of the statistics
-    TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+    # FROM_STATS: sizes and strides of the statistics, 1 / temperature
+    TP, V_global, ignore_index, stride_stats_rank, stride_stats_row, inv_temperature,
     # meta-parameters: inputs and layout
     FROM_STATS: tl.constexpr, PACKED: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr,
     HAS_REF: tl.constexpr, HAS_ENTROPY: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, OWNS_SEQUENCES: tl.constexpr,
@@ -104,7 +104,7 @@ def grpo_loss_combine_kernel(
      bad_lp, bad_old, bad_rollout, bad_ref, bad_adv, bad_ent) = token_inputs(
         lp_ptr, ent_ptr, old_ptr, rollout_ptr, ref_ptr, adv_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr,
         offs, seq, masked_in, params_ptr, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
-        HAS_ENTROPY, FROM_STATS, True, HAS_OLD, HAS_ROLLOUT, HAS_REF, BYPASS, ADV_PER_TOKEN, COMPUTE,
+        inv_temperature, HAS_ENTROPY, FROM_STATS, True, HAS_OLD, HAS_ROLLOUT, HAS_REF, BYPASS, ADV_PER_TOKEN, COMPUTE,
     )
     clamp = param(params_ptr, K.P_LOG_RATIO_CLAMP, COMPUTE)
     zero = tl.zeros_like(lp)

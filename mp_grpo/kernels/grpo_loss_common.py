@@ -75,7 +75,7 @@ def nonfinite(x):
 @triton.jit
 def token_inputs(
     lp_ptr, ent_ptr, old_ptr, rollout_ptr, ref_ptr, adv_ptr, stats_ptr, target_ptr, row_out_ptr, errors_ptr,
-    offs, seq, valid, params_ptr, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+    offs, seq, valid, params_ptr, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row, inv_temperature,
     HAS_ENTROPY: tl.constexpr, FROM_STATS: tl.constexpr, STORE_ROWS: tl.constexpr, HAS_OLD: tl.constexpr,
     HAS_ROLLOUT: tl.constexpr, HAS_REF: tl.constexpr, BYPASS: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
     COMPUTE: tl.constexpr,
@@ -84,8 +84,8 @@ def token_inputs(
 
     1. log π_θ and the entropy, loaded from ``lp_ptr`` / ``ent_ptr`` or with FROM_STATS merged from the
        all-gathered ``[TP, N + 1, 4]`` log-prob statistics (``logprob_merge.merge_rows``, the log-prob op's merge)
-       — then with STORE_ROWS also (M, log S, entropy) of every position in range stored at
-       ``row_out_ptr + {0, N, 2N}`` for the log-prob backward, and the merge's error counts added into
+       — then with STORE_ROWS also (M, log S, entropy, 1 - p_t, log p_t + H) of every position in range stored at
+       ``row_out_ptr + {0, N, 2N, 3N, 4N}`` for the log-prob backward, and the merge's error counts added into
        ``errors_ptr``; log π_old, the rollout and reference log-probs, A (per token, or per sequence).
     2. ``kept`` = valid and every input given finite there: a position with a NaN or ±inf input is dropped, as
        if masked; ``bad_*`` flag, per input, the valid positions where it is not finite (both kernels compute the
@@ -101,17 +101,19 @@ def token_inputs(
     in_range = offs < N
     # --- 1. loads at the valid positions ---
     if FROM_STATS:
-        merged, entropy, row_max, log_sum, shard_mismatches, out_of_range, bad_rows = merge_rows(
+        merged, entropy, row_max, log_sum, complement, centered, shard_mismatches, out_of_range, bad_rows = merge_rows(
             stats_ptr, target_ptr, offs, in_range, N, TP, V_global, ignore_index, stride_stats_rank,
-            stride_stats_row, HAS_ENTROPY,
+            stride_stats_row, inv_temperature, HAS_ENTROPY,
         )
         lp = tl.where(valid, merged, 0.0).to(COMPUTE)
         ent = tl.where(valid, entropy, 0.0).to(COMPUTE)
         if STORE_ROWS:
             tl.store(row_out_ptr + offs, row_max, mask=in_range)
             tl.store(row_out_ptr + N + offs, log_sum, mask=in_range)
+            tl.store(row_out_ptr + 3 * N + offs, complement, mask=in_range)
             if HAS_ENTROPY:
                 tl.store(row_out_ptr + 2 * N + offs, entropy, mask=in_range)
+                tl.store(row_out_ptr + 4 * N + offs, centered, mask=in_range)
             add_error_counts(errors_ptr, shard_mismatches, out_of_range, bad_rows, in_range)
     else:
         lp = load_clean(lp_ptr, offs, valid, COMPUTE)

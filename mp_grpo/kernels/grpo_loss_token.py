@@ -47,8 +47,8 @@ def grpo_loss_token_kernel(
     cu_ptr, params_ptr, seq_sums_ptr,
     # sizes
     N, T, S, search_steps,
-    # FROM_STATS: sizes and strides of the statistics
-    TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
+    # FROM_STATS: sizes and strides of the statistics, 1 / temperature
+    TP, V_global, ignore_index, stride_stats_rank, stride_stats_row, inv_temperature,
     # meta-parameters
     FROM_STATS: tl.constexpr,
     PACKED: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ROLLOUT: tl.constexpr, BYPASS: tl.constexpr,
@@ -67,7 +67,7 @@ def grpo_loss_token_kernel(
     valid, lp, _, old, rollout, _, adv, log_ratio, _, d, _, _, _, _, _, _ = token_inputs(
         lp_ptr, ent_ptr, old_ptr, rollout_ptr, ref_ptr, adv_ptr, stats_ptr, target_ptr, lp_ptr, lp_ptr,
         offs, seq, valid, params_ptr, N, TP, V_global, ignore_index, stride_stats_rank, stride_stats_row,
-        HAS_ENTROPY, FROM_STATS, False, HAS_OLD, HAS_ROLLOUT, HAS_REF, BYPASS, ADV_PER_TOKEN, COMPUTE,
+        inv_temperature, HAS_ENTROPY, FROM_STATS, False, HAS_OLD, HAS_ROLLOUT, HAS_REF, BYPASS, ADV_PER_TOKEN, COMPUTE,
     )
 
     # --- 3. per-sequence sums of every column ---

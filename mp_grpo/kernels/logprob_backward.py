@@ -1,12 +1,17 @@
 """Backward: the gradient of (log-prob, entropy) w.r.t. one vocabulary shard, in one pass (Triton).
 
-With z = logits / T, p_j = exp(z_j - logZ), logZ = M + log S over the *whole* vocabulary (both
-terms saved by forward; log p_j = (z_j - M) - log S keeps precision for logits near 1e4):
+With z = logits / T, p_j = exp(z_j - logZ), logZ = M / T + log S over the *whole* vocabulary (both
+terms saved by forward, M in raw logit units; log p_j = (x_j - M) / T - log S, the difference of logits formed
+before it is scaled, keeps precision for logits near 1e4 and for the tokens near the maximum):
 
     d logprob / d z_j = [j == target] - p_j
     d entropy / d z_j = -p_j (log p_j + H)
 
 so  grad_logits_j = (g_lp ([j == target] - p_j) - g_H p_j (log p_j + H)) / T.
+
+At j = target the factors 1 - p_t and log p_t + H are q_t and c_t as the merge formed them from the other tokens'
+sums (``logprob_merge.py``), not the differences of the recomputed p_t and log p_t: near p_t = 1 those would
+cancel (fp32's spacing 6e-8 near 1 against q_t ~ c_t ~ 1 - p_t).
 
 With HAS_THRESHOLD (a sampling filter) the columns whose raw logit is below ``threshold[row]`` have
 p = 0 and get no gradient; M, log S and H then describe the filtered, renormalized distribution.
@@ -44,8 +49,10 @@ def logprob_backward_kernel(
     x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16
     grad_x_ptr,  # [N, V_local] out, logits' dtype (may alias x_ptr)
     target_ptr,  # [N] int64 global token ids
-    row_max_ptr,  # [N] fp32 M, the row maximum over the whole vocabulary
+    row_max_ptr,  # [N] fp32 M, the row maximum of the raw logits over the whole vocabulary
     log_sum_ptr,  # [N] fp32 log S, S = sum exp(z - M) over the whole vocabulary
+    complement_ptr,  # [N] fp32 q_t = 1 - p_t of the target, summed apart by the merge
+    centered_ptr,  # [N] fp32 c_t = log p_t + H of the target, summed apart (only with HAS_ENTROPY_GRAD)
     entropy_ptr,  # [N] fp32 entropy (only with HAS_ENTROPY_GRAD)
     grad_logprob_ptr,  # [N] fp32 upstream gradient of the log-probs
     grad_entropy_ptr,  # [N] fp32 upstream gradient of the entropy (only with HAS_ENTROPY_GRAD)
@@ -72,6 +79,7 @@ def logprob_backward_kernel(
     # --- 1. per-row scalars: log-partition terms, target, upstream gradients ---
     row_max = tl.load(row_max_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
+    complement = tl.load(complement_ptr + row)
     target = tl.load(target_ptr + row)
     # An ignored row's log-prob is the constant 0: no gradient flows from it.
     g_logprob = tl.load(grad_logprob_ptr + row)
@@ -82,8 +90,10 @@ def logprob_backward_kernel(
 
     g_entropy = 0.0
     entropy = 0.0
+    centered = 0.0
     if HAS_ENTROPY_GRAD:
         entropy = tl.load(entropy_ptr + row)
+        centered = tl.load(centered_ptr + row)
         g_entropy = tl.load(grad_entropy_ptr + row)
         if HAS_GRAD_SCALE:
             g_entropy = g_entropy * grad_scale
@@ -100,12 +110,12 @@ def logprob_backward_kernel(
     if ROW_LOOP:  # --- 2.–3. every column block of the row, ascending: the gradient may be narrowed in place ---
         for start in range(0, V_local, BLOCK_V):
             _gradient_block(x_row, grad_row, start + tl.arange(0, BLOCK_V), V_local, target_col, row_max, log_sum,
-                            entropy, g_logprob, g_entropy, threshold, row_ok, inv_temperature,
+                            complement, centered, entropy, g_logprob, g_entropy, threshold, row_ok, inv_temperature,
                             HAS_ENTROPY_GRAD, HAS_THRESHOLD, True)
     else:  # --- 2.–3. this program's column block ---
         cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-        _gradient_block(x_row, grad_row, cols, V_local, target_col, row_max, log_sum, entropy, g_logprob, g_entropy,
-                        threshold, row_ok, inv_temperature, HAS_ENTROPY_GRAD, HAS_THRESHOLD, False)
+        _gradient_block(x_row, grad_row, cols, V_local, target_col, row_max, log_sum, complement, centered, entropy,
+                        g_logprob, g_entropy, threshold, row_ok, inv_temperature, HAS_ENTROPY_GRAD, HAS_THRESHOLD, False)
 
 
 @triton.jit
@@ -117,6 +127,8 @@ def _gradient_block(
     target_col,  # the target's column in this shard (outside [0, V_local) when another shard holds it)
     row_max,
     log_sum,
+    complement,  # q_t = 1 - p_t
+    centered,  # c_t = log p_t + H
     entropy,
     g_logprob,
     g_entropy,
@@ -134,12 +146,13 @@ def _gradient_block(
         tl.debug_barrier()
     if HAS_THRESHOLD:
         z = tl.where(z >= threshold, z, float("-inf"))
-    log_p = (z * inv_temperature - row_max) - log_sum
+    log_p = (z - row_max) * inv_temperature - log_sum
     p = tl.exp(log_p)
-    grad = tl.where(cols == target_col, g_logprob, 0.0) - g_logprob * p
+    is_target = cols == target_col
+    grad = tl.where(is_target, g_logprob * complement, -g_logprob * p)
     if HAS_ENTROPY_GRAD:
         # p = 0 (a -inf logit) contributes nothing; p * log_p would be 0 * -inf = NaN.
-        grad -= g_entropy * tl.where(p > 0.0, p * (log_p + entropy), 0.0)
+        grad -= g_entropy * tl.where(p > 0.0, p * tl.where(is_target, centered, log_p + entropy), 0.0)
 
     # --- 3. write the gradient once, in the buffer's dtype (0 for a row with non-finite statistics) ---
     grad = tl.where(row_ok, grad * inv_temperature, 0.0)

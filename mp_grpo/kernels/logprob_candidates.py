@@ -44,7 +44,8 @@ fallback takes it. The second read touches ~KEEP groups of GROUP columns: ~KEEP 
     finish a row is finished when tau >= value(theta*) at the end (its kept set lies among the candidates);
            the others (min-p reaching below the candidates, no filter active on the row) take the fallback
     stats  (WRITE_STATS) for a finished row, this rank's shard statistics over its kept candidates, as
-           ``logprob_stats_kernel`` writes them, so that the usual all-gather and merge follow
+           ``logprob_stats_kernel`` writes them (the target's column left out of the sums), so that the usual
+           all-gather and merge follow
 
 Every sum runs over a fixed ``[TP_PAD, CAP * GROUP]`` tile in a fixed tree: the results of a row depend on
 the row alone (batch invariance).
@@ -350,19 +351,24 @@ def logprob_candidate_select_kernel(
     if WRITE_STATS:
         mine = ok & (ranks[:, None] == rank) & (v >= tau)
         m_f = tl.maximum(tl.max(tl.max(tl.where(mine, v, float("-inf")), axis=1), axis=0), MAX_SENTINEL)
+        local_target = tl.load(target_ptr + row) - vocab_start
+        owns = (local_target >= 0) & (local_target < V_local)
+        x_target = tl.load(x_ptr + row * stride_x_row + local_target, mask=owns, other=0.0).to(tl.float32)
+        # The sums leave out the target's column, as logprob_stats_kernel's do. The candidates keep no column ids:
+        # the first kept candidate of the target's value stands for it (equal values have equal terms), and a
+        # kept target is among them (they hold every kept column of this shard).
+        slot = ranks[:, None] * CAPG + slots[None, :]
+        is_target = mine & owns & (v == x_target)
+        target_slot = tl.min(tl.min(tl.where(is_target, slot, TP_PAD * CAPG), axis=1), axis=0)
         t = (v - m_f) * scale
-        e_f = tl.where(mine, tl.exp2(t), 0.0)
+        e_f = tl.where(mine & (slot != target_slot), tl.exp2(t), 0.0)
         s_f = _total(e_f)
         u_f = tl.zeros([], dtype=tl.float32)
         if HAS_ENTROPY:
             u_f = _total(tl.where(e_f > 0.0, e_f * t, 0.0))
-        local_target = tl.load(target_ptr + row) - vocab_start
-        owns = (local_target >= 0) & (local_target < V_local)
-        x_target = tl.load(x_ptr + row * stride_x_row + local_target, mask=owns, other=0.0).to(tl.float32)
-        z_target = tl.where(owns, x_target * inv_temperature, 0.0)
-        z_target = tl.where(owns & (x_target < tau), float("-inf"), z_target)
+        x_target = tl.where(owns & (x_target < tau), float("-inf"), x_target)
         out = stats_ptr + (row_start + row) * stride_stats_row
-        tl.store(out + 0, m_f * inv_temperature, mask=finished)
+        tl.store(out + 0, m_f, mask=finished)
         tl.store(out + 1, s_f, mask=finished)
         tl.store(out + 2, u_f * LN2, mask=finished)
-        tl.store(out + 3, z_target, mask=finished)
+        tl.store(out + 3, x_target, mask=finished)

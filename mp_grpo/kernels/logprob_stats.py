@@ -2,15 +2,25 @@
 
 One program reads one row of this rank's logits shard exactly once and writes four fp32 numbers:
 
-    stats[row] = (m, s, u, z_t)
-        m   = max_j z_j                              (z = logits / temperature)
-        s   = sum_j exp(z_j - m)
-        u   = sum_j exp(z_j - m) * (z_j - m)         (only with HAS_ENTROPY; else 0)
-        z_t = z[target - vocab_start] if this shard owns the target, else 0
+    stats[row] = (m, s, u, x_t)
+        m   = max_j x_j                                        (raw logits x; the target's column included)
+        s   = sum_{j != t} exp((x_j - m) / T)
+        u   = sum_{j != t} exp((x_j - m) / T) * (x_j - m) / T  (only with HAS_ENTROPY; else 0)
+        x_t = x[target - vocab_start] if this shard owns the target, else 0
+
+m and x_t stay in raw logit units, so that every consumer forms a difference of logits before it scales by 1/T:
+(x_t - M) / T is exact for the logits near the maximum (Sterbenz), while x_t / T - M / T would round each term at
+the logits' magnitude (eps · |x| / T: 2e-6 nats at |x| = 34, T = 0.7).
+
+The sums leave out the target's own column t (where this shard owns it): the merge adds its term back from z_t
+and keeps the mass of the other tokens, sum_{j != t} p_j = 1 - p_t, as a sum of its own. For a confident token
+(p_t -> 1) the gradient of its logit is (p_t - 1)·g; formed as 1 - p_t from an fp32 p_t (spacing 6e-8 near 1) it
+would keep a relative error of ~6e-8 / (1 - p_t) — 5e-4 at p_t = 1 - 1.2e-4, all of it at 1 - 1e-7. Summed
+apart, it keeps fp32's relative rounding whatever p_t (``logprob_merge.py``, ``logprob_backward.py``).
 
 With HAS_THRESHOLD (a sampling filter, ``mp_grpo/ops/sampling_filter.py``) only the columns whose raw
 logit is >= ``threshold[row]`` count (the others are treated as -inf), and a target below the threshold
-writes z_t = -inf, so that its merged log-prob is -inf. With HAS_SKIP the rows whose ``skip`` flag is set
+writes x_t = -inf, so that its merged log-prob is -inf. With HAS_SKIP the rows whose ``skip`` flag is set
 read and write nothing (the sampling filter's candidate kernel wrote their statistics already).
 
 ``u`` is what the entropy needs: H = log S - U / S after the statistics of all shards are merged
@@ -72,13 +82,12 @@ def logprob_stats_kernel(
     local_target = tl.load(target_ptr + row, mask=has_row, other=-1) - vocab_start
     owns_target = has_row & (local_target >= 0) & (local_target < V_local)
     x_target = tl.load(x_row_ptr + local_target, mask=owns_target, other=0.0).to(tl.float32)
-    z_target = tl.where(owns_target, x_target * inv_temperature, 0.0)
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row, mask=has_row, other=float("-inf"))
-        # A target outside the kept set has probability 0: z_t = -inf makes the merged log-prob -inf.
-        z_target = tl.where(owns_target & (x_target < threshold), float("-inf"), z_target)
+        # A target outside the kept set has probability 0: x_t = -inf makes the merged log-prob -inf.
+        x_target = tl.where(owns_target & (x_target < threshold), float("-inf"), x_target)
 
-    # --- 2. one pass over the row: online max (raw units), sum of 2^t and (entropy) sum of 2^t * t ---
+    # --- 2. one pass over the row: online max (raw units), sum of 2^t and (entropy) sum of 2^t * t, t's column apart ---
     # t = (x - m) * scale is z - m/T in log2 units; s, u are relative to the running maximum m.
     m = tl.full([], MAX_SENTINEL, dtype=tl.float32)
     s = tl.zeros([], dtype=tl.float32)
@@ -92,7 +101,8 @@ def logprob_stats_kernel(
         shift = (m - m_new) * scale  # <= 0: rescales what was summed so far
         alpha = tl.exp2(shift)
         t = (x - m_new) * scale
-        e = tl.exp2(t)
+        # The target's own column counts in the maximum, not in the sums (the merge adds its term back).
+        e = tl.where(cols == local_target, 0.0, tl.exp2(t))
         if HAS_ENTROPY:
             # A -inf logit gives e = 0 and t = -inf: select, since 0 * -inf is NaN.
             e_t = tl.where(e > 0.0, e * t, 0.0)
@@ -101,7 +111,7 @@ def logprob_stats_kernel(
         s = s * alpha + tl.sum(e, axis=0)
         m = m_new
 
-    # --- 3. store in natural units: m / T, s, u * ln 2, z_t; program 0 also writes the shard size ---
+    # --- 3. store m and x_t in raw units, s, u * ln 2 (natural units); program 0 also writes the shard size ---
     stats_row_ptr = stats_ptr + (row_start + row) * stride_stats_row
     if row == 0:
         # The size row travels with the statistics through the all-gather, so the merge can check
@@ -112,7 +122,7 @@ def logprob_stats_kernel(
         tl.store(size_row_ptr + 1, 0.0)
         tl.store(size_row_ptr + 2, 0.0)
         tl.store(size_row_ptr + 3, 0.0)
-    tl.store(stats_row_ptr + 0, m * inv_temperature, mask=has_row)
+    tl.store(stats_row_ptr + 0, m, mask=has_row)
     tl.store(stats_row_ptr + 1, s, mask=has_row)
     tl.store(stats_row_ptr + 2, u * LN2, mask=has_row)
-    tl.store(stats_row_ptr + 3, z_target, mask=has_row)
+    tl.store(stats_row_ptr + 3, x_target, mask=has_row)

@@ -21,7 +21,7 @@ Forward — chunks of whole rows, ``[rows, V_local]``
        a group of size 1; row N carries ``V_local``, so unequal shards are reported, not hung on);
     3. ``logprob_merge_kernel``: log-prob, entropy, and logZ as (M, log S) per row; with
        ``check_inputs`` the error counters go to the deferred ledger (``mp_grpo.ops.checks``): no host read.
-    Saved for backward: ``hidden`` and ``weight`` (not copies), targets, M, log S, entropy — 20 bytes
+    Saved for backward: ``hidden`` and ``weight`` (not copies), targets, M, log S, 1 - p_t, H, log p_t + H — 28 bytes
     a row; no logits.
     With a ``sampling_filter``, step 1's statistics count only each chunk's kept columns and give its per-row
     thresholds (``ops/sampling_filter.py``, ``filtered_statistics``: its collectives once per chunk); the thresholds (4 bytes a row) are saved for backward, whose
@@ -181,7 +181,9 @@ def _backward_chunks(
     t: torch.Tensor,  # [N] int64
     row_max: torch.Tensor,  # [N] fp32
     log_sum: torch.Tensor,  # [N] fp32
-    entropy: torch.Tensor | None,  # [N] fp32, or None when no entropy gradient flows
+    complement: torch.Tensor,  # [N] fp32 1 - p_t
+    entropy: torch.Tensor,  # [N] fp32 (read only with grad_entropy)
+    centered: torch.Tensor,  # [N] fp32 log p_t + H (read only with grad_entropy)
     grad_logprobs: torch.Tensor,  # [N] fp32
     grad_entropy: torch.Tensor | None,  # [N] fp32, or None
     grad_h: torch.Tensor | None,  # [N, H] out, or None when hidden needs no gradient
@@ -221,8 +223,8 @@ def _backward_chunks(
             # --- 2. their gradient, in place (narrowed to hidden's dtype for fp32 logits) ---
             g = x if x.dtype == h.dtype else narrowed_in_place(x, h.dtype)
             logprob_backward(
-                x, g, t[b0:b1], row_max[b0:b1], log_sum[b0:b1],
-                entropy[b0:b1] if entropy is not None else None,
+                x, g, t[b0:b1], row_max[b0:b1], log_sum[b0:b1], complement[b0:b1],
+                entropy[b0:b1], centered[b0:b1],
                 grad_logprobs[b0:b1],
                 grad_entropy[b0:b1] if grad_entropy is not None else None,
                 vocab_start=vocab_start + c0, ignore_index=ignore_index, inv_temperature=inv_temperature,
@@ -277,15 +279,16 @@ class FusedLinearLogProbs(torch.autograd.Function):
         # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
         #          log-prob, entropy, logZ = M + log S; raise on bad input ---
         merged = gather_and_merge(
-            stats, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy,
-            check_inputs=check_inputs,
+            stats, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index, inv_temperature=inv_temperature,
+            with_entropy=with_entropy, check_inputs=check_inputs,
         )
 
         outside = None
         if threshold is not None:
             # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
             outside = targets_outside_filter(merged.logprobs, t, ignore_index, check_inputs)
-        ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.entropy, threshold, outside)
+        ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.complement, merged.entropy,
+                              merged.centered, threshold, outside)
         # Like Megatron's linear layer: main_grad is kept on ctx, not saved (no version-counter checks,
         # since DDP writes into it between forward and backward).
         ctx.main_grad = weight.main_grad if accumulate_into_main_grad else None
@@ -303,7 +306,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
-        h, w, t, row_max, log_sum, entropy, threshold, outside = ctx.saved_tensors
+        h, w, t, row_max, log_sum, complement, entropy, centered, threshold, outside = ctx.saved_tensors
         not_differentiable = (None,) * 10
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
@@ -320,7 +323,8 @@ class FusedLinearLogProbs(torch.autograd.Function):
             # Every element is written by the first token block; with no rows there is none.
             grad_w = main_grad if main_grad is not None else (torch.empty_like(w) if n else torch.zeros_like(w))
         _backward_chunks(
-            h, w, t, row_max, log_sum, entropy if grad_entropy is not None else None, grad_logprobs, grad_entropy,
+            h, w, t, row_max, log_sum, complement, entropy, centered, grad_logprobs,
+            grad_entropy,
             grad_h, grad_w, ctx.plan,
             weight_grad_accumulates=main_grad is not None, vocab_start=ctx.vocab_start,
             ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature, threshold=threshold,

@@ -217,7 +217,7 @@ class FusedLinearLoss(torch.autograd.Function):
             # --- 2. the TP merge (one all-gather of the chunk's statistics) ---
             merged = gather_and_merge(
                 stats, t[r0:r1], tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
-                with_entropy=with_entropy, check_inputs=check_inputs,
+                inv_temperature=inv_temperature, with_entropy=with_entropy, check_inputs=check_inputs,
             )
             logprobs[r0:r1] = merged.logprobs
             if entropy is not None:
@@ -237,8 +237,8 @@ class FusedLinearLoss(torch.autograd.Function):
             # --- 4. the chunk's logits gradient, in place (narrowed to hidden's dtype for fp32 logits) ---
             g = x if x.dtype == h.dtype else narrowed_in_place(x, h.dtype)
             logprob_backward(
-                x, g, t[r0:r1], merged.row_max, merged.log_sum,
-                merged.entropy if grad_ent is not None else None,
+                x, g, t[r0:r1], merged.row_max, merged.log_sum, merged.complement,
+                merged.entropy, merged.centered,
                 grad_lp[r0:r1], grad_ent[r0:r1] if grad_ent is not None else None,
                 vocab_start=vocab_start, ignore_index=ignore_index, inv_temperature=inv_temperature,
                 threshold=threshold,

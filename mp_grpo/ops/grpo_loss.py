@@ -237,6 +237,7 @@ class FromStats(NamedTuple):
     """[2] int64 counters the merge adds into (``mp_grpo.ops.checks.kernel_counters``)."""
     v_global: int
     ignore_index: int
+    inv_temperature: float
 
 
 class LossSaved(NamedTuple):
@@ -258,7 +259,8 @@ class LossSaved(NamedTuple):
     compute: object
     """The compute dtype as a Triton dtype."""
     rows: torch.Tensor | None = None
-    """With :class:`FromStats`: [3, N] fp32 (M, log S, entropy) of every position, for the log-prob backward."""
+    """With :class:`FromStats`: [5, N] (M, log S, entropy, 1 - p_t, log p_t + H) of every position, for the log-prob
+    backward (the entropy terms only where the plan has the entropy)."""
 
 
 def _kept_meta(plan: FusedLossPlan, key: tuple, build) -> LaunchMeta:
@@ -321,10 +323,11 @@ def loss_forward(
     ent = placeholder if entropy is None else entropy
     if from_stats is None:
         stats = target = errors = placeholder
-        stats_sizes = (1, 1, -100, 0, 0)
+        stats_sizes = (1, 1, -100, 0, 0, 1.0)
     else:
         stats, target, errors = from_stats.stats, from_stats.target, from_stats.errors
-        stats_sizes = (stats.shape[0], from_stats.v_global, from_stats.ignore_index, stats.stride(0), stats.stride(1))
+        stats_sizes = (stats.shape[0], from_stats.v_global, from_stats.ignore_index, stats.stride(0), stats.stride(1),
+                       from_stats.inv_temperature)
 
     # --- 1. workspace: one float64 buffer (zeroed when there are per-sequence sums), one compute-dtype one ---
     programs = max(ceil_div(n, blocks.combine_block), ceil_div(s, blocks.combine_block), 1)
@@ -334,7 +337,7 @@ def loss_forward(
         torch.float64, device, zeroed=plan.num_cols > 0)
     pairs = pairs_flat[:_NUM_PAIRS * 2].view(_NUM_PAIRS, 2)  # slices are rounded up to 16 bytes
     partials = partials_flat[:programs * _PARTIAL_COLS].view(programs, _PARTIAL_COLS)
-    row_values = 3 * n if from_stats is not None else 0  # (M, log S, entropy) for the log-prob backward
+    row_values = 5 * n if from_stats is not None else 0  # (M, log S, H, 1 - p_t, log p_t + H) for the log-prob backward
     grad_lp, grad_ent, seq_factor, rows = _workspace(
         (n, n if plan.entropy_grad else 0, n if plan.seq_grad else 0, row_values), compute, device, zeroed=False)
     grad_ent = grad_ent if plan.entropy_grad else None
@@ -385,7 +388,7 @@ def loss_forward(
         raise_on_kernel_errors(nonfinite_errors, kinds, call.check_inputs)
     saved = LossSaved(grad_lp, grad_ent, seq_grad if plan.seq_grad and not fold else None, seq_factor, cu,
                       (n, row_length, s, search_steps, packed), seqs.cp_group, tl_compute,
-                      rows[:row_values].view(3, n) if from_stats is not None else None)
+                      rows[:row_values].view(5, n) if from_stats is not None else None)
     return loss, pairs, extremes, saved
 
 

@@ -20,7 +20,7 @@ Forward
        (``FROM_STATS``): its token kernel (per-sequence sums, when the config has any) and its combine kernel
        merge the TP shards' statistics into log-probs and entropy themselves — the log-prob op's merge
        (``logprob_merge.merge_rows``), a few loads a position — instead of reading a log-prob tensor; the
-       combine kernel also stores M, log S and the entropy for backward and adds the merge's error counts
+       combine kernel also stores M, log S, the entropy and 1 - p_t for backward and adds the merge's error counts
        into the deferred ledger (no host read). Then the finalize kernel: the loss and the metric entries.
     4. With a filter: the targets outside the kept set (log-prob -inf) are recorded through the deferred ledger
        (``check_inputs``), as ``vocab_parallel_logprobs`` records them.
@@ -109,7 +109,7 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
             #        their log-prob in backward ---
             outside = targets_outside_filter(gathered.stats[:, :n, 3].sum(0), t, spec.ignore_index, spec.check_inputs)
         from_stats = FromStats(gathered.stats, t, gathered.errors, gathered.stats.shape[0] * v_local,
-                               spec.ignore_index)
+                               spec.ignore_index, spec.inv_temperature)
         loss, pairs, extremes, saved = loss_forward(None, None, call, from_stats)
         raise_on_merge_errors(gathered, spec.check_inputs)
 
@@ -129,7 +129,7 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
             return None, None, None, None
         x, t = ctx.saved_tensors
         saved: LossSaved = ctx.saved
-        row_max, log_sum, entropy = saved.rows.unbind(0)
+        row_max, log_sum, entropy, complement, centered = saved.rows.unbind(0)
         grad_lp, grad_ent = saved.grad_lp, saved.grad_ent
         spec: LogitsSpec = ctx.spec
         grad_scale = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.float()
@@ -144,7 +144,7 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
         # --- 2. one pass over the shard: recompute p (over the kept set with a filter), write the gradient ---
         grad_x = x if spec.inplace_backward else torch.empty_like(x)
         logprob_backward(
-            x, grad_x, t, row_max, log_sum, entropy if grad_ent is not None else None, grad_lp, grad_ent,
+            x, grad_x, t, row_max, log_sum, complement, entropy, centered, grad_lp, grad_ent,
             vocab_start=ctx.vocab_start, ignore_index=spec.ignore_index, inv_temperature=spec.inv_temperature,
             threshold=ctx.threshold, grad_scale=grad_scale,
         )

@@ -25,7 +25,8 @@ from mp_grpo.ops.checks import CheckInputs, kernel_counters, merge_error_kinds, 
 from mp_grpo.ops.launcher import LaunchMeta, launch, launch_meta
 
 STATS_WIDTH = 4
-"""Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit)."""
+"""Columns of the per-row statistics: (max, sum-exp, sum-exp*(z - max), target logit); the sums without the
+target's column (``kernels/logprob_stats.py``)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -86,9 +87,14 @@ class Merged(NamedTuple):
     entropy: torch.Tensor
     """[N] fp32; empty (0 rows) when the merge was asked for no entropy."""
     row_max: torch.Tensor
-    """[N] fp32 row maximum M of z = logits / T over the whole vocabulary (saved for backward)."""
+    """[N] fp32 row maximum M of the raw logits over the whole vocabulary (saved for backward)."""
     log_sum: torch.Tensor
-    """[N] fp32 log S, S = sum exp(z - M); logZ = M + log S (saved for backward)."""
+    """[N] fp32 log S, S = sum exp((logits - M) / T); logZ = M / T + log S (saved for backward)."""
+    complement: torch.Tensor
+    """[N] fp32 1 - p_t, the other tokens' mass summed apart (saved for backward: the target's own gradient)."""
+    centered: torch.Tensor
+    """[N] fp32 log p_t + H, from the other tokens' sums (saved for backward: the target's own entropy gradient);
+    empty (0 rows) when the merge was asked for no entropy."""
     errors: torch.Tensor
     """[3] int64 counters the merge added into: (shard-size mismatches, targets outside [0, V_global) other than
     ignore_index, rows with non-finite logits) — the deferred ledger's own slots, fresh zeros, or a scratch
@@ -101,6 +107,7 @@ def merge_statistics(
     *,
     v_local: int,
     ignore_index: int,
+    inv_temperature: float,
     with_entropy: bool,
     errors: torch.Tensor,  # [3] int64 counters to add into
 ) -> Merged:
@@ -112,15 +119,18 @@ def merge_statistics(
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=device)
     row_max = torch.empty(n, dtype=torch.float32, device=device)
     log_sum = torch.empty(n, dtype=torch.float32, device=device)
+    complement = torch.empty(n, dtype=torch.float32, device=device)
+    centered = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=device)
     block_n = logprob_launch_config(v_local).merge_block_n
     launch(logprob_merge_kernel, (max(ceil_div(n, block_n), 1),),
-        stats, target, logprobs, entropy, row_max, log_sum, errors,
+        stats, target, logprobs, entropy, row_max, log_sum, complement, centered, errors,
         n, tp, tp * v_local, ignore_index,
         stats.stride(0), stats.stride(1),
+        inv_temperature,
         HAS_ENTROPY=with_entropy,
         BLOCK_N=block_n,
     )
-    return Merged(logprobs, entropy, row_max, log_sum, errors)
+    return Merged(logprobs, entropy, row_max, log_sum, complement, centered, errors)
 
 
 class Gathered(NamedTuple):
@@ -166,6 +176,7 @@ def gather_and_merge(
     tp_group: ProcessGroup | None,
     v_local: int,
     ignore_index: int,
+    inv_temperature: float,
     with_entropy: bool,
     check_inputs: CheckInputs,
 ) -> Merged:
@@ -174,7 +185,7 @@ def gather_and_merge(
     gathered = gather_statistics(stats, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
                                  check_inputs=check_inputs)
     merged = merge_statistics(gathered.stats, target, v_local=v_local, ignore_index=ignore_index,
-                              with_entropy=with_entropy, errors=gathered.errors)
+                              inv_temperature=inv_temperature, with_entropy=with_entropy, errors=gathered.errors)
     raise_on_merge_errors(gathered, check_inputs)
     return merged
 
@@ -207,7 +218,9 @@ def logprob_backward(
     target: torch.Tensor,  # [n] int64
     row_max: torch.Tensor,  # [n] fp32
     log_sum: torch.Tensor,  # [n] fp32
-    entropy: torch.Tensor | None,  # [n] fp32, or None when no entropy gradient flows
+    complement: torch.Tensor,  # [n] fp32 1 - p_t (Merged.complement)
+    entropy: torch.Tensor | None,  # [n] fp32 H (Merged.entropy), read only with ``grad_entropy``
+    centered: torch.Tensor | None,  # [n] fp32 log p_t + H (Merged.centered), read only with ``grad_entropy``
     grad_logprobs: torch.Tensor,  # [n] fp32
     grad_entropy: torch.Tensor | None,  # [n] fp32, or None
     *,
@@ -233,7 +246,8 @@ def logprob_backward(
     meta = _backward_meta(cfg, has_entropy_grad, threshold is not None, grad_scale is not None, row_loop)
     grid = (n, 1) if row_loop else (n, ceil_div(v_local, cfg.backward_block_v))
     launch_meta(logprob_backward_kernel, grid, meta,
-        logits, grad_logits, target, row_max, log_sum,
+        logits, grad_logits, target, row_max, log_sum, complement,
+        centered if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
         entropy if has_entropy_grad else log_sum,  # unused placeholder pointer without entropy
         grad_logprobs,
         grad_entropy if has_entropy_grad else grad_logprobs,  # unused placeholder pointer

@@ -12,16 +12,18 @@ Forward
        of the mass); the other rows take the exact radix passes (one read of the shard and one all-reduce each)
        and step 1 with the threshold, for those rows only.
     1. ``logprob_stats_kernel``: one pass over this rank's shard writes per-row (max, sum-exp,
-       sum-exp·z, target logit) — 16 bytes a row; the logits are read once.
+       sum-exp·z, target logit), the sums without the target's column — 16 bytes a row; the logits are read
+       once.
     2. One collective: all-gather of the ``[N + 1, 4]`` fp32 statistics over ``tp_group`` (skipped
        for a group of size 1). Row N carries this shard's size, so shard sizes are checked without a
        collective of their own.
-    3. ``logprob_merge_kernel``: merge the TP shards' statistics into log-prob, entropy and logZ
-       (as M and log S) per row; count bad targets and shard-size mismatches (their outputs are
-       NaN); with ``check_inputs`` the counts go to the deferred error ledger (``mp_grpo.ops.checks``):
-       raised at once on the CPU, at the next ``mp_grpo.check_errors()`` on a GPU — no host read here.
-    Saved for backward: the logits (not a copy), targets, M, log S and entropy — 20 bytes a row
-    beyond the logits, no ``[N, V]`` fp32 buffer (with a filter also the threshold and the
+    3. ``logprob_merge_kernel``: merge the TP shards' statistics into log-prob, entropy, logZ (as M and
+       log S), and the target's 1 - p_t and log p_t + H from the other tokens' sums (no cancellation near
+       p_t = 1) per row; count bad targets and shard-size mismatches (their outputs are NaN); with
+       ``check_inputs`` the counts go to the deferred error ledger (``mp_grpo.ops.checks``): raised at once on
+       the CPU, at the next ``mp_grpo.check_errors()`` on a GPU — no host read here.
+    Saved for backward: the logits (not a copy), targets, M, log S, 1 - p_t, the entropy and log p_t + H —
+    28 bytes a row beyond the logits, no ``[N, V]`` fp32 buffer (with a filter also the threshold and the
     outside-the-kept-set mask, 5 bytes a row).
 
 Backward
@@ -97,15 +99,16 @@ class VocabParallelLogProbs(torch.autograd.Function):
         # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
         #          log-prob, entropy, logZ = M + log S; raise on bad input ---
         merged = gather_and_merge(
-            stats, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index, with_entropy=with_entropy,
-            check_inputs=check_inputs,
+            stats, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index, inv_temperature=inv_temperature,
+            with_entropy=with_entropy, check_inputs=check_inputs,
         )
 
         outside = None
         if threshold is not None:
             # A target outside the kept set has log-prob -inf (its stats row wrote z_t = -inf).
             outside = targets_outside_filter(merged.logprobs, t, ignore_index, check_inputs)
-        ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.entropy, threshold, outside)
+        ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.complement, merged.entropy,
+                              merged.centered, threshold, outside)
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
         ctx.inv_temperature = inv_temperature
@@ -118,7 +121,7 @@ class VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
-        x, t, row_max, log_sum, entropy, threshold, outside = ctx.saved_tensors
+        x, t, row_max, log_sum, complement, entropy, centered, threshold, outside = ctx.saved_tensors
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 9
         grad_logprobs, grad_entropy = flat_upstream_grads(grad_logprobs, grad_entropy, row_max.shape[0], row_max.device)
@@ -129,7 +132,8 @@ class VocabParallelLogProbs(torch.autograd.Function):
         # --- 1. one pass: recompute p from the logits and logZ, write the gradient ---
         grad_x = x if ctx.inplace_backward else torch.empty_like(x)
         logprob_backward(
-            x, grad_x, t, row_max, log_sum, entropy if grad_entropy is not None else None, grad_logprobs, grad_entropy,
+            x, grad_x, t, row_max, log_sum, complement, entropy, centered,
+            grad_logprobs, grad_entropy,
             vocab_start=ctx.vocab_start, ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature,
             threshold=threshold,
         )

@@ -13,52 +13,37 @@ starts on GPTModel and its rewards are finite.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))  # the worker processes run this file as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker processes run this file as a script
+
+from tests.gpu.launch import gpu_run, init_nccl, torchrun, torchrun_cmd, worker_main  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _torchrun(args: list[str]) -> str:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # real GPU kernels
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"{args} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-10000:]}\n"
-                             f"--- stderr ---\n{proc.stderr[-10000:]}")
-    return proc.stdout
 
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("output_path", ["logits", "fused"])
 def test_forward_logprobs_gpt_one_gpu(dtype: str, output_path: str) -> None:
-    print(_torchrun([__file__, json.dumps(dict(dtype=dtype, output_path=output_path))]))
+    print(torchrun(__file__, "case_forward_logprobs", 1, dtype=dtype, output_path=output_path))
 
 
 @needs_gpu
 def test_learning_job_gpu_config_starts(tmp_path: Path) -> None:
     log = tmp_path / "log.json"
-    out = _torchrun(["-m", "mp_grpo.train", "--config", "gpu", "train.steps=3", "output.progress_bar=false",
-                     f"output.dir={tmp_path}"])
+    out = gpu_run(torchrun_cmd(1, "-m", "mp_grpo.train", "--config", "gpu", "train.steps=3", "output.progress_bar=false",
+                               f"output.dir={tmp_path}"), what="the learning job")
     assert "GPU: megatron-core GPTModel" in out
     steps = json.loads(log.read_text())["steps"]
     assert len(steps) == 3 and all(0.0 <= s["reward"] <= 1.0 for s in steps)
 
 
-def _worker(dtype: str, output_path: str) -> None:
-    import torch.distributed as dist
+def case_forward_logprobs(dtype: str, output_path: str) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -71,9 +56,7 @@ def _worker(dtype: str, output_path: str) -> None:
     from tests.reference import logprobs_reference
     from tests.tolerances import assert_close
 
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    init_nccl()
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         model_cfg = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
@@ -103,8 +86,7 @@ def _worker(dtype: str, output_path: str) -> None:
         print(f"forward_logprobs == model_logprobs [{dtype}, {output_path}]: {len(micro)} micro-batches")
     finally:
         ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _worker(**json.loads(sys.argv[1]))
+    worker_main({"case_forward_logprobs": case_forward_logprobs})

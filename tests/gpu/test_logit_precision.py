@@ -17,18 +17,16 @@ path: they tell the two settings apart.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))  # the torchrun workers run this file as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the torchrun workers run this file as a script
 
 from mp_grpo.config.precision import LogitDtype  # noqa: E402
+from tests.gpu.launch import init_nccl, torchrun, worker_main  # noqa: E402
 from tests.logit_precision import PATHS, TARGET_LOGIT_MAX, fp32_target_misses, make_case, path_errors  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -81,7 +79,7 @@ def test_fp32_logits_meet_gpu_targets_tp1() -> None:
 def test_fp32_logits_meet_gpu_targets_tp2() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip(f"TP = 2 needs two GPUs, this machine has {torch.cuda.device_count()}")
-    _torchrun(2, dict(device="cuda", backend="nccl", **FULL_SIZE))
+    print(torchrun(__file__, "case_tp", 2, **FULL_SIZE)[-4000:])
 
 
 @needs_gpu
@@ -92,35 +90,15 @@ def test_bf16_rounding_mutant_fails_the_targets(monkeypatch) -> None:
     assert not passed, f"paths within the fp32 bounds with their logits rounded to bf16: {passed}"
 
 
-def _torchrun(nproc: int, kwargs: dict) -> None:
-    env = dict(os.environ)
-    if kwargs["device"] == "cuda":
-        env.pop("TRITON_INTERPRET", None)  # real GPU kernels
-        env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-           json.dumps(kwargs)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    print(proc.stdout[-4000:])
-    if proc.returncode != 0:
-        raise AssertionError(f"TP = {nproc} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-8000:]}\n"
-                             f"--- stderr ---\n{proc.stderr[-8000:]}")
-
-
-def _worker(device: str, backend: str, n: int, hidden: int, vocab: int) -> None:
+def case_tp(n: int, hidden: int, vocab: int) -> None:
     """One TP rank: the same check on this rank's shard; a miss on any rank fails the run."""
     import torch.distributed as dist
 
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend)
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        misses = target_misses(dist.group.WORLD, rank, world, device=device, n=n, hidden=hidden, vocab=vocab)
-        assert not misses, f"fp32 logits exceed the GPU bounds at TP = {world}, rank {rank}: {misses}"
-    finally:
-        dist.destroy_process_group()
+    init_nccl()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    misses = target_misses(dist.group.WORLD, rank, world, device="cuda", n=n, hidden=hidden, vocab=vocab)
+    assert not misses, f"fp32 logits exceed the GPU bounds at TP = {world}, rank {rank}: {misses}"
 
 
 if __name__ == "__main__":
-    _worker(**json.loads(sys.argv[1]))
+    worker_main({"case_tp": case_tp})

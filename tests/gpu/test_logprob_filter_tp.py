@@ -21,15 +21,16 @@ group, and the same op at TP = 1 on the whole logits. Checked per filter (top-k 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker processes run this file as a script
+
+from tests.gpu.launch import init_nccl, torchrun, worker_main  # noqa: E402
+
 FILTERS = [dict(top_k=20), dict(top_k=50), dict(top_p=0.9), dict(top_p=0.95), dict(top_k=50, top_p=0.95)]
 ROWS = 96
 """Rows a case: half a policy's, half flat."""
@@ -90,26 +91,12 @@ def tp_against_tp1(logits: torch.Tensor, target: torch.Tensor, filt, group, *, t
 
 
 # ------------------------------------------------------------------------------------------------ pytest
-def _torchrun(case: str, nproc: int, **kwargs) -> str:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # real GPU kernels
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__, case, json.dumps(kwargs)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"{case} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-10000:]}\n"
-                             f"--- stderr ---\n{proc.stderr[-10000:]}")
-    return proc.stdout
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [2, 4])
 def test_filter_at_tp_equals_tp1(tp: int) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} CUDA GPUs")
-    print(_torchrun("case_filters", tp))
+    print(torchrun(__file__, "case_filters", tp))
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -120,6 +107,10 @@ def case_filters(vocab: tuple[int, ...] = (151936, 18992), rows: int = ROWS) -> 
     from tests.policy_logits import flat_logits, policy_logits
     from tests.tolerances import assert_close
 
+    if torch.cuda.is_available():
+        init_nccl()
+    else:  # a CPU check of the worker (gloo, Triton's interpreter)
+        dist.init_process_group("gloo")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     failures = []
     for v in vocab:
@@ -148,15 +139,4 @@ def case_filters(vocab: tuple[int, ...] = (151936, 18992), rows: int = ROWS) -> 
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
-
-    case, kwargs = sys.argv[1], json.loads(sys.argv[2])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl")
-    else:  # a CPU check of the worker (gloo, Triton's interpreter)
-        dist.init_process_group("gloo")
-    try:
-        {"case_filters": case_filters}[case](**kwargs)
-    finally:
-        dist.destroy_process_group()
+    worker_main({"case_filters": case_filters})

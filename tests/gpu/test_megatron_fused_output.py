@@ -21,17 +21,16 @@ relative L2 error within its rtol.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))  # the worker processes run this file as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker processes run this file as a script
+
+from tests.gpu.launch import init_nccl, torchrun, worker_main  # noqa: E402
 
 SEQ, BATCH, HIDDEN, VOCAB = 48, 3, 64, 1000
 TEMPERATURE = 0.8
@@ -43,15 +42,7 @@ TINY_NORM = 1e-30
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["sp_off", "sp_on"])
 def test_fused_hidden_states_equal_logits_path(sequence_parallel: bool) -> None:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # real GPU kernels
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           json.dumps({"sequence_parallel": sequence_parallel})]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
-    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-8000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
-    print(proc.stdout)
+    print(torchrun(__file__, "case_hidden_states", 2, sequence_parallel=sequence_parallel))
 
 
 @pytest.mark.gpu
@@ -131,7 +122,7 @@ def _relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp(min=TINY_NORM))
 
 
-def case(sequence_parallel: bool) -> None:
+def case_hidden_states(sequence_parallel: bool) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -141,9 +132,7 @@ def case(sequence_parallel: bool) -> None:
     from mp_grpo.ops.fused_linear_loss import fused_linear_loss
     from tests.tolerances import assert_close, tolerance
 
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    init_nccl()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     tp_group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     failures = []
@@ -207,4 +196,4 @@ def case(sequence_parallel: bool) -> None:
 
 
 if __name__ == "__main__":
-    case(**json.loads(sys.argv[1]))
+    worker_main({"case_hidden_states": case_hidden_states})

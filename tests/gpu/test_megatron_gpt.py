@@ -21,6 +21,11 @@ Each case is a fresh ``torchrun`` (NCCL) launched from pytest, like the CPU test
    parallelism (``tp2`` with ``sequence_parallel=True``, logits and fused; needs transformer-engine's layer
    spec, skipped without it), against the same logits-path reference.
 
+Where Transformer Engine imports, every case builds TE's layer spec (``mp_grpo.megatron.gpt`` picks it), whose fp32
+GEMMs run on TF32 tensor cores unless ``NVIDIA_TF32_OVERRIDE=0``: the launcher (``tests/gpu/launch.py``) sets it for
+every run, the reference's included — without it the fp32 gradients differ by ~1e-4 relative L2 against the 2e-5
+asked for.
+
 Gradients are compared by their relative L2 error ‖g − g_ref‖ / ‖g_ref‖: over all parameters together it must
 stay within ``tests/tolerances``' rtol of the model's dtype (fp32: 2e-5, bf16: 1.6e-2), and so must every single
 parameter in fp32 (in bf16: ``BF16_PER_PARAMETER_RTOL``); the reduced loss must match at the same rtol. A wrong
@@ -30,17 +35,15 @@ factor in the loss scaling (M, DP, the token count) fails by far. The errors of 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))  # the worker processes run this file as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker processes run this file as a script
+
+from tests.gpu.launch import init_nccl, needs_gpus, torchrun, worker_main  # noqa: E402
 
 NUM_SEQUENCES = 8
 VOCAB = 512
@@ -75,28 +78,13 @@ def _relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ pytest
-def _torchrun(case: str, nproc: int, **kwargs) -> str:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # real GPU kernels
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__, case, json.dumps(kwargs)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"{case} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-10000:]}\n"
-                             f"--- stderr ---\n{proc.stderr[-10000:]}")
-    return proc.stdout
-
-
-needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="needs 2 CUDA GPUs")
+needs_two_gpus = needs_gpus(2)
 
 
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gpt_reference")
-    print(_torchrun("case_reference", 1, out_dir=str(out)))
+    print(torchrun(__file__, "case_reference", 1, out_dir=str(out)))
     return out
 
 
@@ -107,7 +95,7 @@ def test_gpt_layout_equals_one_gpu(layout: str, reference_dir: Path) -> None:
     gpus = LAYOUTS[layout]["gpus"]
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"{layout} needs {gpus} CUDA GPUs")
-    print(_torchrun("case_layout", gpus, out_dir=str(reference_dir), layout=layout))
+    print(torchrun(__file__, "case_layout", gpus, out_dir=str(reference_dir), layout=layout))
 
 
 @pytest.mark.gpu
@@ -117,7 +105,7 @@ def test_gpt_fused_output_equals_one_gpu_logits(layout: str, reference_dir: Path
     gpus = LAYOUTS[layout]["gpus"]
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"{layout} needs {gpus} CUDA GPUs")
-    print(_torchrun("case_layout", gpus, out_dir=str(reference_dir), layout=layout, output_path="fused"))
+    print(torchrun(__file__, "case_layout", gpus, out_dir=str(reference_dir), layout=layout, output_path="fused"))
 
 
 @pytest.mark.gpu
@@ -127,20 +115,11 @@ def test_gpt_sequence_parallel_equals_one_gpu(output_path: str, reference_dir: P
     if importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("sequence parallelism needs transformer-engine's layer spec (the local spec's torch LayerNorm "
                     "refuses it); tests/gpu/test_megatron_fused_output.py covers the output layer under SP without it")
-    print(_torchrun("case_layout", 2, out_dir=str(reference_dir), layout="tp2", output_path=output_path,
+    print(torchrun(__file__, "case_layout", 2, out_dir=str(reference_dir), layout="tp2", output_path=output_path,
                     sequence_parallel=True))
 
 
 # ------------------------------------------------------------------------------------------------ workers
-def _init() -> None:
-    import torch.distributed as dist
-
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
 def _configs(tp: int, dtype: str, per_token: bool, avg: bool, sequence_parallel: bool = False):
     from mp_grpo.config.job import ModelConfig, ParallelConfig, ParamsDtype
 
@@ -241,7 +220,7 @@ def _full_grads(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
 def case_reference(out_dir: str) -> None:
     from megatron.core import parallel_state as ps
 
-    _init()
+    init_nccl()
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     out = Path(out_dir)
     model_cfg, parallel_cfg = _configs(1, "fp32", False, False)
@@ -266,7 +245,7 @@ def case_layout(out_dir: str, layout: str, output_path: str = "logits", sequence
 
     from tests.tolerances import tolerance
 
-    _init()
+    init_nccl()
     tp, m = LAYOUTS[layout]["tp"], LAYOUTS[layout]["num_microbatches"]
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     out = Path(out_dir)
@@ -302,11 +281,4 @@ def case_layout(out_dir: str, layout: str, output_path: str = "logits", sequence
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
-
-    case, kwargs = sys.argv[1], json.loads(sys.argv[2])
-    try:
-        {"case_reference": case_reference, "case_layout": case_layout}[case](**kwargs)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    worker_main({"case_reference": case_reference, "case_layout": case_layout})

@@ -2,10 +2,10 @@
 EP = 2 × DP = 2 (four) gives the one-GPU gradients; the routers' aux / z-loss scale rule and routing replay hold
 on GPUs as on CPU (``tests/megatron/test_moe.py``).
 
-Needs megatron-core ≥ 0.17 — 0.16's router calls Transformer Engine's GEMM on CUDA, ≥ 0.17's falls back to
-``torch.mm`` — and skips with the reason otherwise (each case also without its GPUs)::
+Needs megatron-core ≥ 0.17 or Transformer Engine — 0.16's router calls TE's GEMM on CUDA, ≥ 0.17's falls back to
+``torch.mm`` without TE — and skips with the reason otherwise (each case also without its GPUs)::
 
-    PYTHONPATH=<site of megatron-core 0.19> NCCL_NVLS_ENABLE=0 python -m pytest tests/gpu/test_megatron_moe.py -v -s
+    PYTHONPATH=<site of megatron-core 0.19, or of TE> NCCL_NVLS_ENABLE=0 python -m pytest tests/gpu/test_megatron_moe.py -v -s
 
 The model: megatron-core's GPTModel with the local layer spec for experts (``TopKRouter``, ``SequentialMLP``
 experts), 2 layers, both MoE, hidden 64, 4 experts of FFN 128, top-2, load-balancing loss coefficient 0.1 and
@@ -13,7 +13,7 @@ z-loss coefficient 0.01 (large, so that the router losses weigh in the gradient)
 The step: 8 sequences padded to 64 positions (every micro-batch routes the same number of tokens); micro-batch i
 holds rows 2i and 2i + 1, four micro-batches over the whole step. Each case is a fresh ``torchrun`` (NCCL).
 
-1. ``case_reference`` (1 GPU, M = 4):
+1. ``case_reference`` (1 GPU, M = 4; ``test_moe_router_loss_rule_one_gpu``):
    a. the rule (``mp_grpo.megatron.moe``), for both loss contracts: the gradient with the router losses on equals
       the same step's with them off plus the float64 gradient of
       Σ_mb (T_mb / Σ T) · Σ_layers (c_aux · LB(logits) + c_z · Z(logits)), the router logits recomputed from each
@@ -39,16 +39,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))  # the worker processes run this file as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker processes run this file as a script
+
+from tests.gpu.launch import init_nccl, torchrun, worker_main  # noqa: E402
 
 NUM_SEQUENCES = 8
 MICRO_BATCH_SIZE = 2
@@ -71,7 +70,8 @@ LAYOUTS = {
     "ep2_dp2": dict(ep=2, gpus=4),
 }
 ROUTER_TORCH_FALLBACK = (0, 17)
-"""megatron-core version from which the router's gating GEMM runs without Transformer Engine on CUDA."""
+"""megatron-core version from which the router's gating GEMM runs without Transformer Engine on CUDA (before it, the
+router needs TE)."""
 EXPERT_PREFIX = ".mlp.experts.local_experts."
 METRIC_RTOL = 1e-5
 """MoE metrics: fp32 sums of the same routing in another order (float64 references: the router logits' rounding)."""
@@ -96,36 +96,32 @@ def _skip_reason(gpus: int) -> str | None:
     version = _megatron_core_version()
     if version is None:
         return "needs megatron-core"
-    if version < ROUTER_TORCH_FALLBACK:
-        return (f"megatron-core {version[0]}.{version[1]}: its MoE router runs Transformer Engine's GEMM on CUDA "
-                "(te_general_gemm); ≥ 0.17 falls back to torch.mm — put megatron-core ≥ 0.17 on PYTHONPATH")
+    from mp_grpo.megatron.gpt import have_transformer_engine
+
+    if version < ROUTER_TORCH_FALLBACK and not have_transformer_engine():
+        return (f"megatron-core {version[0]}.{version[1]} without Transformer Engine: its MoE router runs TE's GEMM on "
+                "CUDA (te_general_gemm), and transformer_engine does not import; ≥ 0.17 falls back to torch.mm — put "
+                "TE or megatron-core ≥ 0.17 on PYTHONPATH")
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
         return f"needs {gpus} CUDA GPUs"
     return None
 
 
-def _torchrun(case: str, nproc: int, **kwargs) -> str:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # real GPU kernels
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__, case, json.dumps(kwargs)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"{case} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-10000:]}\n"
-                             f"--- stderr ---\n{proc.stderr[-10000:]}")
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory) -> Path:
-    reason = _skip_reason(2)
+    reason = _skip_reason(1)
     if reason:
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("moe_reference")
-    print(_torchrun("case_reference", 1, out_dir=str(out)))
+    print(torchrun(__file__, "case_reference", 1, out_dir=str(out)))
     return out
+
+
+@pytest.mark.gpu
+def test_moe_router_loss_rule_one_gpu(reference_dir: Path) -> None:
+    """``case_reference`` on one GPU: the router losses' scale rule against its float64 gradient, every variant's
+    reference saved (the fixture runs it; a failure fails here)."""
+    assert (reference_dir / "weights.pt").exists()
 
 
 @pytest.mark.gpu
@@ -134,7 +130,7 @@ def test_moe_layout_equals_one_gpu(layout: str, reference_dir: Path) -> None:
     reason = _skip_reason(LAYOUTS[layout]["gpus"])
     if reason:
         pytest.skip(f"{layout}: {reason}")
-    print(_torchrun("case_layout", LAYOUTS[layout]["gpus"], out_dir=str(reference_dir), layout=layout))
+    print(torchrun(__file__, "case_layout", LAYOUTS[layout]["gpus"], out_dir=str(reference_dir), layout=layout))
 
 
 @pytest.mark.gpu
@@ -142,19 +138,10 @@ def test_moe_routing_replay_reaches_the_routers() -> None:
     reason = _skip_reason(2)
     if reason:
         pytest.skip(reason)
-    print(_torchrun("case_routing_replay", 2))
+    print(torchrun(__file__, "case_routing_replay", 2))
 
 
 # ------------------------------------------------------------------------------------------------ workers
-def _init() -> None:
-    import torch.distributed as dist
-
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
 def _rollouts():
     from mp_grpo.config.job import RolloutConfig
     from mp_grpo.megatron.rollouts import Rollouts
@@ -347,7 +334,7 @@ def case_reference(out_dir: str) -> None:
 
     from tests.tolerances import tolerance
 
-    _init()
+    init_nccl()
     ps.initialize_model_parallel()
     out = Path(out_dir)
     rtol = tolerance(torch.float32)["rtol"]
@@ -387,7 +374,7 @@ def case_layout(out_dir: str, layout: str) -> None:
 
     from tests.tolerances import tolerance
 
-    _init()
+    init_nccl()
     ps.initialize_model_parallel(expert_model_parallel_size=LAYOUTS[layout]["ep"])
     out = Path(out_dir)
     weights = torch.load(out / "weights.pt")
@@ -424,7 +411,7 @@ def case_routing_replay() -> None:
     from mp_grpo.megatron import MegatronGRPO
     from mp_grpo.megatron.forward_only import forward_logprobs
 
-    _init()
+    init_nccl()
     ps.initialize_model_parallel(expert_model_parallel_size=2)
     RouterReplay.clear_global_router_replay_instances()
     try:
@@ -492,12 +479,5 @@ def case_routing_replay() -> None:
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
-
-    case, kwargs = sys.argv[1], json.loads(sys.argv[2])
-    try:
-        {"case_reference": case_reference, "case_layout": case_layout,
-         "case_routing_replay": case_routing_replay}[case](**kwargs)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    worker_main({"case_reference": case_reference, "case_layout": case_layout,
+                 "case_routing_replay": case_routing_replay})

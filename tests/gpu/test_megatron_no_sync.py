@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -33,8 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker processes run this file as a script
+
+from tests.gpu.launch import init_nccl, torchrun, worker_main  # noqa: E402
 
 VOCAB = 512
 LOSS_CONFIGS = {
@@ -50,17 +49,10 @@ CASES = [("logits", False, "ppo_token_tis"), ("logits", True, "step_level"), ("f
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_no_host_sync_in_the_micro_batch_loop() -> None:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    print(proc.stdout[-6000:])
-    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-8000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    print(torchrun(__file__, "case_no_sync", 1)[-6000:])
 
 
-def _worker() -> None:
-    import torch.distributed as dist
+def case_no_sync() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -70,8 +62,7 @@ def _worker() -> None:
     from mp_grpo.megatron.gpt import build_gpt_for_training
     from mp_grpo.train.synthetic import synthesize_rollouts
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
+    init_nccl()
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     cfg = RolloutConfig(group_size=4, prompt_min_length=4, prompt_max_length=12, completion_min_length=4,
                         completion_max_length=40, tool_mask_fraction=0.2, mismatch_std=0.1)
@@ -143,8 +134,7 @@ def _worker() -> None:
         print(f"{where} whole forward_backward_func (schedule, DDP, finalize included): {len(syncs)} "
               f"synchronizing call(s) {json.dumps(syncs[:4])}")
     ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _worker()
+    worker_main({"case_no_sync": case_no_sync})

@@ -24,17 +24,15 @@ config, a step-level config: IS-weight normalization + mismatch monitor).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker processes run this file as a script
+
+from tests.gpu.launch import init_nccl, needs_gpus, torchrun, worker_main  # noqa: E402
 
 NUM_SEQUENCES = 8
 VOCAB = 512
@@ -50,34 +48,19 @@ TINY_NORM = 1e-30
 """Floor of a reference gradient's norm in the relative error."""
 
 
-def _torchrun(case: str, nproc: int, **kwargs) -> str:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__, case, json.dumps(kwargs)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"{case} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-10000:]}\n"
-                             f"--- stderr ---\n{proc.stderr[-10000:]}")
-    return proc.stdout
-
-
 LAYOUTS = {
     # name: (tensor-parallel size, GPUs); PP = 2, DP = 1
     "pp2": (1, 2),
     "pp2_tp2": (2, 4),
 }
 
-needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="needs 2 CUDA GPUs")
+needs_two_gpus = needs_gpus(2)
 
 
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pipeline_reference")
-    print(_torchrun("case_reference", 1, out_dir=str(out)))
+    print(torchrun(__file__, "case_reference", 1, out_dir=str(out)))
     return out
 
 
@@ -88,19 +71,10 @@ def test_pipeline_layout_equals_one_gpu(layout: str, reference_dir: Path) -> Non
     tp, gpus = LAYOUTS[layout]
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"{layout} needs {gpus} CUDA GPUs")
-    print(_torchrun("case_pipeline", gpus, out_dir=str(reference_dir), tp=tp))
+    print(torchrun(__file__, "case_pipeline", gpus, out_dir=str(reference_dir), tp=tp))
 
 
 # ------------------------------------------------------------------------------------------------ workers
-def _init() -> None:
-    import torch.distributed as dist
-
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
 def _rollouts():
     from mp_grpo.config.job import RolloutConfig
     from mp_grpo.megatron.rollouts import Rollouts
@@ -217,7 +191,7 @@ def _step(per_token: bool, name: str, output_path: str, num_microbatches: int, w
 def case_reference(out_dir: str) -> None:
     from megatron.core import parallel_state as ps
 
-    _init()
+    init_nccl()
     ps.initialize_model_parallel()
     out = Path(out_dir)
     _, gpt = _build(False)
@@ -237,7 +211,7 @@ def case_pipeline(out_dir: str, tp: int) -> None:
 
     from tests.tolerances import tolerance
 
-    _init()
+    init_nccl()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
     out = Path(out_dir)
     weights = torch.load(out / "weights.pt")
@@ -266,11 +240,4 @@ def case_pipeline(out_dir: str, tp: int) -> None:
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
-
-    case, kwargs = sys.argv[1], json.loads(sys.argv[2])
-    try:
-        {"case_reference": case_reference, "case_pipeline": case_pipeline}[case](**kwargs)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    worker_main({"case_reference": case_reference, "case_pipeline": case_pipeline})

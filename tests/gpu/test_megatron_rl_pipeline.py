@@ -35,10 +35,7 @@ sampled-token entropy term, IS correction —, a step-level config: IS-weight no
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -47,8 +44,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))  # the worker processes run this file as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worker processes run this file as a script
+
+from tests.gpu.launch import init_nccl, torchrun, worker_main  # noqa: E402
 
 NUM_SEQUENCES = 8
 OLD_LOGPROB_STD = 0.1
@@ -66,25 +64,11 @@ REPORTED = ("lm loss", "rl/kl_term", "rl/pi_over_pi_old")
 TINY_NORM = 1e-30
 
 
-def _torchrun(case: str, nproc: int, **kwargs) -> str:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # real GPU kernels
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__, case, json.dumps(kwargs)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(f"{case} failed ({proc.returncode})\n--- stdout ---\n{proc.stdout[-10000:]}\n"
-                             f"--- stderr ---\n{proc.stderr[-10000:]}")
-    return proc.stdout
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_forward_step_pipeline_equals_one_stage(tmp_path: Path) -> None:
-    print(_torchrun("case_run", 1, out_dir=str(tmp_path), pp=1))
-    print(_torchrun("case_run", 2, out_dir=str(tmp_path), pp=2))
+    print(torchrun(__file__, "case_run", 1, out_dir=str(tmp_path), pp=1))
+    print(torchrun(__file__, "case_run", 2, out_dir=str(tmp_path), pp=2))
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -176,10 +160,10 @@ def case_run(out_dir: str, pp: int) -> None:
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from tests.gpu.test_megatron_pipeline import SEQ_LEN, _build, _gathered_grads, _init, _load
+    from tests.gpu.test_megatron_pipeline import SEQ_LEN, _build, _gathered_grads, _load
     from tests.tolerances import tolerance
 
-    _init()
+    init_nccl()
     ps.initialize_model_parallel(pipeline_model_parallel_size=pp)
     out = Path(out_dir)
     num_microbatches = pp  # PP = 1: the whole step as one micro-batch; PP = 2: two
@@ -243,11 +227,4 @@ def case_run(out_dir: str, pp: int) -> None:
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
-
-    case, kwargs = sys.argv[1], json.loads(sys.argv[2])
-    try:
-        {"case_run": case_run}[case](**kwargs)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    worker_main({"case_run": case_run})

@@ -36,7 +36,7 @@ def _compile_all() -> None:
 
     sizes = dict(N="i32", T="i32", S="i32", search_steps="i32")
     stats = dict(stats_ptr="*fp32", target_ptr="*i64", TP="i32", V_global="i32", ignore_index="i32",
-                 stride_stats_rank="i32", stride_stats_row="i32")
+                 stride_stats_rank="i32", stride_stats_row="i32", inv_temperature="fp32")
     for i, (feature, overrides) in enumerate(FEATURE_CONFIGS.items()):
         aggregation = list(AGGREGATIONS)[i % len(AGGREGATIONS)]
         cfg = load_config(None, overrides + AGGREGATIONS[aggregation])

@@ -58,7 +58,8 @@ def _compile_all() -> None:
             for grad, row_loop in variants:
                 compiled = stats_compiler.compile(logprob_backward_kernel, dict(
                     x_ptr=logits, grad_x_ptr=grad, target_ptr="*i64", row_max_ptr="*fp32", log_sum_ptr="*fp32",
-                    entropy_ptr="*fp32", grad_logprob_ptr="*fp32", grad_entropy_ptr="*fp32", threshold_ptr="*fp32",
+                    complement_ptr="*fp32", centered_ptr="*fp32", entropy_ptr="*fp32", grad_logprob_ptr="*fp32",
+                    grad_entropy_ptr="*fp32", threshold_ptr="*fp32",
                     grad_scale_ptr="*fp32", V_local="i32",
                     vocab_start="i32", ignore_index="i32", stride_x_row="i64", stride_grad_x_row="i64",
                     inv_temperature="fp32",
@@ -136,8 +137,9 @@ def _compile_all() -> None:
     for with_entropy in (False, True):
         compile_kernel(logprob_merge_kernel, dict(
             stats_ptr="*fp32", target_ptr="*i64", logprob_ptr="*fp32", entropy_ptr="*fp32", row_max_ptr="*fp32",
-            log_sum_ptr="*fp32", errors_ptr="*i64", N="i32", TP="i32", V_global="i32", ignore_index="i32",
-            stride_stats_rank="i32", stride_stats_row="i32",
+            log_sum_ptr="*fp32", complement_ptr="*fp32", centered_ptr="*fp32", errors_ptr="*i64", N="i32", TP="i32",
+            V_global="i32", ignore_index="i32",
+            stride_stats_rank="i32", stride_stats_row="i32", inv_temperature="fp32",
         ), dict(HAS_ENTROPY=with_entropy, BLOCK_N=256))
     print(f"compiled {compiler.count + long_rows.count + one_warp.count} kernels for sm_90")
 

@@ -229,3 +229,36 @@ def test_score_function_k3_gradient_is_minus_x(backend: LossBackend, x: float) -
     loss.backward()
     x_exact = (ref.double() - lp.detach().double())[0]  # the float32 inputs' difference, exact in float64
     torch.testing.assert_close(lp.grad[0].double(), -0.5 * x_exact / 2, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_on_logits_forms_differences_of_logits_before_the_temperature(backend: LossBackend) -> None:
+    """The GPU soak's on_logits failure (seed 2644094361): fp32 logits near −34 at temperature 0.7, a k2 KL whose
+    per-token coefficient 0.05·(log π − ref) depends on the log-prob's absolute error. The kernels formed
+    x_t / T − M / T, each term rounded at |x| / T = 48 (2.1e-6 nats off in log π, 2.6e-4 relative in the gradient
+    through log π − ref = −0.009); (x_t − M) / T is exact (Sterbenz) and leaves 6e-8."""
+    from mp_grpo import vocab_parallel_logprobs
+    from tests.loss import properties as P
+
+    cfg = load_config(None, ["policy.eps_low=null", "policy.eps_high=null", "rollout_correction.reject_level=token",
+                             "rollout_correction.reject_max=1.001", "kl.coef=0.05", "kl.estimator=k2"])
+    temperature = 0.7
+    logits = torch.tensor([[[-33.775196075439, -34.570804595947]]], dtype=torch.float32)
+    target = torch.tensor([[1]])
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    inputs = {"rollout_logprobs": torch.tensor([[-1.517877340317]]), "ref_logprobs": torch.tensor([[-1.408635258675]]),
+              "advantages": torch.tensor([-0.673102438450])}
+    ref = P.logits_reference(cfg, logits, target, inputs, mask, temperature, 1.0)
+    lp, entropy = vocab_parallel_logprobs(logits, target, with_entropy=True, temperature=temperature)
+    batch = GlobalBatch.from_rollouts(cfg, [mask], old_logprobs=[lp], rollout_logprobs=[inputs["rollout_logprobs"]],
+                                      entropies=[entropy])
+    x = logits.clone().requires_grad_()
+    loss, _ = GRPOLoss(cfg, backend=backend).on_logits(
+        x, target, None, inputs["advantages"], mask, batch=batch, temperature=temperature,
+        rollout_logprobs=inputs["rollout_logprobs"], ref_logprobs=inputs["ref_logprobs"])
+    loss.backward()
+    P.assert_grad_close(x.grad, ref.grad, ref.grad_mask, torch.float32, "on_logits d/dlogits vs reference", rtol=1e-4,
+                        atol=ref.grad_atol)
+    # the log-prob itself: exact to fp32 rounding of its own magnitude, not of the logits'
+    want = torch.log_softmax(logits.double() / temperature, -1)[0, 0, 1]
+    assert abs(float(lp[0, 0]) - float(want)) < 2e-7, (float(lp[0, 0]), float(want))

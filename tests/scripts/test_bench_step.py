@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import weakref
 from pathlib import Path
@@ -238,7 +239,7 @@ def test_row_builders_on_cpu_stand_ins(tp: int) -> None:
 def test_results_resume_and_report(tmp_path: Path) -> None:
     path = tmp_path / "step.json"
     results = step_report.Results.load(path)
-    results.start(command="python scripts/bench_step.py --shape tiny")
+    results.start(command="python scripts/bench_step.py --shape tiny", spec="local")
     rows = {"floor": (100.0, 1000), "common": (110.0, 600), "logits": (101.5, 900), "fused": (100.5, 980)}
     for kind in ("train", "forward"):
         for name, (ms, tokens) in rows.items():
@@ -271,9 +272,10 @@ def test_results_resume_and_report(tmp_path: Path) -> None:
 def test_tp_report(tmp_path: Path) -> None:
     """step_tp: rows of TP = 1, 2 and 4 side by side (keyed by TP size), the TP targets (the logits path's tokens, the
     fp32 fused path's time and tokens), the predictions table, the TP-scaling plot; a dry run's report says so."""
-    assert step_report.report_name(1) == "step" and step_report.report_name(4) == "step_tp"
+    assert step_report.report_name(1, "local") == "step_local" and step_report.report_name(4, "local") == "step_tp_local"
     results = step_report.Results.load(tmp_path / "step_tp.json")
-    results.start(command="torchrun --nproc_per_node 2 scripts/bench_step.py", device="NVIDIA H100 80GB HBM3")
+    results.start(command="torchrun --nproc_per_node 2 scripts/bench_step.py", device="NVIDIA H100 80GB HBM3",
+                  spec="local")
     rows = {"floor": (100.0, 1000), "logits": (100.4, 1000), "fused": (100.8, 1000), "fused_fp32": (101.5, 1000),
             "logits_fp32": (101.9, 900), "fp32_head": (150.0, 800)}
     for tp, shape in ((1, "1.5b"), (2, "1.5b"), (4, "7b")):
@@ -303,7 +305,7 @@ def test_tp_report(tmp_path: Path) -> None:
     # a dry run: titled as one, no targets checked
     dry = step_report.Results.load(tmp_path / "dry" / "step_tp.json")
     (tmp_path / "dry").mkdir()
-    dry.start(command="bench_step.py --dry-run", device="CPU", dry_run=True)
+    dry.start(command="bench_step.py --dry-run", device="CPU", dry_run=True, spec="local")
     dry.rows = again.rows
     step_report.write_reports(dry, tmp_path / "dry", plot=False)
     text = (tmp_path / "dry" / "step_tp.md").read_text()
@@ -315,7 +317,8 @@ def test_time_misses_against_the_output_layer(tmp_path: Path) -> None:
     """A training pass over its time target: its excess over the floor in ms and in multiples of the floor's bare
     output matmuls, the forward-only pass beside it; a pass within its targets has no line."""
     results = step_report.Results.load(tmp_path / "step_tp.json")
-    results.start(command="torchrun --nproc_per_node 2 scripts/bench_step.py", device="NVIDIA H100 80GB HBM3")
+    results.start(command="torchrun --nproc_per_node 2 scripts/bench_step.py", device="NVIDIA H100 80GB HBM3",
+                  spec="local")
     for tp, train in ((2, {"floor": 100.0, "logits": 105.0, "fused": 101.0}), (4, {"floor": 100.0, "logits": 100.5})):
         for kind, times in (("train", train), ("forward", {"floor": 40.0, "logits": 39.0})):
             for name, ms in times.items():
@@ -337,7 +340,7 @@ def test_tp_report_merge(tmp_path: Path) -> None:
     for i, (tp, ms) in enumerate(((2, 100.0), (4, 200.0))):
         results = step_report.Results.load(tmp_path / f"run{i}" / "step_tp.json")
         (tmp_path / f"run{i}").mkdir()
-        results.start(command=f"run {i}", device="H100")
+        results.start(command=f"run {i}", device="H100", spec="local")
         for name in ("floor", "fused"):
             results.update(step_report.row_key("1.5b", 2048, "selective", "train", name, tp),
                            {"ms": ms + (name == "fused"), "peak_GiB": 1.0, "peak_bytes": 2**30, "B": 4, "tokens": 8192})
@@ -345,13 +348,123 @@ def test_tp_report_merge(tmp_path: Path) -> None:
         parts.append(results.path)
     merged = step_report.merge(parts, tmp_path / "merged")
     assert merged.tp_sizes() == [2, 4] and [r["command"] for r in merged.meta["runs"]] == ["run 0", "run 1"]
-    assert "| 4 | 1.5b | 2048 | selective | fused | 201.0 | 1.005 |" in (tmp_path / "merged" / "step_tp.md").read_text()
+    assert merged.path.name == "step_tp_local.json"  # the local spec's rows: the local report's name
+    assert "| 4 | 1.5b | 2048 | selective | fused | 201.0 | 1.005 |" in (tmp_path / "merged" / "step_tp_local.md").read_text()
     dry = step_report.Results.load(tmp_path / "dry.json")
-    dry.start(command="dry", device="CPU", dry_run=True)
+    dry.start(command="dry", device="CPU", dry_run=True, spec="local")
     dry.update(step_report.row_key("1.5b", 2048, "selective", "train", "floor", 2), {"ms": 1.0, "peak_GiB": 1.0})
     dry.save()
     with pytest.raises(SystemExit, match="dry run"):
         step_report.merge([dry.path], tmp_path / "merged2")
+
+
+def _te_rows(results, kind: str, rows: dict) -> None:
+    for name, (ms, vs, tokens) in rows.items():
+        values = {"B": 4, "tokens": 8192, "ms": ms, "peak_bytes": 2**30, "peak_GiB": 1.0, "rounds": 20,
+                  "max_B": tokens // 2048, "max_tokens": tokens, "first_failure_B": tokens // 2048 + 1}
+        if vs is not None:
+            values["vs_floor"] = dict(zip(("median", "low", "high"), vs), coverage=0.9586, n=20)
+        results.update(step_report.row_key("1.5b", 2048, "selective", kind, name), values)
+
+
+def test_te_targets_read_the_interval(tmp_path: Path) -> None:
+    """Transformer Engine's spec: the fused path at bf16 and fp32 logits ≤ 1.01× the floor (the median per-round ratio,
+    not the ratio of the medians) with the interval's upper end ≤ 1.02 in the training pass, ≤ 1.01× in the
+    forward-only pass, ≥ 0.97× the floor's largest micro-batch; the markdown shows each interval."""
+    results = step_report.Results.load(tmp_path / "step.json")
+    results.start(command="python scripts/bench_step.py --spec te", device="NVIDIA H200", spec="te")
+    _te_rows(results, "train", {"floor": (100.0, None, 45056), "fused": (103.0, (1.008, 1.001, 1.025), 43008),
+                                "fused_fp32": (101.0, (1.009, 1.004, 1.015), 45056)})
+    _te_rows(results, "forward", {"floor": (40.0, None, 400000), "fused": (40.2, (1.005, 1.001, 1.009), 400000)})
+    lines = step_report.targets(results)
+    assert any(t.endswith("train, fused time vs floor = 1.0080 (target ≤ 1.01): met") for t in lines), lines
+    assert any(t.endswith("train, fused time vs floor high = 1.0250 (target ≤ 1.02): NOT MET") for t in lines)
+    assert any(t.endswith("train, fused tokens vs floor = 0.9545 (target ≥ 0.97): NOT MET") for t in lines)
+    assert any(t.endswith("train, fused_fp32 time vs floor high = 1.0150 (target ≤ 1.02): met") for t in lines)
+    assert any(t.endswith("forward, fused time vs floor = 1.0050 (target ≤ 1.01): met") for t in lines)
+    assert not any("fused_fp32" in t and "forward" in t for t in lines)  # not run in that pass: no line
+    step_report.write_reports(results, tmp_path, plot=False)
+    text = (tmp_path / "step.md").read_text()
+    assert "Transformer Engine's layer spec" in text and "Caveat" not in text
+    assert "| 1.5b | 2048 | selective | fused | 103.0 | 1.008 [1.001, 1.025] |" in text  # the median ratio, not 103/100
+
+
+def test_a_report_holds_one_spec(tmp_path: Path) -> None:
+    """A report written before the spec was recorded holds local-spec rows; a run of the other spec is refused and
+    pointed to its own report."""
+    legacy = tmp_path / "step_local.json"
+    legacy.write_text(json.dumps({"meta": {"runs": []}, "rows": [
+        {"shape": "1.5b", "seq": 2048, "recompute": "selective", "kind": "train", "path": "floor", "ms": 1.0}]}))
+    old = step_report.Results.load(legacy)
+    assert old.spec == "local"
+    with pytest.raises(SystemExit, match="local layer spec.*--report step\\b"):
+        old.start(command="x", spec="te")
+    old.start(command="x", spec="local")  # the same spec resumes
+    te = step_report.Results.load(tmp_path / "step_tp.json")
+    te.start(command="y", spec="te")
+    te.update(step_report.row_key("1.5b", 2048, "selective", "train", "floor", 2), {"ms": 1.0})
+    with pytest.raises(SystemExit, match="--report step_tp_local"):
+        te.start(command="z", spec="local")
+    assert [step_report.report_name(tp, spec) for tp in (1, 2) for spec in ("te", "local")] == [
+        "step", "step_local", "step_tp", "step_tp_local"]
+
+
+def test_layer_specs() -> None:
+    """The local spec always builds; TE's is refused with the reason where transformer_engine does not import."""
+    from step_model import LayerSpec, default_spec, layer_spec
+
+    from mp_grpo.megatron.gpt import have_transformer_engine
+
+    assert layer_spec(LayerSpec.LOCAL) is not None
+    if have_transformer_engine():
+        assert default_spec() == LayerSpec.TE and layer_spec(LayerSpec.TE) is not None
+    else:
+        assert default_spec() == LayerSpec.LOCAL
+        with pytest.raises(RuntimeError, match="--spec te: transformer_engine does not import"):
+            layer_spec(LayerSpec.TE)
+
+
+def test_dry_run_end_to_end(tmp_path: Path) -> None:
+    """``bench_step.py --dry-run`` through every new part on the CPU: the interleaved rounds (every row's per-round
+    times and its ratio's interval; the floor's time = its decoder's + its matmuls' per round), the search ending at
+    a step of one row, the memory snapshots and their report, the whole step, the phases' seconds, the spec in the
+    report. Stubbed figures: only the plumbing is checked."""
+    import subprocess
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench_step.py"), "--dry-run", "--spec", "te", "--out", str(out),
+           "--shape", "1.5b", "--seq", "2048", "--recompute", "selective", "--paths", "floor", "fused_fp32",
+           "--rounds", "3", "--step-rounds", "2", "--warmup", "0", "--no-check", "--memory-snapshot", str(tmp_path / "snap")]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((out / "step.json").read_text())
+    assert data["meta"]["spec"] == "te" and data["meta"]["dry_run"]
+    rows = {(r["kind"], r["path"]): r for r in data["rows"]}
+    assert set(rows) == {(k, p) for k in ("train", "forward", "step") for p in ("floor", "fused_fp32")}
+    for (kind, path), r in rows.items():
+        rounds = 2 if kind == "step" else 3
+        assert r["rounds"] == rounds and len(r["times_ms"]) == rounds and r["ms"] == measure.median(r["times_ms"])
+        if path == "floor":
+            assert r["times_ms"] == pytest.approx([d + m for d, m in zip(r["decoder_times_ms"], r["matmul_times_ms"])])
+            continue
+        floor = rows[(kind, "floor")]["times_ms"]
+        ratios = sorted(t / f for t, f in zip(r["times_ms"], floor))
+        assert r["vs_floor"]["n"] == rounds and r["vs_floor"]["median"] == pytest.approx(measure.median(ratios))
+        assert (r["vs_floor"]["low"], r["vs_floor"]["high"]) == pytest.approx((ratios[0], ratios[-1]))
+        if kind != "step":  # the search ends at a step of one row
+            assert r["first_failure_B"] == r["max_B"] + 1, r["probes"]
+    snap = tmp_path / "snap" / "1.5b@2048@selective"
+    assert {f.name for f in snap.iterdir()} == {"train_floor.pickle", "train_fused_fp32.pickle", "memory_snapshot.md"}
+    lines = data["meta"]["memory_snapshot"]["1.5b@2048@selective"]
+    assert any(line.startswith("- `fused_fp32` peaks") for line in lines)
+    assert any("dry_fused_fp32_extra" in line and line.strip().startswith("- +") for line in lines)
+    assert set(data["meta"]["phase_s"]["1.5b@2048@selective"]) >= {"train", "forward", "search_train", "memory_snapshot",
+                                                                    "step"}
+    text = (out / "step.md").read_text()
+    assert text.startswith("# A GRPO step of a Qwen2.5-shaped model on one GPU, Transformer Engine's layer spec")
+    assert "DRY RUN — not a measurement" in text and "## Memory at the peak" in text
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """scripts/bench_tp_collective.py's bookkeeping on CPU, without ranks: the merge of every rank's timings into one row
-(the slowest rank's median, the host clocks' spread), the ratio to the no-collective twin in the same mode, the
-report with the predictions beside the measurements, and the plot. (The whole script runs on CPU under gloo with
+(the slowest rank's median, the host clocks' spread), the ratio to the no-collective twin in the same mode (the
+median per-round ratio for rows timed in the same interleaved rounds), the report with the predictions beside the
+measurements, and the plot. (The whole script runs on CPU under gloo with
 ``--dry-run``: ``.coord``'s GPU step runs it that way first.)"""
 
 from __future__ import annotations
@@ -82,3 +83,25 @@ def test_excess_lines_and_report_from_json(tmp_path: Path, monkeypatch) -> None:
     text = (tmp_path / "docs" / "tp_collective_tp2.md").read_text()
     assert "## Where the time over the twin goes" in text and line in text
     assert (tmp_path / "docs" / "tp_collective.png").exists()
+
+
+def test_interleaved_rows_are_compared_round_by_round() -> None:
+    """Rows timed in the same interleaved rounds: the figure is the median over the rounds of the slowest ranks'
+    per-round ratio — here 1.10, where the ratio of the two medians would say 1.0 — with its interval in the cell."""
+    def per_rank(variant: str, twin, times: list[float]) -> dict:
+        return {"V": 151936, "N": 16384, "tp": 2, "variant": variant, "twin": twin, "mode": "eager", "part": "fwd",
+                "ms": sorted(times)[len(times) // 2], "times": times, "starts": [0.0] * len(times), "phases": {},
+                "cuda_mallocs": 0, "alloc_retries": 0, "interleaved_with": ["op local", "op tp"]}
+
+    local = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0]  # the machine alternates between two speeds, round by round
+    tp = [1.1 * t for t in local]
+    rows = [btc.merge_ranks([per_rank("op local", None, local), per_rank("op local", None, [0.5 * t for t in local])]),
+            btc.merge_ranks([per_rank("op tp", "op local", tp), per_rank("op tp", "op local", [0.5 * t for t in tp])])]
+    assert rows[1]["round_max_ms"] == tp and rows[1]["interleaved_with"] == ["op local", "op tp"]
+    interval = btc.ratio_interval(rows, rows[1])
+    assert abs(btc.ratio(rows, rows[1]) - 1.1) < 1e-12 and interval.n == 7 and abs(interval.high - 1.1) < 1e-12
+    rows[1]["ms"] = rows[0]["ms"]  # what separate medians could show on such a machine: the same figure
+    assert abs(btc.ratio(rows, rows[1]) - 1.1) < 1e-12  # the rounds decide, not the medians
+    assert btc._ratio_cell(rows, rows[1]) == "1.100 (1.100–1.100)"
+    del rows[1]["interleaved_with"]  # a row timed before the rounds: the ratio of the medians
+    assert btc.ratio(rows, rows[1]) == 1.0 and btc.ratio_interval(rows, rows[1]) is None

@@ -72,6 +72,32 @@ def test_fused_report_states_the_fp32_targets(tmp_path) -> None:
     assert "- " + fused_report.WITH_LOSS + fp32 + ", V = 151936: terms" in md
 
 
+def test_fused_report_reads_the_interleaved_ratios(tmp_path) -> None:
+    """A row timed in interleaved rounds against the bare matmuls (and an fp32 row against its bf16 row) is held to
+    its median per-round ratio, shown with its interval — not to the ratio of the two medians timed apart."""
+    import bench_fused
+
+    def iv(median, low, high):
+        return {"median": median, "low": low, "high": high, "coverage": 0.9586, "n": 20}
+
+    rows = [
+        _row("bare", fused_report.BARE, 90.0, 4.6),
+        _row("loss", fused_report.WITH_LOSS, 99.9, 0.7, fwd_bwd_vs_bare_interval=iv(1.042, 1.038, 1.047)),
+        _row("per_token", fused_report.FUSED, 124.0, 0.7, fwd_bwd_vs_bare_interval=iv(1.37, 1.36, 1.38)),
+        _row("per_token_fp32", fused_report.FUSED + fused_report.FP32, 120.0, 0.7,
+             fwd_bwd_vs_bare_interval=iv(1.40, 1.39, 1.41), fwd_bwd_vs_bf16_interval=iv(1.021, 1.015, 1.030)),
+    ]
+    result = {"device": "test", "torch": "x", "tokens": N, "hidden": H, "rows": rows}
+    bench_fused.add_ratios(result)
+    assert rows[1]["fwd_bwd_vs_bare"] == 1.042 and rows[3]["fwd_bwd_vs_bf16"] == 1.021  # not 99.9 / 90, 120 / 124
+    fused_report.write_single_gpu_report(result, tmp_path, plot=False)
+    md = (tmp_path / "fused.md").read_text()
+    assert ("= 1.042x the bare matmuls (90.00 ms) [95 % interval 1.038–1.047, 20 interleaved rounds]; target ≤ 1.10x: "
+            "met") in md
+    assert "= 1.021x the bf16 op (124.00 ms) [95 % interval 1.015–1.030, 20 interleaved rounds]; target ≤ 1.00x: NOT MET" in md
+    assert "| 1.042 [1.038, 1.047] |" in md
+
+
 def test_precision_report_flags_a_path_over_the_target(tmp_path) -> None:
     def row(path, dtype, lp_max, lp_mean, sampled_mean=None):
         return {"path": path, "logit_dtype": dtype, "logprob_max_abs": lp_max, "logprob_mean_abs": lp_mean,

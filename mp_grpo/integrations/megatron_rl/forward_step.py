@@ -323,21 +323,26 @@ class GRPOForwardStep:
 
 
 LOGIT_DTYPE_ARG = "--output-logit-dtype"
-"""Megatron-LM's argument (``args.output_logit_dtype``: ``"bf16"`` | ``"fp32"``)."""
+"""Megatron-LM's argument (``bf16`` | ``fp32``; absent from Megatron-LM before it, e.g. core_v0.19.0)."""
+LOGIT_DTYPE_DEST = "logit_dtype"
+"""Its ``dest`` in Megatron-LM's parser: ``args.logit_dtype`` — the string after ``parse_args``, a torch dtype after
+``validate_args`` maps it (``map_dtype``); None when not given (the output layer's input dtype)."""
+_LOGIT_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def logit_dtype_from_args(args: Any) -> LogitDtype:
-    """``args.output_logit_dtype`` as a :class:`LogitDtype` (``BF16`` where this Megatron-LM has no such argument or
-    leaves it None); any other value is a one-line error naming the argument."""
-    value = getattr(args, "output_logit_dtype", None)
+    """``args.logit_dtype`` (``--output-logit-dtype``) as a :class:`LogitDtype`: a torch dtype or its string form;
+    ``BF16`` where this Megatron-LM has no such argument or leaves it None (the logits in the output layer's own
+    dtype); any other value is a one-line error naming the argument."""
+    value = getattr(args, LOGIT_DTYPE_DEST, None)
     if value is None:
         return LogitDtype.BF16
-    named = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(value, value) if isinstance(value, torch.dtype) else value
+    named = _LOGIT_DTYPE_NAMES.get(value, value) if isinstance(value, torch.dtype) else value
     try:
         return LogitDtype(str(named).lower())
     except ValueError:
         allowed = " | ".join(d.value for d in LogitDtype)
-        raise ValueError(f"{LOGIT_DTYPE_ARG} (args.output_logit_dtype): got {value!r}; allowed {allowed}") from None
+        raise ValueError(f"{LOGIT_DTYPE_ARG} (args.{LOGIT_DTYPE_DEST}): got {value!r}; allowed {allowed}") from None
 
 
 def check_model_logit_dtype(model: Any, logit_dtype: LogitDtype) -> None:

@@ -6,22 +6,78 @@ compiles only its definition from the file (``ast``), with ``torch`` in its glob
 ``log_single_rank`` (a logging call on a shape mismatch, never reached here); the GPU benchmark takes
 ``selective_log_softmax`` the same way (stub: ``is_batch_invariant_mode_enabled`` → False). Its source: a checkout named by
 ``MP_GRPO_MEGATRON_LM_SRC``, or an importable ``megatron.rl``.
+
+The run's arguments come from Megatron-LM's own parser (:func:`megatron_lm_args`: ``parse_args`` with
+``train_rl.py``'s ``add_inference_args``, then ``validate_args``, on the argvs of ``ARGV_CASES``), run once per test
+session in a subprocess with the tree first on its path (``scripts/megatron_lm_rl/mlm_source.py``); skipped without
+``MP_GRPO_MEGATRON_LM_SRC``.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
+import json
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mp_grpo.integrations.megatron_rl import RLMicroBatch
+from tests.distributed import REPO_ROOT
 
 SKIP_REASON = ("Megatron-LM's source is not available (set MP_GRPO_MEGATRON_LM_SRC to a checkout of NVIDIA/Megatron-LM): "
                "the parity tests against its calculate_grpo_loss are skipped")
+
+
+PARSER_SKIP_REASON = ("Megatron-LM's source is not available (set MP_GRPO_MEGATRON_LM_SRC to a Megatron-LM source tree): "
+                      "the tests through its own argument parser are skipped")
+PARSER_SCRIPT = REPO_ROOT / "scripts" / "megatron_lm_rl" / "mlm_source.py"
+PARSER_TIMEOUT_S = 300.0
+"""The parser's subprocess imports Megatron-LM's training package (~5 s alone on 2 cores; more on a busy machine)."""
+BASE_ARGV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+             "--train-iters", "2", "--lr", "1e-4", "--bf16", "--perform-rl-step", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "64"]
+"""The smallest ``train_rl.py`` command line Megatron-LM's ``validate_args`` accepts (the model is never built)."""
+ARGV_CASES = {
+    "defaults": [],
+    "entropy_is_truncated": ["--grpo-clamp-eps-lower", "0.2", "--grpo-clamp-eps-upper", "0.28", "--grpo-kl-beta", "0.05",
+                             "--grpo-entropy-term-weight", "0.01", "--rl-inference-logprobs-is-correction",
+                             "--rl-importance-sampling-truncation-coef", "1.5", "--output-logit-dtype", "fp32",
+                             "--rl-use-sequence-packing", "--calculate-per-token-loss"],
+    "is_untruncated_no_kl": ["--grpo-clamp-eps-lower", "0.1", "--grpo-clamp-eps-upper", "0.1", "--grpo-kl-beta", "0.0",
+                             "--rl-inference-logprobs-is-correction", "--output-logit-dtype", "bf16"],
+}
+"""Named argvs (after ``BASE_ARGV``): Megatron-LM's defaults, and two sets of the loss's and the logits' arguments."""
+
+
+@functools.cache
+def _parsed_cases() -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "args.pkl"
+        cases = {name: BASE_ARGV + argv for name, argv in ARGV_CASES.items()}
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run([sys.executable, str(PARSER_SCRIPT), str(out), json.dumps(cases)], env=env,
+                              capture_output=True, text=True, timeout=PARSER_TIMEOUT_S, cwd=REPO_ROOT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"Megatron-LM's parser failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return pickle.loads(out.read_bytes())
+
+
+def megatron_lm_args(case: str, *, validated: bool = True) -> SimpleNamespace:
+    """The namespace Megatron-LM's own parser gives for ``ARGV_CASES[case]`` (``validated``: after ``validate_args``,
+    dtypes mapped to torch dtypes; else after ``parse_args`` alone, their string form) — or skip, saying why."""
+    if not os.environ.get("MP_GRPO_MEGATRON_LM_SRC"):
+        pytest.skip(PARSER_SKIP_REASON)
+    return SimpleNamespace(**_parsed_cases()[case]["validated" if validated else "parsed"])
 
 
 def rl_utils_path() -> Path | None:

@@ -3,33 +3,21 @@
 Megatron-LM's step objective with ``--calculate-per-token-loss``: Σ over the step's micro-batches of
 Σ(loss · loss_mask), divided by the step's Σ loss_mask (``train_rl.py::loss_func`` returns the pair, Megatron's
 ``finalize_model_grads`` divides by the global token count). ``GRPOForwardStep.from_args`` (Megatron-LM's loss:
-its clip, unclamped k3 KL, truncated IS weight and −p·log p entropy term) gives the same value and gradient.
+its clip, unclamped k3 KL, truncated IS weight and −p·log p entropy term) gives the same value and gradient. The
+run's arguments come from Megatron-LM's own parser (``ARGV_CASES``: its defaults; clip 0.2 / 0.28, β 0.05, entropy
+weight 0.01, IS truncated at 1.5; untruncated IS without KL).
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mp_grpo.integrations.megatron_rl import EntropyTerm, GRPOForwardStep
 from mp_grpo.megatron.groups import ParallelGroups
-from tests.integrations.megatron_rl.helpers import calculate_grpo_loss_or_skip, packed_bin, unpacked
+from tests.integrations.megatron_rl.helpers import (ARGV_CASES, calculate_grpo_loss_or_skip, megatron_lm_args, packed_bin,
+                                                    unpacked)
 from tests.tolerances import assert_close
-
-ARGS = {
-    "defaults": dict(grpo_clamp_eps_lower=0.01, grpo_clamp_eps_upper=0.01, grpo_kl_beta=0.001,
-                     grpo_entropy_term_weight=0.0, rl_inference_logprobs_is_correction=False,
-                     rl_importance_sampling_truncation_coef=None),
-    "entropy_is_truncated": dict(grpo_clamp_eps_lower=0.2, grpo_clamp_eps_upper=0.28, grpo_kl_beta=0.05,
-                                 grpo_entropy_term_weight=0.01, rl_inference_logprobs_is_correction=True,
-                                 rl_importance_sampling_truncation_coef=1.5),
-    "is_untruncated_no_kl": dict(grpo_clamp_eps_lower=0.1, grpo_clamp_eps_upper=0.1, grpo_kl_beta=0.0,
-                                 grpo_entropy_term_weight=0.0, rl_inference_logprobs_is_correction=True,
-                                 rl_importance_sampling_truncation_coef=None),
-}
-
 
 def _theirs(fn, args, mbs, currents):
     """Megatron-LM's step objective and d/dlogprobs of each micro-batch."""
@@ -67,10 +55,10 @@ def _ours(args, mbs, currents):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("case", list(ARGS))
+@pytest.mark.parametrize("case", list(ARGV_CASES))
 def test_matches_calculate_grpo_loss(case: str, layout: str) -> None:
     fn = calculate_grpo_loss_or_skip()
-    args = SimpleNamespace(**ARGS[case])
+    args = megatron_lm_args(case)
     if layout == "padded":
         pairs = [unpacked(1, 3, 11, far=case == "is_untruncated_no_kl"), unpacked(2, 2, 11)]
     else:
