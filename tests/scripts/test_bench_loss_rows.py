@@ -52,14 +52,20 @@ def test_bad_arguments_refused(tmp_path, monkeypatch, capsys) -> None:
     import bench_loss_rows
     import bench_step
 
+    def too_far(*_args, **_kwargs):
+        raise AssertionError("the arguments were not refused before the run started")
+
+    monkeypatch.setattr(bench_step, "init_distributed", too_far)
+    monkeypatch.setattr(bench_loss_rows, "run", too_far)
     docs = str(REPO_ROOT / "docs" / "benchmarks")
     assert "never go under docs/" in _main_exits(bench_loss_rows, ["--dry-run", "--out", docs], monkeypatch, capsys)
     assert "--loss-fraction: must lie in (0, 1]" in _main_exits(
         bench_step, ["--dry-run", "--loss-fraction", "1.5", "--out", str(tmp_path)], monkeypatch, capsys)
-    (tmp_path / "step.json").write_text(json.dumps({"meta": {"loss_fraction": 0.5}, "rows": [
+    (tmp_path / "step_local.json").write_text(json.dumps({"meta": {"loss_fraction": 0.5}, "rows": [
         {"shape": "tiny", "seq": 128, "recompute": "selective", "kind": "train", "path": "floor", "ms": 1.0}]}))
     assert "use another --out" in _main_exits(
-        bench_step, ["--dry-run", "--loss-fraction", "0.1", "--out", str(tmp_path)], monkeypatch, capsys)
+        bench_step, ["--dry-run", "--spec", "local", "--loss-fraction", "0.1", "--out", str(tmp_path)], monkeypatch,
+        capsys)
 
 
 @pytest.mark.parametrize("fraction", [None, 0.5, 0.03, 1.0])
@@ -72,8 +78,9 @@ def test_synthetic_micro_batches_loss_fraction(fraction) -> None:
 
 
 def test_bench_step_loss_fraction_dry_run(tmp_path) -> None:
-    args = ["--dry-run", "--shape", "tiny", "--seq", "128", "--recompute", "selective", "--paths", "floor", "fused",
-            "--rows", "train", "--no-search", "--no-check", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]
+    args = ["--dry-run", "--spec", "local", "--shape", "tiny", "--seq", "128", "--recompute", "selective", "--paths",
+            "floor", "fused", "--rows", "train", "--no-search", "--no-check", "--rounds", "1", "--warmup", "0", "--out",
+            str(tmp_path)]
     _script("bench_step.py", *args, "--loss-fraction", "0.5")
-    result = json.loads((tmp_path / "step.json").read_text())
+    result = json.loads((tmp_path / "step_local.json").read_text())
     assert result["meta"]["loss_fraction"] == 0.5 and {r["path"] for r in result["rows"]} == {"floor", "fused"}
