@@ -63,6 +63,11 @@ path's time and largest micro-batch against the floor's, per TP size). ``--profi
 its wall time (GPU idle), its memory statistics and its top kernels. Before timing, the loss paths are checked to
 give the same gradients on a tiny model of the same spec (``check_paths``; under TP on every rank's shard).
 
+``--loss-fraction F``: the completion (the tokens trained on) is the last F of every row instead of 7/8 (e.g. 0.5:
+a 50 %-masked micro-batch). mp_grpo's paths compute the output layer on those rows alone (``OutputRows.LOSS``),
+the floor's output matmuls stay on every token: the all-token floor. A JSON holds rows of one loss fraction (write
+other fractions to another ``--out``).
+
 ``--dry-run``: the whole driver on the CPU (gloo, Triton's interpreter) with the CPU stand-in model
 (``step_model.cpu_rig``: no attention, whatever ``--spec`` says — the spec is only recorded) at tiny sizes and
 **stubbed measurements** (``step_meter.DryMeter``: times from the host clock, memory and snapshots from a fixed
@@ -122,6 +127,8 @@ SNAPSHOT_PATHS = (Path.FLOOR, Path.FUSED, Path.FUSED_FP32)
 """``--memory-snapshot``: the passes snapshotted (those of them that run), the floor first: the base of the comparison."""
 DRY_HIDDEN, DRY_VOCAB = 16, 64
 """``--dry-run``: the CPU stand-in's width and (global) vocabulary."""
+LOSS_FRACTION: float | None = None
+"""``--loss-fraction``: the trained share of every row of the synthetic micro-batches (None: 7/8)."""
 
 
 def log(msg: str) -> None:
@@ -225,7 +232,8 @@ def release_rig(rig) -> None:
 
 
 def micro_batches(num: int, batch: int, seq: int, rig, *, seed: int):
-    return synthetic_micro_batches(num, batch, seq, rig.vocab, seed=seed, device=METER.device)
+    return synthetic_micro_batches(num, batch, seq, rig.vocab, seed=seed, device=METER.device,
+                                   loss_fraction=LOSS_FRACTION)
 
 
 def seq_of(seq: int) -> int:
@@ -503,6 +511,7 @@ def run(args) -> Results:
     spec = LayerSpec(args.spec)
     results = Results.load(args.out / f"{args.report or report_name(tp, spec.value)}.json")
     launcher = "python" if tp == 1 else f"torchrun --nproc_per_node {tp}"
+    results.meta["loss_fraction"] = LOSS_FRACTION
     results.start(command=" ".join([launcher, "scripts/bench_step.py", *sys.argv[1:]]), device=METER.device_name(),
                   dry_run=METER.dry, spec=spec.value)
     deadline = time.monotonic() + args.time_budget
@@ -647,7 +656,7 @@ def save(results: Results, args, *, plot: bool = False) -> None:
 
 
 def main() -> None:
-    global METER
+    global METER, LOSS_FRACTION
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=FilePath, default=FilePath("docs/benchmarks"))
     parser.add_argument("--shape", nargs="+", default=["1.5b", "0.5b"], choices=sorted(SHAPES))
@@ -688,7 +697,11 @@ def main() -> None:
                         help="TP = 1 rows for the TP-scaling plot (default: the step_tp.json's own TP = 1 rows)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, gloo, the stand-in model, stubbed measurements: a check of the script only")
+    parser.add_argument("--loss-fraction", type=float, default=None, metavar="F",
+                        help="the trained share of every row, in (0, 1] (default 7/8); e.g. 0.5 for a 50 %%-masked batch")
     args = parser.parse_args()
+    if args.loss_fraction is not None and not 0.0 < args.loss_fraction <= 1.0:
+        parser.error(f"--loss-fraction: must lie in (0, 1], got {args.loss_fraction}")
     for spec in args.rows or []:
         kind, _, path = spec.partition(":")
         if kind not in KINDS or (path and path not in [p.value for p in Path]):
@@ -736,6 +749,11 @@ def main() -> None:
         METER = DryMeter()
     elif not torch.cuda.is_available():
         sys.exit("bench_step.py needs CUDA GPUs (or --dry-run)")
+    LOSS_FRACTION = args.loss_fraction
+    existing = Results.load(args.out / f"{args.report or report_name(args.tp, args.spec)}.json")
+    if existing.rows and existing.meta.get("loss_fraction") != LOSS_FRACTION:
+        parser.error(f"--out {args.out}: its rows were measured with --loss-fraction "
+                     f"{existing.meta.get('loss_fraction')}, this run has {LOSS_FRACTION}: use another --out")
     args.out.mkdir(parents=True, exist_ok=True)
     # Before the first CUDA allocation: segments that grow in place, so that the search measures what the
     # passes hold rather than how the caching allocator's blocks happen to fragment.

@@ -10,6 +10,8 @@
 #   bash scripts/gpu_checks.sh te-with OUT_DIR     #   … its first half alone (te-without: its second), for shorter calls
 #   bash scripts/gpu_checks.sh bench-te OUT_DIR    # bench_step on TE's layer spec, one GPU: step.{json,md,png} (~6 min)
 #   bash scripts/gpu_checks.sh te-multi OUT_DIR    # ≥ 2 GPUs: SP, CP = 2 (and TP = 2 × CP = 2 on 4) under TE, MoE, TP = 2 bench
+#   bash scripts/gpu_checks.sh loss-rows OUT_DIR   # one GPU: the output layer on the loss rows (bench_loss_rows, ~5 min),
+#                                                  # a step with a 50 %-masked micro-batch (bench_step, TE's spec if it imports; ~4 min)
 #
 # Needs megatron-core, omegaconf, hypothesis (the test suite's conftest loads its profiles) and liger-kernel (the
 # single-GPU baselines) importable. The te* cases need Transformer Engine under $TE_SITE (default /root/te/site,
@@ -65,6 +67,16 @@ case "$what" in
   loss)
     python3 scripts/bench_loss.py --out "$out" 2>&1 | grep -v -i warn | tail -30
     python3 -m pytest tests/gpu/test_loss_compile.py -q -p no:cacheprovider 2>&1 | tail -5
+    ;;
+  loss-rows)
+    python3 scripts/bench_loss_rows.py --out "$out" 2>&1 | grep -v -i warn | tail -30
+    spec=local; path_for_spec="$without_te"
+    if PYTHONPATH="$with_te" NVTE_FRAMEWORK=pytorch python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
+      spec=te; path_for_spec="$with_te"
+    fi
+    PYTHONPATH="$path_for_spec" NVTE_FRAMEWORK=pytorch python3 scripts/bench_step.py --spec "$spec" --shape 1.5b \
+      --seq 2048 --recompute selective --paths floor logits fused --no-search --step-configs 1.5b@2048 \
+      --loss-fraction 0.5 --out "$out/loss50" 2>&1 | grep -v -i warn | tail -30
     ;;
   te|te-with|te-without)
     [ "$what" = te-without ] || { need_te; gpu_suite with_te "$with_te"; }

@@ -15,7 +15,7 @@
   alike —, ``Float16Module``, Megatron DDP with fp32 gradient buffers, ``finalize_model_grads``); :func:`cpu_rig`
   builds one from the CPU stand-ins (``mp_grpo.train``: no attention) for the tests and ``bench_step.py --dry-run``.
 - :func:`synthetic_micro_batches`: padded micro-batches of full-length rows (a prompt, then a completion
-  trained on), random tokens, one advantage per sequence.
+  trained on: the last 7/8 of a row, or the last ``loss_fraction`` of it), random tokens, one advantage per sequence.
 """
 
 from __future__ import annotations
@@ -222,10 +222,14 @@ def cpu_rig(groups: ParallelGroups, *, hidden: int, vocab: int, seq_len: int, se
 
 
 def synthetic_micro_batches(num: int, batch: int, seq_len: int, vocab: int, *, seed: int,
-                            device: torch.device | str) -> list[MicroBatch]:
-    """``num`` padded micro-batches of ``batch`` full rows of ``seq_len`` tokens (see the module docstring)."""
+                            device: torch.device | str, loss_fraction: float | None = None) -> list[MicroBatch]:
+    """``num`` padded micro-batches of ``batch`` full rows of ``seq_len`` tokens (see the module docstring); with
+    ``loss_fraction`` the completion is that fraction of each row (its first token always a prompt)."""
     gen = torch.Generator().manual_seed(seed)
-    prompt = max(seq_len // PROMPT_FRACTION, 1)
+    if loss_fraction is None:
+        prompt = max(seq_len // PROMPT_FRACTION, 1)
+    else:
+        prompt = max(seq_len - round(loss_fraction * seq_len), 1)
     micro = []
     for _ in range(num):
         tokens = torch.randint(0, vocab, (batch, seq_len), generator=gen)

@@ -67,6 +67,23 @@ class OutputPath(str, Enum):
     sequences or large vocabularies, where the logits path runs out of memory."""
 
 
+class OutputRows(str, Enum):
+    """Which rows of a micro-batch the output layer computes (``model.output_rows``; :class:`mp_grpo.megatron.MegatronGRPO`).
+
+    A position outside the loss mask (a prompt, a tool output, padding: target ``ignore_index``) gets log-prob 0 and
+    no gradient either way; ``LOSS`` skips its work. The loss, the metrics, the log-probs at the loss tokens and the
+    parameter gradients are the same (to the GEMMs' rounding); what differs is the output at positions outside the
+    loss mask: with ``LOSS`` their entropy (and, from the forward-only pass, their log-prob, 0 either way) is 0.
+    """
+
+    LOSS = "loss"
+    """The default: the output layer's GEMMs, the log-prob statistics and the backward run on the rows whose target
+    is trained on (the micro-batch's ``loss_rows``, made from its loss mask at data preparation); the hidden-state
+    gradient of every other row is 0. Time and memory of the output layer scale with the loss tokens."""
+    ALL = "all"
+    """Every row, as a plain output layer: the entropy of every position (e.g. for a statistic over prompts)."""
+
+
 MIN_GROUP_SIZE = 2
 """Fewest completions per prompt: a group's advantages are its rewards minus their mean, all 0 for a group of one."""
 
@@ -104,6 +121,9 @@ class ModelConfig:
     output_path: OutputPath = OutputPath.LOGITS
     """logits | fused: how the loss reads the output layer (:class:`OutputPath`; same gradients, fused
     never holds the ``[tokens, V_local]`` logits, at the same speed for token-level objectives)."""
+    output_rows: OutputRows = OutputRows.LOSS
+    """loss | all: the output layer on the rows that carry loss only, or on every row (:class:`OutputRows`; the same
+    loss, metrics and gradients — ``loss`` skips the prompt rows' work)."""
     logit_dtype: LogitDtype = LogitDtype.BF16
     """bf16 | fp32: the precision of the trainer's logits (:class:`~mp_grpo.config.precision.LogitDtype`, Megatron-LM's
     ``--output-logit-dtype``), on both output paths, in the training step and in the forward-only passes (old and

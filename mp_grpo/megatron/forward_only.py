@@ -22,7 +22,9 @@ Schedule of :func:`forward_logprobs`
    stages get ``logprobs=None``.
 
 Returned per micro-batch in the layout the training step consumes: ``[*mb.targets.shape]`` fp32, 0 at
-positions not trained on (target ``IGNORE_INDEX``) — pass them to :meth:`MicroBatch.with_logprobs`.
+positions not trained on (target ``IGNORE_INDEX``) — pass them to :meth:`MicroBatch.with_logprobs`. With
+``OutputRows.LOSS`` (MegatronGRPO's default) the output layer runs on the loss rows alone and the entropy is 0 at the
+other positions too.
 """
 
 from __future__ import annotations

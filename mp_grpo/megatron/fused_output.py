@@ -34,9 +34,10 @@ Schedule of :func:`call_for_hidden_states`
    not the last pipeline stage — call the model as it is (it returns the activations to send on).
 2. Refuse what the fused path cannot reproduce: an output layer other than ``ColumnParallelLinear``,
    an output-layer bias added to the logits, deferred embedding weight-gradient computation.
-3. Call the model with the output layer's ``forward`` replaced (see above); it must be called exactly
-   once (multi-token prediction calls it once per MTP layer and is not supported).
-4. Return ``(hidden [B, S, H], OutputWeight)``.
+3. Call the model with the output layer's ``forward`` replaced (see above; with ``rows``, the micro-batch's loss
+   rows alone go on: :func:`_input_mapping`); it must be called exactly once (multi-token prediction calls it once
+   per MTP layer and is not supported).
+4. Return ``(hidden [B, S, H], OutputWeight)`` (with ``rows``: ``hidden [1, K, H]``).
 
 Then :meth:`MegatronGRPO.loss_func <mp_grpo.megatron.MegatronGRPO.loss_func>` computes the loss from them
 in one of two ways (:func:`loss_in_forward` decides, per micro-batch):
@@ -65,6 +66,7 @@ from mp_grpo.loss.sequence import SequenceLayout
 from mp_grpo.megatron.main_grad import accumulates_into_main_grad
 from mp_grpo.ops.checks import CheckInputs, check_main_grad
 from mp_grpo.ops.fused_linear_loss import LossFn, fused_linear_loss_unchecked
+from mp_grpo.ops.loss_rows import LossRows
 from mp_grpo.ops.sampling_filter import SamplingFilter
 
 
@@ -80,13 +82,16 @@ class OutputWeight:
     the layer's gradient-accumulation fusion, or a weight under Megatron DDP)."""
 
 
-def call_for_hidden_states(model: torch.nn.Module, *args, **kwargs) -> tuple[torch.Tensor, OutputWeight | None]:
+def call_for_hidden_states(
+    model: torch.nn.Module, *args, rows: LossRows | None = None, **kwargs
+) -> tuple[torch.Tensor, OutputWeight | None]:
     """``model(*args, **kwargs)`` with its output layer returning its TP-mapped input instead of logits.
 
     Returns ``(hidden, output_weight)``: ``hidden`` is what the model returns in place of its logits —
-    for GPTModel ``[B, S, H]``, the full (sequence-parallel-gathered) sequence on every TP rank — and
-    ``output_weight`` the weight the output layer was called with. On a pipeline stage without an
-    output layer, ``(the model's output, None)``. See the module docstring.
+    for GPTModel ``[B, S, H]``, the full (sequence-parallel-gathered) sequence on every TP rank; with ``rows``
+    (the micro-batch's loss rows, :class:`~mp_grpo.ops.loss_rows.LossRows` of its ``[B, S]`` tokens) ``[1, K, H]``,
+    those rows alone (:func:`_input_mapping`) — and ``output_weight`` the weight the output layer was called with.
+    On a pipeline stage without an output layer, ``(the model's output, None)``. See the module docstring.
     """
     from megatron.core.utils import get_attr_wrapped_model
 
@@ -110,7 +115,7 @@ def call_for_hidden_states(model: torch.nn.Module, *args, **kwargs) -> tuple[tor
             )
         w = layer.weight if weight is None else weight
         calls.append(OutputWeight(w, accumulates_into_main_grad(layer, w)))
-        return _input_mapping(layer, input_), None
+        return _input_mapping(layer, input_, rows), None
 
     with _forward_replaced(layer, returns_its_input):
         hidden = model(*args, **kwargs)
@@ -123,13 +128,23 @@ def call_for_hidden_states(model: torch.nn.Module, *args, **kwargs) -> tuple[tor
     return hidden, calls[0]
 
 
-def _input_mapping(layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-    """ColumnParallelLinear's mapping of its input: the full sequence forward, the TP-summed gradient backward."""
+def _input_mapping(layer: torch.nn.Module, input_: torch.Tensor, rows: LossRows | None = None) -> torch.Tensor:
+    """ColumnParallelLinear's mapping of its input: the full sequence forward, the TP-summed gradient backward.
+
+    With ``rows`` only those rows go on, as a ``[K, 1, H]`` input in the rows' (batch-major) order, so that GPTModel's
+    ``[S, B] -> [B, S]`` transpose hands back ``[1, K, H]`` without a copy: one ``index_select``
+    (:meth:`LossRows.gather_sequence_major`), whose backward writes every other row's gradient as 0. Without sequence
+    parallelism they are selected before the mapping, so that its backward all-reduce over TP carries K rows, not
+    N; with it, after the all-gather of the sequence (each rank holds only its shard before it)."""
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 
     if layer.sequence_parallel:
         mapped = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=layer.tp_group)
+        if rows is not None:
+            mapped = rows.gather_sequence_major(mapped).unsqueeze(1)
     else:
+        if rows is not None:
+            input_ = rows.gather_sequence_major(input_).unsqueeze(1)
         mapped = copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
     return _ContiguousGradient.apply(mapped)
 

@@ -22,10 +22,11 @@ Schedule of :func:`call_for_logits`
    stage), or an output layer this cannot reproduce — not ``ColumnParallelLinear``, a bias,
    ``gather_output``, ``disable_grad_reduce``, deferred embedding weight-gradient computation: call the
    model as it is (same values, the copies made as before).
-2. Call the model with the output layer's ``forward`` replaced: input mapping, then
-   :func:`~mp_grpo.ops.batch_major_linear.batch_major_linear`. A second call of the layer in one forward
-   (multi-token prediction) raises.
-3. Return what the model returns: ``[B, S, V_local]`` logits, contiguous, through every wrapper
+2. Call the model with the output layer's ``forward`` replaced: input mapping (with ``rows``: the loss rows
+   alone, one ``index_select``), then :func:`~mp_grpo.ops.batch_major_linear.batch_major_linear`. A second call of
+   the layer in one forward (multi-token prediction) raises.
+3. Return what the model returns: ``[B, S, V_local]`` logits (with ``rows``: ``[1, K, V_local]``), contiguous,
+   through every wrapper
    (``Float16Module`` upcasts them to fp32 unless called with ``fp32_output=False``; with ``logit_dtype=FP32``
    they are fp32 already — the GEMM's accumulator, not an upcast of rounded values).
 """
@@ -38,13 +39,19 @@ from mp_grpo.config.precision import LogitDtype
 from mp_grpo.megatron.fused_output import _forward_replaced, _input_mapping
 from mp_grpo.megatron.main_grad import accumulates_into_main_grad
 from mp_grpo.ops.batch_major_linear import batch_major_linear
+from mp_grpo.ops.loss_rows import LossRows
 
 
 def call_for_logits(
-    model: torch.nn.Module, *args, logit_dtype: LogitDtype = LogitDtype.BF16, **kwargs
+    model: torch.nn.Module, *args, logit_dtype: LogitDtype = LogitDtype.BF16, rows: LossRows | None = None, **kwargs
 ) -> torch.Tensor:
     """``model(*args, **kwargs)`` with the output layer writing its logits batch-major (see the module docstring),
-    in ``logit_dtype`` (:class:`~mp_grpo.config.precision.LogitDtype`: ``FP32``, the GEMM's fp32 accumulator)."""
+    in ``logit_dtype`` (:class:`~mp_grpo.config.precision.LogitDtype`: ``FP32``, the GEMM's fp32 accumulator).
+
+    ``rows`` (the micro-batch's loss rows, :class:`~mp_grpo.ops.loss_rows.LossRows` of its ``[B, S]`` tokens): the
+    GEMM runs on those rows alone and the model returns ``[1, K, V_local]`` logits
+    (:func:`~mp_grpo.megatron.fused_output._input_mapping` selects them). An output layer this does not compute itself
+    (step 1) runs as it is, on every row: the model then returns ``[B, S, V_local]``."""
     from megatron.core.utils import get_attr_wrapped_model
 
     # --- 1. the output layer, if it is one this reproduces ---
@@ -76,7 +83,7 @@ def call_for_logits(
                              "(GPTModel with parallel_output=True)")
         calls.append(True)
         w = layer.weight if weight is None else weight
-        logits = batch_major_linear(_input_mapping(layer, input_), w,
+        logits = batch_major_linear(_input_mapping(layer, input_, rows), w,
                                     accumulate_into_main_grad=accumulates_into_main_grad(layer, w),
                                     logit_dtype=logit_dtype)
         return logits, None

@@ -20,9 +20,11 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    fused path with a token-separable loss (:func:`~mp_grpo.megatron.fused_output.loss_in_forward`)
    steps 2–3 run together in :func:`~mp_grpo.megatron.fused_output.fused_output_loss`: the loss's
    gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On
-   the logits path without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
+   the logits path of every row without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
    autograd Function, the loss's backward inside the log-prob backward kernel (same values, fewer host
-   steps per micro-batch). On the logits path the gradient of the logits is written into the logits
+   steps per micro-batch). With ``OutputRows.LOSS`` (the default) the model output is that of the micro-batch's loss
+   rows alone (:meth:`call_model`; :mod:`mp_grpo.megatron.output_rows`): the ops run on those rows and their
+   log-probs and entropy are scattered back to the micro-batch's positions (0 elsewhere) before GRPOLoss. On the logits path the gradient of the logits is written into the logits
    (``inplace_backward``: Megatron's schedule never reads the model output again), and
    :meth:`MegatronGRPO.call_model`'s batch-major output layer (:mod:`mp_grpo.megatron.logits_output`)
    copies neither them nor their gradient: one ``[N, V_local]`` buffer is all the logits path holds.
@@ -44,7 +46,7 @@ from functools import partial
 
 import torch
 
-from mp_grpo.config.job import OutputPath
+from mp_grpo.config.job import OutputPath, OutputRows
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.config.precision import LogitDtype
 from mp_grpo.loss.global_batch import GlobalBatch
@@ -58,10 +60,13 @@ from mp_grpo.megatron.logits_output import call_for_logits
 from mp_grpo.megatron.micro_batch import IGNORE_INDEX, MicroBatch
 from mp_grpo.megatron.moe import MoEStats, RoutedTokenAccount, check_moe_config, end_routing_replay, is_moe, replay_routing
 from mp_grpo.megatron.output_checks import checked_output
+from mp_grpo.megatron.output_rows import RowsOutput, rows_output
 from mp_grpo.megatron.scaling import MegatronScaling
 from mp_grpo.ops.checks import CheckInputs, check_inputs_mode, check_main_grad, check_temperature
 from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs_unchecked
 from mp_grpo.ops.logits_grpo_loss import LogitsSpec
+from mp_grpo.ops.loss_rows import LossRows
+from mp_grpo.ops.sampling_filter import SamplingFilter
 from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs_unchecked
 
 
@@ -96,6 +101,7 @@ class MegatronGRPO:
         output_path: OutputPath = OutputPath.LOGITS,
         check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
         logit_dtype: LogitDtype = LogitDtype.BF16,
+        output_rows: OutputRows = OutputRows.LOSS,
     ) -> None:
         """
         Args:
@@ -127,6 +133,13 @@ class MegatronGRPO:
                 (default) as the model makes them; ``LogitDtype.FP32`` the output GEMM's fp32 accumulator from the
                 same bf16 operands (Megatron-LM's ``--output-logit-dtype fp32``; README, "Precision"). A model whose
                 output layer cannot be computed so is refused at its first forward step, never rounded silently.
+            output_rows: ``OutputRows.LOSS`` (default): the output layer's GEMMs, the log-prob statistics and the
+                backward run on each micro-batch's loss rows alone (:attr:`MicroBatch.loss_rows`), in the training
+                step and in every pass through :meth:`model_logprobs`; the other positions get log-prob and entropy
+                0 and a hidden-state gradient of 0. ``OutputRows.ALL``: every row (the entropy of every position).
+                The loss, metrics, log-probs at the loss tokens and gradients are the same (see
+                :class:`~mp_grpo.config.job.OutputRows`). Every TP rank must hold the same micro-batches (as it
+                already must: the log-prob ops' collectives are sized by the rows).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
@@ -134,7 +147,10 @@ class MegatronGRPO:
             raise TypeError(f"output_path must be an OutputPath (LOGITS or FUSED), got {output_path!r}")
         if not isinstance(logit_dtype, LogitDtype):
             raise TypeError(f"logit_dtype must be a LogitDtype (BF16 or FP32), got {logit_dtype!r}")
+        if not isinstance(output_rows, OutputRows):
+            raise TypeError(f"output_rows must be an OutputRows (LOSS or ALL), got {output_rows!r}")
         self.logit_dtype = logit_dtype
+        self.output_rows = output_rows
         self.config = config
         self.output_path = output_path
         self.loss = GRPOLoss(config)
@@ -358,14 +374,26 @@ class MegatronGRPO:
         forward or backward). ``OutputPath.FUSED``: ``(hidden
         [*targets, H], OutputWeight)`` with the model's output layer skipped
         (:func:`~mp_grpo.megatron.fused_output.call_for_hidden_states`); on a pipeline stage without an
-        output layer ``(activations, None)``. Either way, pass both to :meth:`token_logprobs`.
+        output layer ``(activations, None)``. With ``OutputRows.LOSS`` the output layer gets the micro-batch's loss
+        rows alone and the output is theirs, ``[1, K, V_local]`` or ``[1, K, H]`` (:meth:`loss_rows`). Either way,
+        pass both to :meth:`token_logprobs`.
         """
         kwargs = dict(model_kwargs or {})
         if mb.packed_seq_params is not None:
             kwargs["packed_seq_params"] = mb.packed_seq_params
+        rows = self.loss_rows(mb)
         if self.output_path == OutputPath.FUSED:
-            return call_for_hidden_states(model, mb.input_ids, mb.position_ids, None, **kwargs)
-        return call_for_logits(model, mb.input_ids, mb.position_ids, None, logit_dtype=self.logit_dtype, **kwargs), None
+            return call_for_hidden_states(model, mb.input_ids, mb.position_ids, None, rows=rows, **kwargs)
+        logits = call_for_logits(model, mb.input_ids, mb.position_ids, None, logit_dtype=self.logit_dtype, rows=rows,
+                                 **kwargs)
+        return logits, None
+
+    def loss_rows(self, mb: MicroBatch) -> LossRows | None:
+        """The rows of ``mb`` the output layer computes: its loss rows (:attr:`MicroBatch.loss_rows`) under
+        ``OutputRows.LOSS``, None (every row) under ``OutputRows.ALL``."""
+        if self.output_rows is OutputRows.ALL:
+            return None
+        return LossRows(mb.loss_rows, mb.targets.shape)
 
     def model_logprobs(
         self, model: torch.nn.Module, mb: MicroBatch, *, model_kwargs: Mapping[str, object] | None = None
@@ -392,34 +420,50 @@ class MegatronGRPO:
 
         ``OutputPath.LOGITS``: ``output_tensor`` is the vocab-parallel logits and ``output_weight`` None.
         ``OutputPath.FUSED``: ``output_tensor`` is the output layer's TP-mapped input and ``output_weight``
-        its weight. ``inplace_backward`` (logits path): the logits' gradient is written into the logits
+        its weight. Either of every row, ``[*targets, X]``, or — ``OutputRows.LOSS`` — of the loss rows alone,
+        ``[1, K, X]`` (what :meth:`call_model` makes then); the results are ``[*targets]`` either way, 0 outside
+        the rows. ``inplace_backward`` (logits path): the logits' gradient is written into the logits
         themselves (one ``[N, V_local]`` buffer fewer; they are overwritten in backward) — what
         :meth:`loss_func` does with the model output, which Megatron's schedule never reads again.
         """
-        # --- 1. the output must cover the micro-batch's positions and this rank's vocabulary shard ---
+        # --- 1. the output must cover the micro-batch's positions (or its loss rows) and this rank's vocabulary shard ---
+        rows = self.loss_rows(mb)
         x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
-                           self.groups.tp_size)
+                           self.groups.tp_size, rows)
+        selected = rows_output(x, mb, rows, self.output_path, self.check_inputs)
         # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
-        return self._logprobs_unchecked(x, mb, output_weight, inplace_backward)
+        return self._logprobs_unchecked(x, mb, selected, output_weight, inplace_backward)
 
     def _logprobs_unchecked(
-        self, x: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None, inplace_backward: bool
+        self, x: torch.Tensor, mb: MicroBatch, selected: RowsOutput | None, output_weight: OutputWeight | None,
+        inplace_backward: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Step 2 on the output :func:`~mp_grpo.megatron.output_checks.checked_output` returned: the ops' unchecked
-        entries."""
+        """Step 2 on the output :func:`~mp_grpo.megatron.output_checks.checked_output` returned — or on the loss rows'
+        (``selected``, scattered back to ``[*targets]``): the ops' unchecked entries."""
+        if selected is not None:
+            lp, ent = self._op_logprobs(selected.x, selected.targets, selected.sampling_filter, output_weight,
+                                        inplace_backward)
+            return selected.scatter(lp), selected.scatter(ent)
+        return self._op_logprobs(x, mb.targets, mb.sampling_filter, output_weight, inplace_backward)
+
+    def _op_logprobs(
+        self, x: torch.Tensor, targets: torch.Tensor, sampling_filter: SamplingFilter | None,
+        output_weight: OutputWeight | None, inplace_backward: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The log-prob op of this output path on ``x`` and ``targets`` (``[*targets, X]``, ``[*targets]``)."""
         common = dict(tp_group=self.groups.tp, inv_temperature=self._inv_temperature, with_entropy=self.with_entropy,
-                      ignore_index=IGNORE_INDEX, check_inputs=self.check_inputs, sampling_filter=mb.sampling_filter)
+                      ignore_index=IGNORE_INDEX, check_inputs=self.check_inputs, sampling_filter=sampling_filter)
         if self.output_path == OutputPath.FUSED:
             weight = output_weight.weight  # type: ignore[union-attr]
             # Megatron's linear layer, too, accumulates only when a weight gradient is computed.
             accumulate = output_weight.accumulate_into_main_grad and torch.is_grad_enabled() and weight.requires_grad
             if accumulate:
                 check_main_grad(weight)
-            out = fused_linear_logprobs_unchecked(x, weight, mb.targets, chunk_tokens=None, chunk_vocab=None,
+            out = fused_linear_logprobs_unchecked(x, weight, targets, chunk_tokens=None, chunk_vocab=None,
                                                   accumulate_into_main_grad=accumulate, logit_dtype=self.logit_dtype,
                                                   **common)
         else:
-            out = vocab_parallel_logprobs_unchecked(x, mb.targets, inplace_backward=inplace_backward, **common)
+            out = vocab_parallel_logprobs_unchecked(x, targets, inplace_backward=inplace_backward, **common)
         return out if self.with_entropy else (out, None)
 
     def loss_func(
@@ -439,11 +483,15 @@ class MegatronGRPO:
         :mod:`mp_grpo.megatron.moe`; GRPOLoss's gradient is the same either way.
         """
         # --- 1. the micro-batch against the model output, and its loss inputs, checked once: the layers below trust it ---
+        rows = self.loss_rows(mb)
         x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
-                           self.groups.tp_size)
+                           self.groups.tp_size, rows)
         check_loss_call(self.config, mb.sequences, mb.targets.shape, x.device, "targets", mb.old_logprobs,
                         mb.advantages, mb.loss_mask, mb.rollout_logprobs, mb.ref_logprobs, None, entropy_computed=True)
         check_batch(self.config, batch, mb.loss_mask)
+        # OutputRows.LOSS: the model output of the loss rows (None: every row's); the ops run on the rows, their
+        # results scattered back to the micro-batch's positions, so GRPOLoss below sees full-size log-probs.
+        selected = rows_output(x, mb, rows, self.output_path, self.check_inputs)
 
         def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
             share, metrics = self.loss.share_unchecked(
@@ -459,12 +507,15 @@ class MegatronGRPO:
 
         if self.output_path == OutputPath.FUSED and loss_in_forward(self.config, mb.sequences):
             # --- 2.–3. fused path, token-separable loss: log-probs and the share with its gradient in forward ---
+            hidden, targets, filt, loss_fn = x, mb.targets, mb.sampling_filter, share_of
+            if selected is not None:  # the loss of the rows' log-probs scattered to the micro-batch's positions
+                hidden, targets, filt, loss_fn = selected.x, selected.targets, selected.sampling_filter, selected.loss_fn(share_of)
             share, metrics = fused_output_loss(
-                x, output_weight, mb.targets, share_of, tp_group=self.groups.tp,  # type: ignore[arg-type]
+                hidden, output_weight, targets, loss_fn, tp_group=self.groups.tp,  # type: ignore[arg-type]
                 inv_temperature=self._inv_temperature, with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
-                sampling_filter=mb.sampling_filter, check_inputs=self.check_inputs, logit_dtype=self.logit_dtype,
+                sampling_filter=filt, check_inputs=self.check_inputs, logit_dtype=self.logit_dtype,
             )
-        elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None:
+        elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None and (selected is None or selected.every_row):
             # --- 2.–3. logits path: log-probs and the share in one autograd Function (GRPOLoss.on_logits) ---
             spec = LogitsSpec(self.groups.tp, self._inv_temperature, IGNORE_INDEX, True, self.check_inputs)
             share, metrics = self.loss.on_logits_unchecked(
@@ -476,7 +527,7 @@ class MegatronGRPO:
             metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
         else:
             # --- 2. log-probs (and entropy) ---
-            logprobs, entropy = self._logprobs_unchecked(x, mb, output_weight, inplace_backward=True)
+            logprobs, entropy = self._logprobs_unchecked(x, mb, selected, output_weight, inplace_backward=True)
             # --- 3. this micro-batch's share of the step objective ---
             share, metrics = share_of(logprobs, entropy)
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---

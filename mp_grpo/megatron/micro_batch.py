@@ -14,6 +14,9 @@ Schedule of :func:`prepare_micro_batch` (every rank of a DP replica starts from 
    sequences, before the CP cut, so that a chunk's last target, the first token of the next chunk and
    usually on another CP rank, is right. Positions not trained on get target ``ignore_index``: the
    log-prob kernel gives them 0 with no gradient.
+5. The loss rows (:attr:`MicroBatch.loss_rows`): the flat positions of this rank's loss mask, found on the host
+   (where the rollouts are), so that the output layer can run on them alone (``OutputRows.LOSS``) without a host
+   read in the micro-batch loop. Under CP each rank holds the rows of its own chunks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayo
 from mp_grpo.megatron.context_parallel import cp_positions, select_positions, thd_cp_positions
 from mp_grpo.megatron.packed import PackedLayout, packed_seq_params, round_up
 from mp_grpo.megatron.rollouts import Rollouts
+from mp_grpo.ops.loss_rows import loss_rows
 from mp_grpo.ops.sampling_filter import SamplingFilter, check_sampling_filter
 
 IGNORE_INDEX = -100
@@ -102,10 +106,27 @@ class MicroBatch:
     :meth:`with_sampling_filter`, which also takes per-sequence values. None: the whole vocabulary.
     Checked against :attr:`targets` whenever a MicroBatch is made (its boundary): ``MegatronGRPO.loss_func`` and
     the log-prob ops it calls trust it."""
+    loss_rows: torch.Tensor | None = None
+    """``[K]`` int64 ascending positions of ``loss_mask.reshape(-1)`` that are trained on: the rows the output layer
+    computes under ``OutputRows.LOSS`` (:func:`mp_grpo.ops.loss_rows.loss_rows`). None when the MicroBatch is made:
+    taken from :attr:`loss_mask` then — :func:`prepare_micro_batch` makes it on the host, where it costs no
+    synchronization; a MicroBatch made from a mask already on a GPU pays one host read there, at data preparation,
+    never in the micro-batch loop. Copies (``dataclasses.replace``, :meth:`with_logprobs`, ...) keep it: a mask made
+    smaller afterwards (the main job's boundary rule) leaves rows without a target, which cost their share of the
+    GEMMs and change nothing; a trained position outside the rows is an error (``MegatronGRPO`` reports it, and its
+    log-prob is NaN meanwhile)."""
 
     def __post_init__(self) -> None:
         if self.sampling_filter is not None:
             check_sampling_filter(self.sampling_filter, self.targets.shape, self.targets.device, check_tensors=True)
+        if self.loss_rows is None:
+            object.__setattr__(self, "loss_rows", loss_rows(self.loss_mask))
+        elif (not isinstance(self.loss_rows, torch.Tensor) or self.loss_rows.dim() != 1
+              or self.loss_rows.dtype != torch.int64 or self.loss_rows.device != self.loss_mask.device):
+            got = (f"{tuple(self.loss_rows.shape)} {self.loss_rows.dtype} on {self.loss_rows.device}"
+                   if isinstance(self.loss_rows, torch.Tensor) else type(self.loss_rows).__name__)
+            raise ValueError(f"loss_rows must be a [K] int64 tensor on the loss mask's device ({self.loss_mask.device}), "
+                             f"got {got}")
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on ``device``: ``packed_seq_params``' boundaries and the loss layout's
@@ -254,6 +275,8 @@ def prepare_micro_batch(
     }
     b, s = tokens.shape
     positions_in_row = torch.arange(s, device=device).expand(b, s)  # packing restarts them in every segment
+    # --- 5. the loss rows, from the mask on the rollouts' device (the host, usually: no synchronization) ---
+    rows = loss_rows(loss_mask)
     return MicroBatch(
         input_ids=layout.input_field(tokens, 0),
         position_ids=layout.input_field(positions_in_row, 0),
@@ -263,6 +286,7 @@ def prepare_micro_batch(
         advantages=advantages,
         sequences=sequences,
         layout=layout,
+        loss_rows=rows,
         **optional,
     )
 

@@ -2,7 +2,7 @@
 checked against the micro-batch, once (the log-prob ops called after it are their unchecked entries).
 
 - :func:`checked_output`: the logits (``OutputPath.LOGITS``), or the final hidden states and the output layer's
-  weight (``OutputPath.FUSED``), cover the micro-batch's positions, on a device the kernels run on, with
+  weight (``OutputPath.FUSED``), cover the micro-batch's positions (or, ``OutputRows.LOSS``, its loss rows alone), on a device the kernels run on, with
   ``V_local · TP`` = the model's (padded) vocabulary — a TP group that does not match the model's vocabulary
   shards fails here, before any collective.
 - :func:`check_output_shape`: the one check of the micro-batch's targets against the model output.
@@ -16,6 +16,7 @@ from mp_grpo.config.job import OutputPath
 from mp_grpo.megatron.fused_output import OutputWeight
 from mp_grpo.megatron.micro_batch import MicroBatch
 from mp_grpo.ops.checks import check_hidden_and_weight, check_logits, check_runs_here
+from mp_grpo.ops.loss_rows import LossRows
 
 
 def checked_output(
@@ -25,13 +26,15 @@ def checked_output(
     output_weight: OutputWeight | None,
     vocab_size: int | None,
     tp_size: int,
+    rows: LossRows | None = None,
 ) -> torch.Tensor:
     """The tensor the log-prob op reads: the logits, or the hidden states in the output weight's dtype.
 
     Checks the model output against the micro-batch on ``output_path`` (see the module docstring); the micro-batch's
-    sampling filter was checked when it was set (:meth:`MicroBatch.with_sampling_filter`)."""
+    sampling filter was checked when it was set (:meth:`MicroBatch.with_sampling_filter`). With ``rows`` (the loss
+    rows the model was asked to compute, ``OutputRows.LOSS``) the output may cover those rows alone, ``[1, K, ...]``."""
     if output_path == OutputPath.FUSED:
-        x = checked_hidden_states(output_tensor, mb, output_weight)
+        x = checked_hidden_states(output_tensor, mb, output_weight, rows)
         weight = output_weight.weight  # type: ignore[union-attr]
         check_hidden_and_weight(x, weight)
         check_runs_here(x, "hidden")
@@ -40,7 +43,7 @@ def checked_output(
         if output_weight is not None:
             raise ValueError("output_weight is only used with output_path=OutputPath.FUSED; the logits path reads the logits")
         check_output_shape(output_tensor, mb, "vocab-parallel logits", "V_local",
-                           "GPTModel with parallel_output=True, labels=None")
+                           "GPTModel with parallel_output=True, labels=None", rows)
         x = output_tensor
         check_logits(x)
         check_runs_here(x, "logits")
@@ -60,7 +63,7 @@ def check_vocab_shards(v_local: int, what: str, vocab_size: int | None, tp_size:
 
 
 def checked_hidden_states(
-    output_tensor: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None
+    output_tensor: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None, rows: LossRows | None = None
 ) -> torch.Tensor:
     """The fused path: ``output_tensor`` as ``[*targets, H]`` hidden states in the weight's dtype."""
     if not isinstance(output_weight, OutputWeight):
@@ -70,7 +73,7 @@ def checked_hidden_states(
             "e.g. not the last pipeline stage?)"
         )
     check_output_shape(output_tensor, mb, "the final hidden states", "H",
-                       "GPTModel called through MegatronGRPO.call_model with output_path=fused")
+                       "GPTModel called through MegatronGRPO.call_model with output_path=fused", rows)
     weight = output_weight.weight
     if output_tensor.dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
         # Float16Module upcasts the last stage's output unless called with fp32_output=False; the
@@ -80,12 +83,17 @@ def checked_hidden_states(
     return output_tensor
 
 
-def check_output_shape(output: torch.Tensor, mb: MicroBatch, what: str, last: str, source: str) -> None:
-    """``output`` must be ``[*mb.targets.shape, last]``, on the device of ``mb.targets`` (integer token ids): the
-    one check of the targets against the model output on every path of ``MegatronGRPO.loss_func``."""
-    if not isinstance(output, torch.Tensor) or output.dim() != mb.targets.dim() + 1 or output.shape[:-1] != mb.targets.shape:
+def check_output_shape(
+    output: torch.Tensor, mb: MicroBatch, what: str, last: str, source: str, rows: LossRows | None = None
+) -> None:
+    """``output`` must be ``[*mb.targets.shape, last]`` — or, with ``rows``, ``[1, K, last]`` (the loss rows alone) —
+    on the device of ``mb.targets`` (integer token ids): the one check of the targets against the model output on
+    every path of ``MegatronGRPO.loss_func``."""
+    shapes = [mb.targets.shape] + ([rows.compact_shape] if rows is not None else [])
+    if not isinstance(output, torch.Tensor) or output.shape[:-1] not in shapes or output.dim() < 2:
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        raise ValueError(f"model output must be {what} [{', '.join(map(str, mb.targets.shape))}, {last}] ({source}), got {got}")
+        expected = " or ".join(f"[{', '.join(map(str, shape))}, {last}]" for shape in shapes)
+        raise ValueError(f"model output must be {what} {expected} ({source}), got {got}")
     if mb.targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"mb.targets must be an int64 (or int32) tensor of token ids, got {mb.targets.dtype}")
     if mb.targets.device != output.device:

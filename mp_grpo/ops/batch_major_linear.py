@@ -57,7 +57,7 @@ class BatchMajorLinear(torch.autograd.Function):
         x = hidden.transpose(0, 1).reshape(b * s, h)
         # --- 2. the logits into [B, S, V_local], handed out sequence-major ---
         logits = torch.empty((b, s, weight.shape[0]), dtype=dtype, device=hidden.device)
-        matmul_into(logits.view(b * s, -1), x, weight.t(), accumulate=False)
+        matmul_into(logits.view(b * s, weight.shape[0]), x, weight.t(), accumulate=False)  # sizes given: b·s may be 0
         ctx.save_for_backward(x, weight)
         ctx.seq_batch = (s, b)
         ctx.accumulate_into_main_grad = accumulate_into_main_grad
@@ -68,11 +68,11 @@ class BatchMajorLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         s, b = ctx.seq_batch
         # --- 1. the gradient, batch-major (a view for a gradient laid out as the logits) ---
-        g = grad.transpose(0, 1).reshape(b * s, -1).to(weight.dtype)
+        g = grad.transpose(0, 1).reshape(b * s, weight.shape[0]).to(weight.dtype)
         grad_hidden = grad_weight = None
         # --- 2. input gradient ---
         if ctx.needs_input_grad[0]:
-            grad_hidden = torch.mm(g, weight).view(b, s, -1).transpose(0, 1)
+            grad_hidden = torch.mm(g, weight).view(b, s, weight.shape[1]).transpose(0, 1)
         # --- 3. weight gradient (into main_grad under gradient-accumulation fusion) ---
         if ctx.needs_input_grad[1]:
             if ctx.accumulate_into_main_grad:

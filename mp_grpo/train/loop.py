@@ -12,8 +12,9 @@ Schedule of :func:`run`
    (megatron-core tensor-parallel layers, no attention; in bf16 under Megatron's bf16 contract: fp32
    ``main_grad`` buffers and fp32 main parameters, :mod:`~mp_grpo.train.cpu_optimizer`), a Megatron-DDP
    emulation and megatron-core's own ``forward_step`` / ``backward_step`` / ``finalize_model_grads`` — the
-   same loss contract. ``MegatronGRPO`` gets ``model.logit_dtype`` (the training step and the forward-only
-   passes). The :class:`~mp_grpo.train.rollout.RolloutEngine` gets its own copy of the model in its dtype,
+   same loss contract. ``MegatronGRPO`` gets ``model.logit_dtype`` and ``model.output_rows`` (the training step and
+   the forward-only passes: by default the output layer computes the completion tokens' rows alone, the prompts'
+   skipped). The :class:`~mp_grpo.train.rollout.RolloutEngine` gets its own copy of the model in its dtype,
    and its head precision ``engine.logit_dtype``.
 3. Every ``train.updates_per_rollout`` steps, a rollout batch of N = DP · M · micro_batch_size sequences
    (N / G prompts, G completions each): prompts keyed by (seed, rollout index); the engine (weights
@@ -367,11 +368,13 @@ def run(cfg: JobConfig, *, on_step: Callable[[dict], None] | None = None, on_sta
                             calculate_per_token_loss=cfg.parallel.calculate_per_token_loss, groups=groups,
                             vocab_size=cfg.model.vocab_size, output_path=cfg.model.output_path,
                             logit_dtype=cfg.model.logit_dtype,  # the training step and the forward-only passes
+                            output_rows=cfg.model.output_rows,  # loss: the prompt rows skipped by the output layer
                             check_inputs=CheckInputs.OFF if replaying else CheckInputs.DEFERRED)
         if on_start is not None:
             on_start(dict(description=trainer.description, layout=dict(
                 world=dist.get_world_size(), tp=groups.tp_size, cp=groups.cp_size, dp=dp, backend=dist.get_backend(),
                 sequence_format=cfg.parallel.sequence_format.value, output_path=cfg.model.output_path.value,
+                output_rows=cfg.model.output_rows.value,
                 logit_dtype=cfg.model.logit_dtype.value, engine_logit_dtype=cfg.engine.logit_dtype.value,
                 global_batch=dp * cfg.train.num_microbatches * cfg.train.micro_batch_size)))
         records: list[dict] = []

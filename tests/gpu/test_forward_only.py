@@ -79,6 +79,8 @@ def case_forward_logprobs(dtype: str, output_path: str) -> None:
                 with torch.no_grad():
                     logits = model(mb.input_ids, mb.position_ids, None)
                 ref, ref_ent = logprobs_reference(logits, mb.targets, temperature=0.8)
+                # OutputRows.LOSS (the default): the output layer computes the loss rows alone, 0 elsewhere
+                ref_ent = torch.where(mb.loss_mask, ref_ent, torch.zeros_like(ref_ent))
                 assert_close(lp, ref, torch.float32, msg=f"micro-batch {i} vs float64")
                 assert_close(ent, ref_ent, torch.float32, msg=f"entropy {i} vs float64")
         print(f"forward_logprobs == model_logprobs [{dtype}, {output_path}]: {len(micro)} micro-batches")

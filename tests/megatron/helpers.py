@@ -85,11 +85,13 @@ def trained_scale_stand_in(tp_group, tensor_model_parallel_size: int = 1) -> Cpu
 
 
 def full_grads(model: CpuGPTStandIn) -> dict[str, torch.Tensor]:
-    """Unsharded gradients of ``model``: vocab-sharded ones all-gathered over its TP group."""
+    """Unsharded gradients of ``model`` (``main_grad`` where Megatron DDP keeps them there): vocab-sharded ones
+    all-gathered over its TP group."""
     group = model.word_embeddings.tp_group
     out = {}
     for name, param in model.named_parameters():
-        grad = torch.zeros_like(param) if param.grad is None else param.grad
+        grad = getattr(param, "main_grad", param.grad)
+        grad = torch.zeros_like(param) if grad is None else grad
         if getattr(param, "tensor_model_parallel", False) and group_size(group) > 1:
             parts = [torch.empty_like(grad) for _ in range(group_size(group))]
             torch.distributed.all_gather(parts, grad.contiguous(), group=group)

@@ -2,18 +2,22 @@
 
 2 gloo ranks. ``case_tp``: TP = 2 with the CPU stand-in under Megatron DDP and megatron-core's own
 ``forward_step`` (``mp_grpo.train.cpu_schedule`` with ``forward_only=True``), padded and packed, logits
-and fused output paths: equal to :meth:`MegatronGRPO.model_logprobs` and to the float64 reference on the
-unsharded logits; with the rollout's sampling filter (top-k and top-p) on the micro-batches, equal to the
+and fused output paths, the output layer on the loss rows alone (``OutputRows.LOSS``; on every row, ``ALL``, for
+each path once):
+equal to :meth:`MegatronGRPO.model_logprobs` and to the float64 reference on the unsharded logits (at the loss rows;
+0 elsewhere with ``LOSS``, the entropy of every position with ``ALL``); with the rollout's sampling filter (top-k and top-p) on the micro-batches, equal to the
 float64 reference of the filtered distribution (the kept sets exactly). ``case_pp``: a PP group of 2 whose
 first stage gets nothing from the schedule (as on a non-last stage) receives the last stage's log-probs.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
-from mp_grpo.config.job import OutputPath, SequenceFormat
+from mp_grpo.config.job import OutputPath, OutputRows, SequenceFormat
 from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
 from mp_grpo.megatron.forward_only import forward_logprobs
 from tests.distributed import torchrun, worker_main
@@ -55,45 +59,49 @@ def case_tp() -> None:
             kwargs.pop("seq_length"), kwargs.pop("micro_batch_size")
             return forward_backward_cpu(groups=groups, **kwargs)
 
-        for fmt in SequenceFormat:
-            for path in OutputPath:
-                where = f"[{fmt.value}, {path.value}]"
-                micro = [prepare_micro_batch(rollouts.select(slice(i, i + 2)), sequence_format=fmt) for i in (0, 2, 4)]
-                grpo = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=3,
-                                    calculate_per_token_loss=False, groups=groups, output_path=path)
-                out = forward_logprobs(grpo, fbf, ddp, micro)
-                assert len(out.logprobs) == 3 and len(out.entropy) == 3
-                for mb, lp, ent in zip(micro, out.logprobs, out.entropy):
-                    assert not lp.requires_grad
-                    with torch.no_grad():
-                        direct, direct_ent = grpo.model_logprobs(model, mb)
-                        ref_lp, ref_ent = logprobs_reference(full(mb.input_ids, mb.position_ids), mb.targets,
-                                                             temperature=H.TEMPERATURE)
-                    assert torch.equal(lp, direct), f"forward_logprobs differs from model_logprobs {where}"
-                    assert torch.equal(ent, direct_ent), f"entropy differs from model_logprobs {where}"
-                    assert_close(lp, ref_lp, torch.float32, msg=f"log-probs vs float64 {where}")
-                    assert_close(ent, ref_ent, torch.float32, msg=f"entropy vs float64 {where}")
-                    assert torch.all(torch.where(mb.loss_mask, torch.zeros_like(lp), lp) == 0), f"untrained positions {where}"
-                if (fmt, path) not in FILTERED_CASES:
-                    continue
-                # The rollout's sampling filter replayed (what the learning loop's old-log-prob pass does): the
-                # log-probs of the filtered distribution; a synthetic target outside it gets -inf (checks off).
-                filtered = [mb.with_sampling_filter(top_k=FILTER_TOP_K, top_p=FILTER_TOP_P) for mb in micro]
-                grpo_f = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=3,
-                                      calculate_per_token_loss=False, groups=groups, output_path=path, check_inputs=False)
-                out_f = forward_logprobs(grpo_f, fbf, ddp, filtered)
-                outside = 0
-                for mb, lp, ent in zip(filtered, out_f.logprobs, out_f.entropy):
-                    with torch.no_grad():
-                        ref_lp, ref_ent = filtered_logprobs_reference(full(mb.input_ids, mb.position_ids), mb.targets,
-                                                                      top_k=FILTER_TOP_K, top_p=FILTER_TOP_P,
-                                                                      temperature=H.TEMPERATURE)
-                    assert torch.equal(torch.isneginf(lp), torch.isneginf(ref_lp)), f"kept sets differ {where}"
-                    finite = torch.isfinite(ref_lp)
-                    assert_close(lp[finite], ref_lp[finite], torch.float32, msg=f"filtered log-probs vs float64 {where}")
-                    assert_close(ent, ref_ent, torch.float32, msg=f"filtered entropy vs float64 {where}")
-                    outside += int(torch.isneginf(lp).sum())
-                assert 0 < outside < sum(int(mb.loss_mask.sum()) for mb in micro), f"filter keeps all or nothing {where}"
+        grid = [(fmt, path, OutputRows.LOSS) for fmt, path in itertools.product(SequenceFormat, OutputPath)]
+        for fmt, path, rows in grid + [(SequenceFormat.PADDED, OutputPath.FUSED, OutputRows.ALL),
+                                       (SequenceFormat.PACKED, OutputPath.LOGITS, OutputRows.ALL)]:
+            where = f"[{fmt.value}, {path.value}, rows {rows.value}]"
+            micro = [prepare_micro_batch(rollouts.select(slice(i, i + 2)), sequence_format=fmt) for i in (0, 2, 4)]
+            grpo = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=3,
+                                calculate_per_token_loss=False, groups=groups, output_path=path, output_rows=rows)
+            out = forward_logprobs(grpo, fbf, ddp, micro)
+            assert len(out.logprobs) == 3 and len(out.entropy) == 3
+            for mb, lp, ent in zip(micro, out.logprobs, out.entropy):
+                assert not lp.requires_grad
+                with torch.no_grad():
+                    direct, direct_ent = grpo.model_logprobs(model, mb)
+                    ref_lp, ref_ent = logprobs_reference(full(mb.input_ids, mb.position_ids), mb.targets,
+                                                         temperature=H.TEMPERATURE)
+                if rows == OutputRows.LOSS:  # the output layer ran on the loss rows: 0 elsewhere
+                    ref_ent = torch.where(mb.loss_mask, ref_ent, torch.zeros_like(ref_ent))
+                assert torch.equal(lp, direct), f"forward_logprobs differs from model_logprobs {where}"
+                assert torch.equal(ent, direct_ent), f"entropy differs from model_logprobs {where}"
+                assert_close(lp, ref_lp, torch.float32, msg=f"log-probs vs float64 {where}")
+                assert_close(ent, ref_ent, torch.float32, msg=f"entropy vs float64 {where}")
+                assert torch.all(torch.where(mb.loss_mask, torch.zeros_like(lp), lp) == 0), f"untrained positions {where}"
+            if (fmt, path) not in FILTERED_CASES or rows == OutputRows.ALL:
+                continue
+            # The rollout's sampling filter replayed (what the learning loop's old-log-prob pass does): the
+            # log-probs of the filtered distribution; a synthetic target outside it gets -inf (checks off).
+            filtered = [mb.with_sampling_filter(top_k=FILTER_TOP_K, top_p=FILTER_TOP_P) for mb in micro]
+            grpo_f = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=3,
+                                  calculate_per_token_loss=False, groups=groups, output_path=path, check_inputs=False)
+            out_f = forward_logprobs(grpo_f, fbf, ddp, filtered)
+            outside = 0
+            for mb, lp, ent in zip(filtered, out_f.logprobs, out_f.entropy):
+                with torch.no_grad():
+                    ref_lp, ref_ent = filtered_logprobs_reference(full(mb.input_ids, mb.position_ids), mb.targets,
+                                                                  top_k=FILTER_TOP_K, top_p=FILTER_TOP_P,
+                                                                  temperature=H.TEMPERATURE)
+                assert torch.equal(torch.isneginf(lp), torch.isneginf(ref_lp)), f"kept sets differ {where}"
+                finite = torch.isfinite(ref_lp)
+                assert_close(lp[finite], ref_lp[finite], torch.float32, msg=f"filtered log-probs vs float64 {where}")
+                ref_ent = torch.where(mb.loss_mask, ref_ent, torch.zeros_like(ref_ent))  # OutputRows.LOSS
+                assert_close(ent, ref_ent, torch.float32, msg=f"filtered entropy vs float64 {where}")
+                outside += int(torch.isneginf(lp).sum())
+            assert 0 < outside < sum(int(mb.loss_mask.sum()) for mb in micro), f"filter keeps all or nothing {where}"
     finally:
         ps.destroy_model_parallel()
 

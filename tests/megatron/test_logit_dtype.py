@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_grpo.config.job import OutputPath, SequenceFormat
+from mp_grpo.config.job import OutputPath, OutputRows, SequenceFormat
 from mp_grpo.config.precision import LogitDtype
 from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
 from mp_grpo.megatron.forward_only import forward_logprobs
@@ -47,9 +47,10 @@ def case_logit_dtype() -> None:
             kwargs.pop("seq_length"), kwargs.pop("micro_batch_size")
             return forward_backward_cpu(groups=groups, **kwargs)
 
-        def grpo(path: OutputPath, logit_dtype: LogitDtype) -> MegatronGRPO:
+        def grpo(path: OutputPath, logit_dtype: LogitDtype, rows: OutputRows = OutputRows.LOSS) -> MegatronGRPO:
             return MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=1.0, num_microbatches=2,
-                                calculate_per_token_loss=False, groups=groups, output_path=path, logit_dtype=logit_dtype)
+                                calculate_per_token_loss=False, groups=groups, output_path=path, logit_dtype=logit_dtype,
+                                output_rows=rows)
 
         for fmt in SequenceFormat:
             micro = [prepare_micro_batch(rollouts.select(slice(i, i + 2)), sequence_format=fmt) for i in (0, 2)]
@@ -57,7 +58,7 @@ def case_logit_dtype() -> None:
             refs = []
             for mb in micro:
                 with torch.no_grad():
-                    hidden, _ = grpo(OutputPath.FUSED, LogitDtype.BF16).call_model(model, mb)
+                    hidden, _ = grpo(OutputPath.FUSED, LogitDtype.BF16, OutputRows.ALL).call_model(model, mb)
                     logits = hidden.double() @ full_weight.double().T
                 row_max = logits.max(-1).values
                 assert 10.0 < float(row_max.median()) < 40.0, f"logit scale {float(row_max.median())}: not a trained model's"
@@ -67,7 +68,8 @@ def case_logit_dtype() -> None:
                 for logit_dtype in LogitDtype:
                     out = forward_logprobs(grpo(path, logit_dtype), fbf, ddp, micro)
                     lp_err = max(float((lp.double() - r[0]).abs().max()) for lp, r in zip(out.logprobs, refs))
-                    ent_err = max(float((e.double() - r[1]).abs().max()) for e, r in zip(out.entropy, refs))
+                    # at the loss rows (the output layer computes no other: OutputRows.LOSS)
+                    ent_err = max(float((e.double() - r[1])[mb.loss_mask].abs().max()) for e, r, mb in zip(out.entropy, refs, micro))
                     where = f"[{fmt.value}, {path.value}, {logit_dtype.value}]"
                     if logit_dtype is LogitDtype.FP32:
                         assert lp_err <= CPU_FP32_MAX_ABS and ent_err <= CPU_FP32_MAX_ABS, \

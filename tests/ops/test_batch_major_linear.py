@@ -3,7 +3,7 @@
 Against the float64 product on fresh random inputs: the logits, and the gradients w.r.t. the input and the
 weight through a random upstream gradient, in both layouts the gradient can arrive in (batch-major, as
 GPTModel's transpose hands it back; sequence-major, one copy); the weight gradient added into an fp32
-``main_grad`` under gradient-accumulation fusion; the layout (the logits' transpose is contiguous: GPTModel's
+``main_grad`` under gradient-accumulation fusion; no rows at all; the layout (the logits' transpose is contiguous: GPTModel's
 ``.contiguous()`` copies nothing); bad arguments named.
 """
 
@@ -51,6 +51,15 @@ def test_values_and_gradients_equal_the_float64_product(dtype, shape, grad_layou
     for name, actual, expected in (("grad hidden", hidden.grad, ref_h), ("grad weight", weight.grad, ref_w)):
         scale = expected.abs().max()
         assert_close(actual.double() / scale, expected / scale, dtype, msg=name)
+
+
+def test_no_rows() -> None:
+    """A micro-batch without a loss row (``OutputRows.LOSS``): ``[0, 1, V]`` logits, a zero weight gradient."""
+    hidden, weight, _ = _inputs(0, 1, 8, 24, torch.float32)
+    logits = batch_major_linear(hidden, weight)
+    assert logits.shape == (0, 1, 24)
+    logits.transpose(0, 1).contiguous().backward(torch.zeros(1, 0, 24))
+    assert hidden.grad.shape == (0, 1, 8) and torch.equal(weight.grad, torch.zeros_like(weight))
 
 
 def test_weight_gradient_into_main_grad() -> None:

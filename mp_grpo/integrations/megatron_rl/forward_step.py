@@ -18,11 +18,14 @@ pipeline stage)
 2. The model on this rank's tokens — under context parallelism Megatron-LM's own THD scatter
    (``_scatter_for_context_parallel``) — with ``runtime_gather_output=False``: the logits stay
    ``[B, S/CP, V/TP]`` (Megatron-LM gathers the whole vocabulary on every TP rank). With
-   ``logit_dtype=FP32`` (``--output-logit-dtype fp32``) the output layer's GEMM is mp_grpo's
-   (:func:`~mp_grpo.megatron.logits_output.call_for_logits`): its fp32 accumulator is the logits, never rounded
-   to bf16; a GPTModel that has its own ``logit_dtype`` must agree with it.
+   ``output_rows=OutputRows.LOSS`` (the default) or ``logit_dtype=FP32`` (``--output-logit-dtype fp32``) the
+   output layer's GEMM is mp_grpo's (:func:`~mp_grpo.megatron.logits_output.call_for_logits`): on the loss rows
+   alone, ``[1, K, V/TP]`` (the rows found at the pre-step hook: one host read per micro-batch there, none here),
+   and with ``FP32`` its fp32 accumulator is the logits, never rounded to bf16; a GPTModel that has its own
+   ``logit_dtype`` must agree with it.
 3. Last pipeline stage: ``GRPOLoss.on_logits`` on the TP group (one collective of 16 bytes a row; fused on a GPU)
-   — or, with ``entropy_term=SAMPLED_TOKEN``, the log-probs then GRPOLoss with Megatron-LM's −p·log p term.
+   — or, with ``entropy_term=SAMPLED_TOKEN`` or the loss rows' logits, the log-probs (scattered back to the
+   micro-batch's positions) then GRPOLoss (with Megatron-LM's −p·log p term for ``SAMPLED_TOKEN``).
 4. ``loss_func`` returns what Megatron's schedule turns back into the step objective's gradient
    (:class:`~mp_grpo.megatron.scaling.MegatronScaling`: ``(G·ℓ, local tokens, metrics)`` with
    ``--calculate-per-token-loss``, ``(M·DP·ℓ, metrics)`` without) and the metrics as ``[sum, count]`` pairs,
@@ -43,6 +46,7 @@ from typing import Any
 import torch
 
 from mp_grpo.config import load_config
+from mp_grpo.config.job import OutputRows
 from mp_grpo.config.loss import LossConfig
 from mp_grpo.config.precision import LogitDtype
 from mp_grpo.integrations.megatron_rl.batch import LossInputs, RLMicroBatch, loss_inputs
@@ -52,6 +56,7 @@ from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.grpo_loss import GRPOLoss
 from mp_grpo.megatron.groups import ParallelGroups
 from mp_grpo.megatron.scaling import MegatronScaling
+from mp_grpo.ops.loss_rows import LossRows, loss_rows
 from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs
 
 MEGATRON_KEYS = {"loss": "lm loss", "kl": "rl/kl_term", "ratio/mean": "rl/pi_over_pi_old", "entropy": "rl/entropy_term"}
@@ -66,12 +71,14 @@ class StepMicroBatches:
     micro_batches: list[RLMicroBatch]
     inputs: list[LossInputs]
     batch: GlobalBatch
+    rows: list[LossRows | None]
+    """Per micro-batch the loss rows the output layer computes (``OutputRows.LOSS``), else None."""
     served: int = 0
 
-    def next(self) -> tuple[RLMicroBatch, LossInputs]:
+    def next(self) -> tuple[RLMicroBatch, LossInputs, LossRows | None]:
         i = self.served % len(self.micro_batches)  # a rerun of the iteration serves them again, in order
         self.served += 1
-        return self.micro_batches[i], self.inputs[i]
+        return self.micro_batches[i], self.inputs[i], self.rows[i]
 
 
 class GRPOForwardStep:
@@ -87,6 +94,7 @@ class GRPOForwardStep:
         groups: ParallelGroups | None = None,
         temperature: float = 1.0,
         logit_dtype: LogitDtype = LogitDtype.BF16,
+        output_rows: OutputRows = OutputRows.LOSS,
     ) -> None:
         """
         Args:
@@ -100,6 +108,8 @@ class GRPOForwardStep:
                 use 1).
             logit_dtype: the precision of the logits (:class:`~mp_grpo.config.precision.LogitDtype`, Megatron-LM's
                 ``--output-logit-dtype``): ``FP32`` computes the output layer's GEMM with an fp32 output (step 2).
+            output_rows: ``OutputRows.LOSS`` (default): the output layer's GEMM, the log-probs and their backward on
+                each micro-batch's loss rows alone (step 2; the same loss, metrics and gradients); ``ALL``: every row.
         """
         if not isinstance(config, LossConfig):
             config = load_config(config, overrides)
@@ -109,6 +119,8 @@ class GRPOForwardStep:
             raise TypeError(f"entropy_term must be an EntropyTerm (FULL or SAMPLED_TOKEN), got {entropy_term!r}")
         if not isinstance(logit_dtype, LogitDtype):
             raise TypeError(f"logit_dtype must be a LogitDtype (BF16 or FP32), got {logit_dtype!r}")
+        if not isinstance(output_rows, OutputRows):
+            raise TypeError(f"output_rows must be an OutputRows (LOSS or ALL), got {output_rows!r}")
         if config.entropy.top_quantile < 1.0 or config.entropy.adaptive:
             raise ValueError("config: entropy.top_quantile < 1 / entropy.adaptive need the step's entropies before "
                              "its first micro-batch, which Megatron-LM's RL loop does not compute; switch them off")
@@ -117,6 +129,7 @@ class GRPOForwardStep:
         self.calculate_per_token_loss = calculate_per_token_loss
         self.temperature = float(temperature)
         self.logit_dtype = logit_dtype
+        self.output_rows = output_rows
         self.loss = GRPOLoss(config)
         self._groups = groups
         self._step: StepMicroBatches | None = None
@@ -162,16 +175,23 @@ class GRPOForwardStep:
                                               group=groups.dp_cp, layouts=layouts, step=step, pp_group=None)
         else:
             batch = GlobalBatch.from_masks(masks, group=groups.dp_cp, layouts=layouts, step=step)
-        return StepMicroBatches(step, micro_batches, inputs, batch)
+        # The loss rows (a host read of each mask: here, once per step, not in the micro-batch loop).
+        rows = [LossRows(loss_rows(m), m.shape) if self.output_rows is OutputRows.LOSS else None for m in masks]
+        return StepMicroBatches(step, micro_batches, inputs, batch, rows)
 
     # ------------------------------------------------------------------------------------- 3. + 4. the loss
-    def loss_on_logits(self, logits: torch.Tensor, x: LossInputs, batch: GlobalBatch) -> tuple[torch.Tensor, dict]:
-        """This micro-batch's share of the step objective and mp_grpo's metrics, from this rank's logits."""
+    def loss_on_logits(self, logits: torch.Tensor, x: LossInputs, batch: GlobalBatch,
+                       rows: LossRows | None = None) -> tuple[torch.Tensor, dict]:
+        """This micro-batch's share of the step objective and mp_grpo's metrics, from this rank's logits — of every
+        position, or with ``rows`` of the loss rows alone (``[1, K, V/TP]``, what step 2 makes under
+        ``OutputRows.LOSS``; their log-probs scattered back to the micro-batch's positions, 0 elsewhere)."""
         cfg, tp = self.config, self.groups.tp
         rollout = x.inference_logprobs if cfg.needs_rollout_logprobs else None
         if cfg.needs_rollout_logprobs and rollout is None:
             raise ValueError("config: the rollout correction needs the inference log-probs "
                              "(--rl-inference-logprobs-is-correction)")
+        if rows is not None and logits.shape[:-1] != x.target.shape:
+            return self._loss_on_rows(logits, x, batch, rows)
         if self.entropy_term == EntropyTerm.SAMPLED_TOKEN and cfg.needs_entropy:
             lp = vocab_parallel_logprobs(logits, x.target, tp_group=tp, temperature=self.temperature)
             return self.loss_on_logprobs(lp, x, batch)
@@ -180,11 +200,12 @@ class GRPOForwardStep:
             with_entropy=self.entropy_term == EntropyTerm.FULL, rollout_logprobs=rollout, ref_logprobs=x.ref_logprobs if cfg.kl.coef != 0.0 else None,
             batch=batch, layout=x.layout)
 
-    def loss_on_logprobs(self, logprobs: torch.Tensor, x: LossInputs, batch: GlobalBatch) -> tuple[torch.Tensor, dict]:
-        """The same from log-probs at the logit positions (the ``SAMPLED_TOKEN`` path; tests feed it float64)."""
+    def loss_on_logprobs(self, logprobs: torch.Tensor, x: LossInputs, batch: GlobalBatch,
+                         entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """The same from log-probs at the logit positions (the ``SAMPLED_TOKEN`` path and the loss rows' path; tests
+        feed it float64); ``entropy``: the full entropy at those positions (``FULL``, from the loss rows' logits)."""
         cfg = self.config
-        entropy = None
-        if cfg.needs_entropy:
+        if cfg.needs_entropy and entropy is None:
             if self.entropy_term != EntropyTerm.SAMPLED_TOKEN:
                 raise ValueError("entropy_term FULL needs the logits (loss_on_logits)")
             entropy = sampled_token_entropy(logprobs)
@@ -193,9 +214,25 @@ class GRPOForwardStep:
             rollout_logprobs=x.inference_logprobs if cfg.needs_rollout_logprobs else None,
             ref_logprobs=x.ref_logprobs if cfg.kl.coef != 0.0 else None, entropy=entropy, batch=batch, layout=x.layout)
 
-    def loss_func(self, x: LossInputs, batch: GlobalBatch, scaling: MegatronScaling, logits: torch.Tensor):
+    def _loss_on_rows(self, logits: torch.Tensor, x: LossInputs, batch: GlobalBatch,
+                      rows: LossRows) -> tuple[torch.Tensor, dict]:
+        """Step 3 on the loss rows' logits ``[1, K, V/TP]``: their log-probs (and entropy) scattered to the
+        micro-batch's positions (0 elsewhere: the rows are the mask's own), then GRPOLoss on them."""
+        if logits.shape[:-1] != rows.compact_shape:
+            raise ValueError(f"logits must be [{', '.join(map(str, x.target.shape))}, V_local] or, on the loss rows, "
+                             f"[1, {rows.count}, V_local], got {tuple(logits.shape)}")
+        fill = rows.fill_outside(x.mask)[0]
+        full_entropy = self.entropy_term == EntropyTerm.FULL  # as on_logits: its metrics report the entropy
+        out = vocab_parallel_logprobs(logits, rows.select(x.target), tp_group=self.groups.tp,
+                                      temperature=self.temperature, with_entropy=full_entropy)
+        lp, ent = out if full_entropy else (out, None)
+        return self.loss_on_logprobs(rows.scatter(lp, fill), x, batch,
+                                     entropy=rows.scatter(ent, fill) if full_entropy else None)
+
+    def loss_func(self, x: LossInputs, batch: GlobalBatch, scaling: MegatronScaling, logits: torch.Tensor,
+                  rows: LossRows | None = None):
         """Megatron's ``loss_func``: the scaled share (step 4) and the metrics as ``[sum, count]`` pairs."""
-        share, metrics = self.loss_on_logits(logits, x, batch)
+        share, metrics = self.loss_on_logits(logits, x, batch, rows)
         loss = scaling.megatron_loss(share, batch.valid_tokens)
         reported = megatron_metrics(metrics, sampled_entropy=self.entropy_term == EntropyTerm.SAMPLED_TOKEN)
         if scaling.calculate_per_token_loss:
@@ -217,17 +254,17 @@ class GRPOForwardStep:
         if self._step is None or self._step.step != step:
             num = get_num_microbatches()
             self._step = self.pre_step([self._read(data_iterator, args, runtime_state) for _ in range(num)], step)
-        mb, x = self._step.next()
+        mb, x, rows = self._step.next()
         runtime_state.increment_sequences(len(mb.seq_lengths) if mb.packed else mb.tokens.shape[0])
         # --- 2. the model, logits kept sharded ---
         model_to_use = model[0] if isinstance(model, list) else model
-        output = self._model_forward(model_to_use, mb, x, args)
+        output = self._model_forward(model_to_use, mb, x, args, rows)
         if not is_pipeline_last_stage():
             return output, None
         per_token = args.calculate_per_token_loss if self.calculate_per_token_loss is None else self.calculate_per_token_loss
         scaling = MegatronScaling(calculate_per_token_loss=bool(per_token), num_microbatches=len(self._step.micro_batches),
                                   dp_size=self.groups.dp_size)
-        return output, partial(self.loss_func, x, self._step.batch, scaling)
+        return output, partial(self.loss_func, x, self._step.batch, scaling, rows=rows)
 
     def _read(self, data_iterator: Iterator, args: Any, runtime_state: Any) -> RLMicroBatch:
         """One item of Megatron-LM's RL data iterator as an :class:`RLMicroBatch` on the GPU."""
@@ -245,8 +282,10 @@ class GRPOForwardStep:
             tokens.cuda(), position_ids.cuda(), advantages.cuda(), loss_mask[:, 1:].contiguous().cuda(), old.cuda(),
             ref.cuda(), inference.cuda() if args.rl_inference_logprobs_is_correction else None)
 
-    def _model_forward(self, model: Any, mb: RLMicroBatch, x: LossInputs, args: Any) -> torch.Tensor:
-        """Step 2: the model on this rank's tokens, ``runtime_gather_output=False``."""
+    def _model_forward(self, model: Any, mb: RLMicroBatch, x: LossInputs, args: Any,
+                       rows: LossRows | None = None) -> torch.Tensor:
+        """Step 2: the model on this rank's tokens, ``runtime_gather_output=False``; with ``rows`` the output layer on
+        those rows alone (an output layer mp_grpo does not compute itself runs as it is, on every row)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         for module in model.modules():  # as Megatron-LM's forward_step: RoPE caches filled by inference
@@ -276,10 +315,10 @@ class GRPOForwardStep:
                 raise RuntimeError("the loss's CP positions differ from Megatron-LM's THD partition of the model input")
         call = dict(packed_seq_params=params, runtime_gather_output=False, fp32_output=not (args.fp16 or args.bf16))
         check_model_logit_dtype(model, self.logit_dtype)
-        if self.logit_dtype is LogitDtype.FP32:  # the output layer's GEMM with an fp32 output
+        if self.logit_dtype is LogitDtype.FP32 or rows is not None:  # the output layer's GEMM is mp_grpo's
             from mp_grpo.megatron.logits_output import call_for_logits
 
-            return call_for_logits(model, tokens, position_ids, None, logit_dtype=self.logit_dtype, **call)
+            return call_for_logits(model, tokens, position_ids, None, logit_dtype=self.logit_dtype, rows=rows, **call)
         return model(tokens, position_ids, None, **call)
 
 

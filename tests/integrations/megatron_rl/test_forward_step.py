@@ -185,10 +185,21 @@ def case_two_ranks(parallel: str, overrides: list[str]) -> None:
             v = VOCAB // world
             shard, grad = z[..., rank * v:(rank + 1) * v], want_grads[i][..., rank * v:(rank + 1) * v]
         y = shard.clone().requires_grad_()
-        share, _ = step.loss_on_logits(y, x, stored.batch)
+        share, metrics = step.loss_on_logits(y, x, stored.batch)
         share.backward()
         assert_close(y.grad, grad, torch.float32, f"{parallel} rank {rank} d/dlogits [{i}]")
         total = total + share.detach().double()
+        # The loss rows' logits alone (OutputRows.LOSS, what _model_forward returns then): the same share, metrics
+        # and gradient at the rows.
+        rows = stored.rows[i]
+        y_rows = rows.gather(shard).unsqueeze(0).requires_grad_()
+        share_rows, metrics_rows = step.loss_on_logits(y_rows, x, stored.batch, rows)
+        share_rows.backward()
+        assert_close(share_rows, share, torch.float32, f"{parallel} rank {rank} share on the loss rows [{i}]")
+        assert sorted(metrics_rows) == sorted(metrics)
+        for key, value in metrics.items():
+            assert_close(metrics_rows[key], value, torch.float32, f"{parallel} rank {rank} metric {key} [{i}]")
+        assert_close(y_rows.grad[0], rows.gather(grad), torch.float32, f"{parallel} rank {rank} rows' d/dlogits [{i}]")
     if parallel == "cp":
         dist.all_reduce(total)  # CP ranks hold shares of every sequence
     assert_close(total, want, torch.float32, f"{parallel} objective")

@@ -5,7 +5,8 @@ to be one that parser sets, a bad value refused naming the argument, a GPTModel'
 against it, and the value reaching the output layer's GEMM: through ``_model_forward`` on the CPU stand-in for GPTModel in bf16 (its
 output weight scaled to a trained model's logit range), the log-probs of the logits it returns are within
 ``CPU_FP32_MAX_ABS`` of float64 logits of the same bf16 operands with fp32, and not with bf16 (a bf16-rounding
-mutant fails the fp32 check)."""
+mutant fails the fp32 check); with the pre-step's loss rows it returns their logits alone, equal to every row's
+there."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tests.distributed import torchrun, worker_main
 from tests.integrations.megatron_rl.helpers import megatron_lm_args, unpacked
 from tests.logit_precision import CPU_BF16_MIN_MAX_ABS, CPU_FP32_MAX_ABS
 from tests.reference import logprobs_reference
+from tests.tolerances import assert_close
 
 
 def _args(**extra):
@@ -167,6 +169,11 @@ def case_precision() -> None:
             want, _ = logprobs_reference(reference[valid], x.target[valid])
             got = vocab_parallel_logprobs(logits.detach(), x.target, tp_group=groups.tp)[valid]
             errors[value] = float((got.double() - want).abs().max())
+            # OutputRows.LOSS: the output layer on the loss rows alone, [1, K, V], those rows' logits
+            rows = step.pre_step([mb], step=0).rows[0]
+            on_rows = step._model_forward(MegatronLMModel(), mb, x, args, rows)
+            assert on_rows.shape == (1, rows.count, H.VOCAB) and rows.count < x.target.numel()
+            assert_close(on_rows[0], rows.gather(logits.detach()), logits.dtype, f"the loss rows' logits ({value})")
         assert errors["fp32"] < CPU_FP32_MAX_ABS, errors
         assert errors["bf16"] > CPU_BF16_MIN_MAX_ABS, errors
     finally:
