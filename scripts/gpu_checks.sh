@@ -87,11 +87,14 @@ case "$what" in
     # one H200, estimated (the JSON's meta.phase_s has the run's own): start, build and check ~1 min, the training
     # and forward-only passes in 20 interleaved rounds ~1 min, the training pass's search ~45 s and the forward-only
     # one's (floor and fused paths: the logits paths' forward-only search at 2^19 tokens takes minutes) ~20 s, the
-    # snapshots ~30 s, the whole steps in 10 rounds ~1 min; no new part starts after 300 s (the same command resumes)
+    # snapshots ~30 s, the whole steps in 10 rounds ~1 min; no new part starts after 300 s (the same command resumes).
+    # Every token but each row's first carries loss (--loss-fraction 1): the loss paths' output layer runs on the
+    # rows the all-token floor's matmuls run on (the loss rows alone: the loss-rows case, 50 %)
     PYTHONPATH="$with_te" NVTE_FRAMEWORK=pytorch python3 scripts/bench_step.py --spec te --shape 1.5b --seq 2048 \
       --recompute selective --paths floor common logits fused logits_fp32 fused_fp32 fp32_head_tf32 fp32_head \
       --search-paths train:common train:logits train:logits_fp32 train:fp32_head_tf32 train:fp32_head floor fused \
-      fused_fp32 --step-configs 1.5b@2048 --time-budget 300 --memory-snapshot "$out/step_memory" --out "$out" 2>&1 \
+      fused_fp32 --step-configs 1.5b@2048 --loss-fraction 1 --time-budget 300 --memory-snapshot "$out/step_memory" \
+      --out "$out" 2>&1 \
       | grep -v -i warn | tail -60
     ;;
   te-multi)
