@@ -225,6 +225,73 @@ def _kl_reference(k, lp: torch.Tensor, ref: torch.Tensor, lr: torch.Tensor, clam
     return _clamp_abs(kl, k.output_clamp)
 
 
+def _one_minus_exp(x: torch.Tensor) -> torch.Tensor:
+    """1 − eˣ for log-probs x ≤ 0, exact near 0 (the other mass of a Bernoulli)."""
+    return -torch.expm1(x)
+
+
+def binary_divergence_reference(mode: str, lp: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """DPPO's binary divergence of the sampled token (arXiv 2602.04879 Eqs. 13 / 14) between π = e^lp and μ = e^mu,
+    log-probs capped at 0: ``binary_tv`` |π − μ|; ``binary_kl`` KL(Bern(μ) ‖ Bern(π)) with 0·log 0 = 0 (xlogy), +inf
+    where π is 1 and μ not."""
+    lp, mu = lp.clamp(max=0.0), mu.clamp(max=0.0)
+    p, q = torch.exp(lp), torch.exp(mu)
+    if mode == "binary_tv":
+        return (p - q).abs()
+    qc, pc = _one_minus_exp(mu), _one_minus_exp(lp)
+    return q * (mu - lp) + torch.xlogy(qc, qc) - torch.xlogy(qc, pc)
+
+
+def topk_divergence_reference(mode: str, count: torch.Tensor, rollout: torch.Tensor, trainer: torch.Tensor) -> torch.Tensor:
+    """TRL's top-K divergence (``DPPOTrainer._compute_divergence_mask``, float64) of tokens ``[n]`` whose first
+    ``count`` of K entries (``[n, K]`` log-probs of the engine's top-K ids: the engine's ``rollout``, the trainer's
+    ``trainer``) are given: the K buckets and the rest, rest = max(1 − Σ, 1e-12); TV = ½ Σ|π − μ| over the buckets,
+    KL(μ ‖ π) = Σ μ·log(μ/π) over them (0·log 0 = 0). NaN / +inf among a token's entries: +inf."""
+    n, k = rollout.shape
+    used = torch.arange(k).unsqueeze(0) < count.unsqueeze(1)
+    bad = (used & (torch.isnan(rollout) | torch.isnan(trainer) | (rollout == math.inf) | (trainer == math.inf))).any(1)
+    q = torch.where(used, torch.exp(rollout.clamp(max=0.0)), torch.zeros(()))
+    p = torch.where(used, torch.exp(trainer.clamp(max=0.0)), torch.zeros(()))
+    q, p = torch.where(torch.isnan(q), 0.0, q), torch.where(torch.isnan(p), 0.0, p)
+    rest_q = (1.0 - q.sum(1)).clamp(min=1e-12)
+    rest_p = (1.0 - p.sum(1)).clamp(min=1e-12)
+    if mode == "topk_tv":
+        out = 0.5 * ((p - q).abs().sum(1) + (rest_p - rest_q).abs())
+    else:
+        out = (torch.xlogy(q, q) - torch.xlogy(q, p)).sum(1) + rest_q * (rest_q.log() - rest_p.log())
+    return torch.where(bad, math.inf, out)
+
+
+def trust_region_keep_reference(tr, divergence: torch.Tensor, lp: torch.Tensor, mu: torch.Tensor,
+                                adv: torch.Tensor) -> torch.Tensor:
+    """DPPO's mask (Eq. 12; prime-rl's symmetric variant): drop where π rose above μ beyond delta_high (directional:
+    only where A > 0) or fell below it beyond delta_low (directional: only where A ≤ 0); a null delta never drops."""
+    lp, mu = lp.clamp(max=0.0), mu.clamp(max=0.0)
+    hi = math.inf if tr.delta_high is None else tr.delta_high
+    lo = math.inf if tr.delta_low is None else tr.delta_low
+    up, down = (lp > mu) & (divergence > hi), (lp < mu) & (divergence > lo)
+    if tr.direction.value == "directional":
+        up, down = up & (adv > 0), down & (adv <= 0)
+    return ~(up | down)
+
+
+def m2po_dropped_reference(m2po, d: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """M2PO over the whole step (arXiv 2510.01161; ``d`` = clamp(old − rollout) of every valid token, ``adv`` their
+    advantages): among the candidates (every token, or with ``clip_quadrants`` those with A > 0, d > 0 or A < 0,
+    d < 0) remove the largest d² one at a time while the mean of the rest exceeds the bound; every candidate whose d²
+    is at least the last removed one is dropped (ties go together)."""
+    candidate = torch.ones_like(d, dtype=torch.bool)
+    if m2po.scope.value == "clip_quadrants":
+        candidate = ((adv > 0) & (d > 0)) | ((adv < 0) & (d < 0))
+    remaining = sorted((d * d)[candidate].tolist(), reverse=True)
+    last = None
+    while remaining and sum(remaining) / len(remaining) > m2po.bound:
+        last = remaining.pop(0)
+    if last is None:
+        return torch.zeros_like(candidate)
+    return candidate & (d * d >= last)
+
+
 def _zero_on_graph(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """A float64 zero that depends on ``x`` (so it has a gradient, of 0), never reading masked entries."""
     return torch.where(valid, x, torch.zeros_like(x)).sum() * 0.0
@@ -237,7 +304,7 @@ class _ReferenceRow(dict):
 
 
 def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollout_logprobs, ref_logprobs, entropy,
-                    kl_logprobs, entropy_coef):
+                    kl_logprobs, entropy_coef, topk=None):
     """The step-level quantities and, per non-empty row, the per-token quantities of the objective (float64,
     differentiable w.r.t. ``logprobs``, ``entropy`` and ``kl_logprobs``). Shared by the objective and the metrics."""
     lp_all = logprobs.double()
@@ -291,6 +358,13 @@ def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollo
     if cfg.entropy.top_quantile < 1.0 and nonempty:
         all_ent = torch.cat([ents[b].detach() for b in nonempty])
         step["threshold"] = threshold = torch.quantile(all_ent, 1.0 - cfg.entropy.top_quantile)
+    m2po_drop = [None] * B
+    if cfg.m2po.bound is not None and nonempty:  # over the whole step: d = old − rollout of every valid token
+        d_all = torch.cat([_clamp_abs(olds[b] - rolls[b], clamp) for b in nonempty])
+        dropped = m2po_dropped_reference(cfg.m2po, d_all, torch.cat([advs[b] for b in nonempty]))
+        for b, part in zip(nonempty, dropped.split([lps[b].numel() for b in nonempty])):
+            m2po_drop[b] = part
+    tr_mode = cfg.trust_region.mode.value
 
     out = []
     for b in nonempty:
@@ -299,7 +373,7 @@ def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollo
         lr = _clamp_abs(lp - old, clamp)
         row = _ReferenceRow(b=b, n=n, lp=lp, adv=adv, lr=lr, d=ds[b], ent=ents[b], phi=None, kl=None,
                             raw_weight=raw_weights[b], truncated=truncated[b], weight=weights[b],
-                            keep_rc=None, keep_opsm=None, keep_ent=None)
+                            keep_rc=None, keep_opsm=None, keep_ent=None, keep_tr=None, keep_m2po=None)
         if vespo:
             p = cfg.policy
             log_w = _vespo_log_w(rc, lr, ds[b])
@@ -331,6 +405,18 @@ def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollo
             row["keep_ent"] = selected = ents[b].detach() >= threshold
             keep &= selected
         row["keep_ent_or_all"] = selected
+        if tr_mode != "none":  # π_θ (detached) against the rollout's μ
+            if tr_mode.startswith("binary"):
+                div = binary_divergence_reference(tr_mode, lp.detach(), rolls[b])
+            else:
+                counts, top_roll, top_train = topk
+                v = valid[b]
+                div = topk_divergence_reference(tr_mode, counts[b][v], top_roll[b][v].double(), top_train[b][v].double())
+            row["keep_tr"] = trust_region_keep_reference(cfg.trust_region, div, lp.detach(), rolls[b], adv)
+            keep &= row.keep_tr
+        if m2po_drop[b] is not None:
+            row["keep_m2po"] = ~m2po_drop[b]
+            keep &= row.keep_m2po
         row["c"] = torch.where(keep, term, torch.zeros_like(term))
         reg = torch.zeros_like(row.c)
         row["reg_parts"] = []
@@ -393,6 +479,7 @@ def grpo_objective_reference(
     entropy_coef: float | None = None,
     positive: torch.Tensor | None = None,
     magnitude: bool = False,
+    topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The objective J of a whole step given as one padded batch ``[B, T]``, in float64.
 
@@ -403,10 +490,13 @@ def grpo_objective_reference(
     coefficient (None: ``entropy.bonus_coef``).
 
     ``magnitude``: return Σ |each per-token contribution| instead of their sum — the scale of the rounding
-    error of any computation of J (a tolerance for inputs whose terms cancel)."""
+    error of any computation of J (a tolerance for inputs whose terms cancel).
+
+    ``topk``: with a top-K trust region, ``(count [B, T], rollout [B, T, K], trainer [B, T, K])``: each position's
+    first ``count`` entries are the engine's top-K log-probs and the trainer's at the same ids."""
     step, rows = _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
                                  ref_logprobs=ref_logprobs, entropy=entropy, kl_logprobs=kl_logprobs,
-                                 entropy_coef=entropy_coef)
+                                 entropy_coef=entropy_coef, topk=topk)
     total = _zero_on_graph(step.lp_all, step.valid)
     if step.skip:
         return total
@@ -449,6 +539,7 @@ def grpo_metrics_reference(
     kl_logprobs: torch.Tensor | None = None,
     entropy_coef: float | None = None,
     positive: torch.Tensor | None = None,
+    topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """The step's metrics (docs/loss.md, "Metrics") of the inputs of :func:`grpo_objective_reference`, from their
     definitions in float64: name → (value, scale), ``scale`` the mean of |x| of a mean (the size of its rounding
@@ -456,7 +547,7 @@ def grpo_metrics_reference(
 
     Not covered: clip_cov / kl_cov (``cov/selected_frac``)."""
     args = dict(rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
-                kl_logprobs=kl_logprobs, entropy_coef=entropy_coef)
+                kl_logprobs=kl_logprobs, entropy_coef=entropy_coef, topk=topk)
     step, rows = _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, **args)
     with torch.no_grad():
         j = grpo_objective_reference(cfg, logprobs, old_logprobs, advantages, loss_mask, positive=positive, **args)
@@ -514,6 +605,10 @@ def grpo_metrics_reference(
         frac("rejected_frac/opsm", "keep_opsm")
     if cfg.entropy.top_quantile < 1.0:
         frac("rejected_frac/entropy", "keep_ent_or_all")
+    if cfg.trust_region.mode.value != "none":
+        frac("rejected_frac/trust_region", "keep_tr")
+    if cfg.m2po.bound is not None:
+        frac("rejected_frac/m2po", "keep_m2po")
     if rollout_logprobs is not None:
         d = cat("d")
         mean("mismatch/k1", -d)
