@@ -941,6 +941,226 @@ def nemo_rl_clipped_pg_loss_reference(
 
 
 # --------------------------------------------------------------------------------------------
+# Peer references: DPPO's divergence trust regions and M2PO (one micro-batch = the whole step, float64)
+# --------------------------------------------------------------------------------------------
+def trl_dppo_loss_reference(
+    per_token_logps: torch.Tensor,
+    sampling_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    divergence_type: str = "binary_tv",
+    epsilon: float = 0.15,
+    epsilon_high: float = 0.15,
+    clip_ratio_c: float = 20.0,
+    current_topk_logps: torch.Tensor | None = None,
+    sampling_topk_logps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """TRL's ``DPPOTrainer`` (huggingface/trl trl/experimental/dppo/dppo_trainer.py at ef1b500^:
+    ``_compute_divergence_mask`` and ``_compute_loss`` with beta = 0, one process: ``num_items_in_batch`` = the
+    completion tokens): −A · stopgrad(exp(min(log π − log μ, log C))) · M · log π, Σ over the mask / its count.
+    ``advantages`` ``[B]`` or per token; top-K log-probs ``[B, T, K]`` (every position holds K)."""
+    lp, mu = per_token_logps.double(), sampling_per_token_logps.double()
+    adv = advantages.double()
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    mask = completion_mask.double()
+    log_ratio = lp - mu
+    ratio = torch.exp(log_ratio.clamp(max=math.log(clip_ratio_c))).detach()
+    with torch.no_grad():
+        prob, sampling_prob = torch.exp(lp), torch.exp(mu)
+        if divergence_type == "binary_tv":
+            divergence = (prob - sampling_prob).abs()
+        elif divergence_type == "binary_kl":
+            divergence = sampling_prob * (mu - lp) + (1 - sampling_prob) * (
+                torch.log1p(-sampling_prob.clamp(max=1 - 1e-7)) - torch.log1p(-prob.clamp(max=1 - 1e-7)))
+        else:
+            cur, roll = current_topk_logps.double(), sampling_topk_logps.double()
+            cur_p, roll_p = torch.exp(cur), torch.exp(roll)
+            roll_rest = (1.0 - roll_p.sum(dim=-1)).clamp(min=1e-12)
+            cur_rest = (1.0 - cur_p.sum(dim=-1)).clamp(min=1e-12)
+            if divergence_type == "topk_tv":
+                divergence = ((cur_p - roll_p).abs().sum(dim=-1) + (cur_rest - roll_rest).abs()) / 2.0
+            else:
+                divergence = (roll_p * (roll - cur)).sum(dim=-1) + roll_rest * (roll_rest.log() - cur_rest.log())
+        invalid_pos = (divergence > epsilon_high) & (prob > sampling_prob)
+        invalid_neg = (divergence > epsilon) & (prob < sampling_prob)
+        keep = torch.where(adv > 0, ~invalid_pos, ~invalid_neg).double() * mask
+    per_token_loss = -adv * ratio * keep * lp
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def verl_dppo_loss_reference(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_mode: str = "dppo_tv",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 20.0,
+) -> torch.Tensor:
+    """verl's ``compute_policy_loss_dppo_tv`` / ``_dppo_kl`` (verl-project/verl 1dda039
+    verl/trainer/ppo/core_algos.py, loss_agg_mode token-mean, no rollout IS weights): −A · stopgrad(min(exp(clamp(ℓ,
+    ±20)), C)) · log π · valid, ℓ = log π − old_log_prob (μ: verl's old log-probs; the rollout's in bypass mode)."""
+    lp, old = log_prob.double(), old_log_prob.double()
+    adv, mask = advantages.double(), response_mask.double()
+    ratio = torch.exp((lp - old).clamp(-20.0, 20.0))
+    truncated = ratio.clamp(max=clip_ratio_c).detach()
+    prob, old_prob = torch.exp(lp), torch.exp(old)
+    if loss_mode == "dppo_tv":
+        valid_pos = (prob - old_prob) <= clip_ratio_high
+        valid_neg = (prob - old_prob) >= -clip_ratio_low
+    else:
+        binary_kl = old_prob * (old - lp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        valid_pos = (binary_kl <= clip_ratio_high) | (prob <= old_prob)
+        valid_neg = (binary_kl <= clip_ratio_low) | (prob >= old_prob)
+    valid = torch.where(adv > 0, valid_pos, valid_neg).detach().double()
+    pg_losses = -adv * truncated * lp * valid
+    return (pg_losses * mask).sum() / mask.sum()
+
+
+def prime_rl_default_loss_reference(
+    trainer_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    dppo_mask_low: float = 0.2,
+    dppo_mask_high: float = 0.2,
+    kl_tau: float = 1e-3,
+    adv_tau: float = 1.0,
+    symmetric: bool = False,
+) -> torch.Tensor:
+    """prime-rl's ``default_loss_fn`` (PrimeIntellect-ai/prime-rl 559b447 src/prime_rl/trainer/rl/loss.py), Σ over the
+    samples / the global loss-token count (``compute_loss``): −keep·A·e^ℓ + kl_tau·ℓ², ℓ = trainer − inference, keep
+    DPPO's advantage-conditioned probability-difference mask. ``symmetric``: #2434's variant (refs/pull/2434/head):
+    the mask whatever the advantage (π − μ outside [−low, high]), no KL term."""
+    lp, mu = trainer_logprobs.double(), inference_logprobs.double()
+    adv, mask = advantages.double(), loss_mask.bool()
+    log_ratio = lp - mu
+    ratio = torch.exp(log_ratio)
+    diff = (torch.exp(lp) - torch.exp(mu)).detach()
+    high, low = diff > dppo_mask_high, diff < -dppo_mask_low
+    masked = (high | low) if symmetric else torch.where(adv > 0, high, low)
+    keep = mask & ~masked
+    per_token = -(keep * adv_tau * adv * ratio)
+    if not symmetric:
+        per_token = per_token + kl_tau * (mask * log_ratio**2)
+    return per_token.sum() / mask.sum()
+
+
+def open_instruct_dppo_mask_reference(
+    new_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    divergence_type: str,
+    divergence_threshold: float,
+    *,
+    variant: str = "1745",
+) -> torch.Tensor:
+    """open-instruct's DPPO mask M_t (paper Eq. 12), float 0 / 1: ``compute_binary_divergence`` and ``compute_dppo_mask``
+    of allenai/open-instruct refs/pull/1745 (fp32, log-probs clamped to [−30, 0], probabilities to [1e-6, 1 − 1e-6] for
+    the KL; drop where A > 0 and ρ > 1, or A < 0 and ρ < 1, with the divergence above δ); ``variant="1790"``: #1790's
+    divergence (float64, probabilities clamped to [eps, 1 − eps], the KL clamped ≥ 0). #1755 moves by
+    sign(log π − log μ)·A > 0: the same tokens."""
+    mask = response_mask.bool()
+    with torch.no_grad():
+        if variant == "1745":
+            b, p = behavior_logprobs.float(), new_logprobs.float()
+            mu, pi = torch.exp(b.clamp(min=-30.0, max=0.0)), torch.exp(p.clamp(min=-30.0, max=0.0))
+            eps = 1e-6
+        else:
+            b, p = behavior_logprobs.double().clamp(max=0.0), new_logprobs.double().clamp(max=0.0)
+            eps = torch.finfo(torch.float64).eps
+            mu, pi = torch.exp(b).clamp(eps, 1.0 - eps), torch.exp(p).clamp(eps, 1.0 - eps)
+        if divergence_type == "tv":
+            divergence = (mu - pi).abs()
+        else:
+            mc, pc = (mu.clamp(eps, 1.0 - eps), pi.clamp(eps, 1.0 - eps)) if variant == "1745" else (mu, pi)
+            divergence = mc * (mc.log() - pc.log()) + (1.0 - mc) * (torch.log1p(-mc) - torch.log1p(-pc))
+            if variant != "1745":
+                divergence = divergence.clamp_min(0.0)
+        divergence = torch.where(mask, divergence, torch.zeros_like(divergence)).double()
+        ratio = torch.exp(new_logprobs.double() - behavior_logprobs.double())
+        outside = divergence > divergence_threshold
+        bad = ((advantages > 0) & (ratio > 1.0) & outside) | ((advantages < 0) & (ratio < 1.0) & outside)
+        return (~bad & mask).double()
+
+
+def areal_m2po_mask_reference(old_logp: torch.Tensor, prox_logp: torch.Tensor, loss_mask: torch.Tensor,
+                              m2_threshold: float) -> torch.Tensor:
+    """AReaL's ``_apply_m2po_masking`` / ``_get_m2po_loss_mask`` (inclusionAI/AReaL 4aef98d areal/trainer/ppo/actor.py):
+    δ = old_logp (behaviour) − prox_logp over the loss mask; sorted descending, the first k masked, k the first index
+    whose suffix mean is < the threshold (n − 1 when none is). Returns the new loss mask (bool)."""
+    delta = old_logp.double() - prox_logp.double()
+    m2 = delta * delta
+    flat = loss_mask.bool().reshape(-1)
+    selected = m2.reshape(-1)[flat]
+    if selected.numel() == 0:
+        return loss_mask.bool()
+    sorted_m2, indices = torch.sort(selected, descending=True)
+    n = sorted_m2.numel()
+    suffix = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=sorted_m2.dtype)
+    below = torch.where(suffix < m2_threshold)[0]
+    num_to_mask = int(below[0]) if len(below) > 0 else n - 1
+    keep_sorted = torch.ones(n, dtype=torch.bool)
+    keep_sorted[:num_to_mask] = False
+    out = torch.zeros_like(flat)
+    out[flat] = keep_sorted[torch.argsort(indices)]
+    return out.view_as(loss_mask)
+
+
+def areal_m2po_loss_reference(logprobs: torch.Tensor, prox_logp: torch.Tensor, old_logp: torch.Tensor,
+                              advantages: torch.Tensor, loss_mask: torch.Tensor, *, m2_threshold: float = 0.04,
+                              eps_clip: float = 1e9, rs_upper: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """AReaL's ``grpo_loss_fn`` with M2PO and the decoupled ``ppo_actor_loss_fn`` (areal/utils/functional/functional.py
+    at 4aef98d; rejection sampling: metric ratio, token level, mask above ``rs_upper``): the loss mask after M2PO
+    (:func:`areal_m2po_mask_reference`; the denominator is its count), r = π_θ/π_prox clipped to 1 ± ``eps_clip``,
+    the behaviour weight π_prox/π_behave (``old_logp``) on the tokens rejection sampling keeps. One micro-batch.
+    Returns (loss, the mask after M2PO)."""
+    mask = areal_m2po_mask_reference(old_logp, prox_logp, loss_mask, m2_threshold)
+    count = mask.sum().clamp(min=1)
+    lp, prox, adv = logprobs.double(), prox_logp.double(), advantages.double()
+    log_behave = prox - old_logp.double()
+    behave_weight = torch.exp(torch.where(torch.isfinite(log_behave), log_behave, 0.0))
+    kept = mask & (behave_weight <= rs_upper)
+    ratio = torch.where(kept, torch.exp(lp - prox), 0.0)
+    pg = torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)) * behave_weight
+    return torch.where(kept, pg, 0.0).sum() / count, mask
+
+
+def ms_swift_m2po_loss_reference(per_token_logps: torch.Tensor, rollout_per_token_logps: torch.Tensor,
+                                 advantages: torch.Tensor, completion_mask: torch.Tensor,
+                                 m2_threshold: float = 0.04) -> tuple[torch.Tensor, torch.Tensor]:
+    """ms-swift's ``loss_type="m2po"`` (modelscope/ms-swift refs/pull/9965 swift/rl_core/m2po.py, one process; its
+    GRPO trainer divides by ``num_items_in_batch``): ℓ = log π − log μ; candidates A > 0, ℓ > 0 or A < 0, ℓ < 0; the
+    ascending prefix of their ℓ² with mean ≤ the threshold kept; loss −M · exp(ℓ) · A (the value of ℓ clamped to ±20),
+    Σ over the completion mask / its count. Returns (loss, the M2PO mask)."""
+    lp, mu = per_token_logps.double(), rollout_per_token_logps.double()
+    adv, valid = advantages.double(), completion_mask.bool()
+    log_ratio = lp - mu
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        trust = valid & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
+        index = torch.nonzero(trust.reshape(-1), as_tuple=False).squeeze(-1)
+        values = lr.square().reshape(-1)[index]
+        keep = torch.ones(values.numel(), dtype=torch.bool)
+        if values.numel():
+            sorted_values, order = torch.sort(values)
+            means = sorted_values.cumsum(0) / torch.arange(1, values.numel() + 1, dtype=sorted_values.dtype)
+            keep_count = int((means <= m2_threshold).sum())
+            keep.zero_()
+            keep[order[:keep_count]] = True
+        final = valid.clone()
+        final.reshape(-1)[index] = keep
+    stable = log_ratio + (log_ratio.clamp(-20, 20) - log_ratio).detach()
+    per_token = torch.where(final, -torch.exp(stable) * adv, torch.zeros_like(adv))
+    return (per_token * completion_mask.double()).sum() / completion_mask.double().sum(), final
+
+
+# --------------------------------------------------------------------------------------------
 # A rollout's sampling filter replayed (mp_grpo.ops.sampling_filter), vLLM's convention
 # --------------------------------------------------------------------------------------------
 def _per_row_param(value, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
