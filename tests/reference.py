@@ -235,11 +235,10 @@ def binary_divergence_reference(mode: str, lp: torch.Tensor, mu: torch.Tensor) -
     log-probs capped at 0: ``binary_tv`` |π − μ|; ``binary_kl`` KL(Bern(μ) ‖ Bern(π)) with 0·log 0 = 0 (xlogy), +inf
     where π is 1 and μ not."""
     lp, mu = lp.clamp(max=0.0), mu.clamp(max=0.0)
-    p, q = torch.exp(lp), torch.exp(mu)
-    if mode == "binary_tv":
-        return (p - q).abs()
     qc, pc = _one_minus_exp(mu), _one_minus_exp(lp)
-    return q * (mu - lp) + torch.xlogy(qc, qc) - torch.xlogy(qc, pc)
+    if mode == "binary_tv":  # π − μ = (1 − μ) − (1 − π) where one is near 1 (no rounding of 1 − ε), else e^lp − e^mu
+        return torch.where(torch.maximum(lp, mu) > -math.log(2.0), pc - qc, torch.exp(lp) - torch.exp(mu)).abs()
+    return torch.exp(mu) * (mu - lp) + torch.xlogy(qc, qc) - torch.xlogy(qc, pc)
 
 
 def topk_divergence_reference(mode: str, count: torch.Tensor, rollout: torch.Tensor, trainer: torch.Tensor) -> torch.Tensor:

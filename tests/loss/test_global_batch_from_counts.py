@@ -80,7 +80,7 @@ def test_counts_of_the_masks_give_the_same_loss_and_gradients(aggregation: str, 
 
 
 @pytest.mark.parametrize("feature", ["cispo_tis_normalized", "sapo_entropy_kl", "reinforce_opsm_skip",
-                                     "ppo_seq_reject_kl_st"])
+                                     "ppo_seq_reject_kl_st", "dppo_kl_m2po"])
 def test_step_statistics_passed_in_give_the_same_loss_and_gradients(feature: str) -> None:
     """A config that needs step-level passes: the statistics from_rollouts computes, handed to from_counts
     (as a loop would after its own pass), give the same values, gradients and metrics."""
@@ -89,7 +89,7 @@ def test_step_statistics_passed_in_give_the_same_loss_and_gradients(feature: str
     full = GlobalBatch.from_rollouts(cfg, _parts(batch, "loss_mask"), old_logprobs=_parts(batch, "old_logprobs"),
                                      rollout_logprobs=_parts(batch, "rollout_logprobs"),
                                      entropies=_parts(batch, "entropy"))
-    stats = {name: getattr(full, name) for name in ("weight_mean", "entropy_threshold", "mismatch_k3")
+    stats = {name: getattr(full, name) for name in ("weight_mean", "entropy_threshold", "mismatch_k3", "m2po_threshold")
              if getattr(full, name) is not None}
     assert stats, "the feature must need a step-level pass"
     counts_gb = GlobalBatch.from_counts(**_counts_of(full), config=cfg, device="cpu", **stats)

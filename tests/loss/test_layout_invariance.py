@@ -6,7 +6,7 @@ rows and with packed (THD) segments, each sequence cut into Megatron's 2·CP chu
 TP=2 × DP=2 with log-probs from ``vocab_parallel_logprobs`` on vocabulary shards. Every aggregation mode,
 uneven lengths (each micro-batch padded to its own length, inf/NaN in the padding), an empty sequence, an
 empty micro-batch and a rank with zero valid tokens, and the step-level features (top-entropy quantile,
-IS-weight normalization, mismatch skip on both sides of its threshold), and the torch-only options
+IS-weight normalization, mismatch skip on both sides of its threshold, M2PO's threshold gathered over the group), and the torch-only options
 (VESPO's per-sequence weight, GSPO-token, the sequence-level KL bias correction, separate KL / entropy
 aggregation, the bonus on the step's top-entropy tokens; ``TORCH_ONLY_FEATURES``; VAPO's NLL on positive examples
 over the step's count of their tokens). The fused Triton path (under the
@@ -33,7 +33,7 @@ RTOL, ATOL = 1e-6, 1e-12
 TRITON_CONFIGS = {
     "gspo_seq_is_geo_reject/seq_mean_token_mean", "gmpo/seq_mean_token_sum", "reinforce_opsm_skip/token_mean",
     "ppo_seq_reject_kl_st/seq_mean_token_sum_norm", "sapo_entropy_kl/seq_mean_token_mean",
-    "cispo_tis_normalized/token_mean", "skip_just_above/seq_mean_token_sum",
+    "cispo_tis_normalized/token_mean", "skip_just_above/seq_mean_token_sum", "dppo_kl_m2po/seq_mean_token_mean",
 }
 
 

@@ -4,8 +4,8 @@
 * ``trl_dppo`` — TRL's ``DPPOTrainer`` (binary TV / KL, top-K TV / KL from dense ``[B, T, K]`` top-K log-probs, given
   here as the CSR :class:`mp_grpo.loss.TopKLogprobs`), on realistic log-probs and on probabilities at 0 and 1;
 * verl's ``dppo_tv`` / ``dppo_kl`` (the ``trl_dppo`` preset with verl's thresholds: the same objective);
-* ``prime_rl_dppo`` — prime-rl's ``default_loss_fn`` (with ``ref_logprobs=rollout_logprobs``), and #2434's symmetric
-  variant;
+* ``prime_rl_dppo`` — prime-rl's ``default_loss_fn`` (its kl_tau term: ``kl.coef=0.002`` with
+  ``ref_logprobs=rollout_logprobs``), and #2434's symmetric variant;
 * ``nemo_rl_dppo_binary_tv`` — the paper's Eq. 11–12 as open-instruct's #1745 / #1790 write its mask (NeMo-RL #4069's
   code is not public in any stored snapshot);
 * ``areal_m2po`` — AReaL's M2PO mask and decoupled loss (its denominator is the count after M2PO: × N / N_kept), and
@@ -37,9 +37,9 @@ T = 8
 K = 4
 
 
-def _batch(seed: int, *, extremes: bool = False, spread: float = 0.4) -> dict[str, torch.Tensor]:
+def _batch(seed: int, *, extremes: bool = False, spread: float = 0.4, one: float = 0.0) -> dict[str, torch.Tensor]:
     """Per-token advantages (exact zeros among them), rollout log-probs ``spread`` around the trainer's; ``extremes``:
-    probabilities of 1 and near 0 on both sides, and equal log-probs."""
+    probabilities of e^one (1 by default) and near 0 on both sides, and equal log-probs."""
     b = make_batch(seed, LENGTHS, T, per_token_advantages=True, garbage=False)
     gen = torch.Generator().manual_seed(seed + 100)
     mask = b["loss_mask"]
@@ -49,8 +49,8 @@ def _batch(seed: int, *, extremes: bool = False, spread: float = 0.4) -> dict[st
     if extremes:
         pick = torch.randint(0, 6, mask.shape, generator=gen)
         lp, mu = b["logprobs"].clone(), b["rollout_logprobs"].clone()
-        lp = torch.where(pick == 0, 0.0, lp)  # π = 1
-        mu = torch.where(pick == 1, 0.0, mu)  # μ = 1
+        lp = torch.where(pick == 0, one, lp)  # π = 1
+        mu = torch.where(pick == 1, one, mu)  # μ = 1
         lp = torch.where(pick == 2, -30.0, lp)  # π ≈ 0
         mu = torch.where(pick == 3, -30.0, mu)  # μ ≈ 0
         mu = torch.where(pick == 4, lp, mu)  # a tie
@@ -103,10 +103,10 @@ TRL_CASES = {  # divergence_type → (overrides, TRL epsilon, epsilon_high)
 @pytest.mark.parametrize("extremes", [False, True], ids=["realistic", "probabilities_0_1"])
 @pytest.mark.parametrize("case", list(TRL_CASES))
 def test_trl_dppo_preset_matches_trl(case: str, extremes: bool) -> None:
-    if extremes and case == "binary_kl":
-        pytest.skip("TRL clamps π and μ at 1 − 1e-7 inside its binary KL's log(1 − p) (stated in trl_dppo.yaml)")
     overrides, eps_low, eps_high = TRL_CASES[case]
-    b = _batch(sum(map(ord, case)), extremes=extremes)
+    # TRL clamps π and μ at 1 − 1e-7 inside its binary KL's log(1 − p) (stated in trl_dppo.yaml): probabilities of
+    # 1 − 1e-6 there, the rest of the extremes as for the others
+    b = _batch(sum(map(ord, case)), extremes=extremes, one=-1e-6 if case == "binary_kl" else 0.0)
     cfg = load_config("trl_dppo", overrides + ["policy.log_ratio_clamp=null"])
     mode = cfg.trust_region.mode.value
     topk = dense = None
@@ -152,7 +152,7 @@ def test_verl_dppo_matches_verl(loss_mode: str) -> None:
 @pytest.mark.parametrize("symmetric", [False, True], ids=["default", "pr2434_symmetric"])
 def test_prime_rl_preset_matches_prime_rl(symmetric: bool) -> None:
     b = _batch(5)
-    overrides = ["policy.log_ratio_clamp=null"] + (["trust_region.direction=symmetric", "kl.coef=0"] if symmetric else [])
+    overrides = ["policy.log_ratio_clamp=null"] + (["trust_region.direction=symmetric"] if symmetric else ["kl.coef=0.002"])
     cfg = load_config("prime_rl_dppo", overrides)
     loss, grad, _ = _ours(cfg, b, ref=None if symmetric else b["rollout_logprobs"])
     want, w_grad, _ = _reference(prime_rl_default_loss_reference, b, b["rollout_logprobs"], b["advantages"],
@@ -164,9 +164,8 @@ def test_prime_rl_preset_matches_prime_rl(symmetric: bool) -> None:
 def test_prime_rl_directional_and_symmetric_differ() -> None:
     """The two variants drop different tokens on these inputs (the comparison above means something)."""
     b = _batch(5)
-    default = _ours(load_config("prime_rl_dppo", ["kl.coef=0"]), b)[2]["rejected_frac/trust_region"]
-    symmetric = _ours(load_config("prime_rl_dppo", ["kl.coef=0", "trust_region.direction=symmetric"]),
-                      b)[2]["rejected_frac/trust_region"]
+    default = _ours(load_config("prime_rl_dppo"), b)[2]["rejected_frac/trust_region"]
+    symmetric = _ours(load_config("prime_rl_dppo", ["trust_region.direction=symmetric"]), b)[2]["rejected_frac/trust_region"]
     assert symmetric[0] > default[0] > 0
 
 
