@@ -7,19 +7,22 @@ Schedule of :meth:`GRPOLoss.__call__`
        With ``nll.positive_coef`` and ``batch=None``, the positive examples' token count likewise.
     3. Token stage: masked positions are replaced by 0 *before* any arithmetic (``torch.where``, so inf /
        NaN there never reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the
-       rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence. clip_cov /
-       kl_cov: then their covariance selection over this call's valid tokens (:mod:`.covariance`; eager).
+       rollout-correction log-ratio d, the OPSM divergence, the trust region's divergence, M2PO's float64 d; the
+       columns to sum per sequence. clip_cov / kl_cov: then their covariance selection over this call's valid tokens
+       (:mod:`.covariance`; eager). A top-K trust region's divergence is taken before, for both backends
+       (:func:`mp_grpo.loss.trust_region.topk_divergence`: torch, float64, from the ``topk_logprobs`` CSR input).
     4. Per-sequence sums of those columns over whole sequences (one all-reduce over the CP group under
        context parallelism, differentiable with a sum backward), broadcast back to the tokens.
     5. Combine stage: the objective's term; × the IS weight; zeroed where rejected (rollout correction,
-       OPSM, top-entropy); + coef·KL and − bonus·entropy on every valid token (the bonus only on the selected
-       ones with ``bonus_on_selected``); each divided by its aggregation's global divisor (``mode`` for the
-       term, ``regularizer`` for KL / entropy); + the VAPO NLL on positive examples over their step count;
-       zero when the step is skipped; summed → this micro-batch's share.
+       OPSM, top-entropy, the divergence trust region, M2PO against the GlobalBatch's threshold); + coef·KL and
+       − bonus·entropy on every valid token (the bonus only on the selected ones with ``bonus_on_selected``);
+       each divided by its aggregation's global divisor (``mode`` for the term, ``regularizer`` for KL / entropy);
+       + the VAPO NLL on positive examples over their step count; zero when the step is skipped; summed → this
+       micro-batch's share.
     6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`).
 
 No host synchronization happens in steps 3–6 (the covariance selection included); with ``batch=None`` step 2
-makes collectives (and one host read when the top-entropy quantile is needed). ``compile=True`` compiles the
+makes collectives (and one host read when the top-entropy quantile or M2PO's threshold is needed). ``compile=True`` compiles the
 token and combine stages with ``torch.compile`` (the per-sequence sums, the covariance selection and the
 collectives stay eager).
 
@@ -279,16 +282,16 @@ class GRPOLoss:
                 entropies=None if entropy is None else [entropy], group=layout.cp_group, layouts=[layout],
                 advantages=[advantages] if signs else None,
             )
-        valid = layout.valid_tokens(loss_mask)
         # the top-K trust region's divergence per token (torch, float64; both backends read it)
-        divergence = None if topk_logprobs is None else topk_divergence(cfg.trust_region.mode, topk_logprobs, valid,
-                                                                         check_inputs)
+        divergence = None if topk_logprobs is None else topk_divergence(
+            cfg.trust_region.mode, topk_logprobs, layout.valid_tokens(loss_mask), check_inputs)
         if fused:  # steps 3–6 in the fused kernels
             return self._fused(  # type: ignore[misc]
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy,
                 self._step_tensors_of(batch, logprobs.device), _sequence_info(layout, token_shape, logprobs.device),
                 check_inputs, divergence,
             )
+        valid = layout.valid_tokens(loss_mask)
         if advantages.shape != token_shape:
             advantages = layout.broadcast(advantages, token_shape)
         # --- 3. token stage ---

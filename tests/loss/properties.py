@@ -323,25 +323,33 @@ trust region's divergence and its threshold are a knife edge."""
 
 
 def _trust_region_at_a_bound(step: Step) -> bool:
-    """Whether a trained token's trust-region divergence lies within the compute dtype's rounding of ``delta_low`` /
-    ``delta_high`` (the loss computes a binary divergence in its compute dtype from the log-probs, the reference in
-    float64: |π − μ| = 0.15 ± 1e-8 falls either side), or its log-prob ties the rollout's within that rounding (which
-    side π lies decides which threshold applies). The top-K divergence is float64 on both sides: only its own
-    summation order (a few ulps) matters there."""
+    """Whether a trained token's trust-region divergence lies within the compute dtype's rounding of its threshold
+    (:func:`trust_region_at_a_bound` on the inputs as computed)."""
+    d = as_computed(step)
+    if step.cfg.trust_region.mode.value == "none":
+        return False
+    return trust_region_at_a_bound(step.cfg, d["logprobs"], d["rollout_logprobs"], d["loss_mask"] != 0,
+                                   torch.finfo(step.compute_dtype()).eps, step.topk)
+
+
+def trust_region_at_a_bound(cfg, logprobs: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor, eps: float,
+                            topk=None) -> bool:
+    """Whether a trained token's trust-region divergence (float64, of ``logprobs`` — the compute dtype's, with rounding
+    ``eps`` — against ``rollout``) lies within that rounding of ``delta_low`` / ``delta_high`` (the loss computes a binary
+    divergence in its compute dtype, the reference in float64: |π − μ| = 0.15 ± 1e-8 falls either side), or its
+    log-prob ties the rollout's within that rounding (which side π lies decides which threshold applies). The top-K
+    divergence is float64 on both sides: only its own summation order (a few ulps) matters there."""
     from tests.reference import binary_divergence_reference, topk_divergence_reference
 
-    cfg, d = step.cfg, as_computed(step)
     tr = cfg.trust_region
-    if tr.mode.value == "none" or not bool((d["loss_mask"] != 0).any()):
+    if tr.mode.value == "none" or not bool(valid.any()):
         return False
-    valid = d["loss_mask"] != 0
-    lp, mu = d["logprobs"][valid].clamp(max=0.0), d["rollout_logprobs"][valid].clamp(max=0.0)
+    lp, mu = logprobs.double()[valid].clamp(max=0.0), rollout.double()[valid].clamp(max=0.0)
     if tr.mode.value.startswith("binary"):
-        eps = torch.finfo(step.compute_dtype()).eps
         div = binary_divergence_reference(tr.mode.value, lp, mu)
         size = lp.exp() + mu.exp() + (mu - lp).abs() + 1.0  # the sizes the KL's terms cancel from (TV: its inputs)
     else:
-        count, top_roll, top_train = step.topk
+        count, top_roll, top_train = topk
         div = topk_divergence_reference(tr.mode.value, count[valid], top_roll[valid].double(), top_train[valid].double())
         eps, size = torch.finfo(torch.float64).eps, torch.ones_like(lp) * 4.0
     if bool((((lp - mu).abs() <= DIVERGENCE_ROUNDING * eps * (lp.abs() + mu.abs())) & (lp != mu)).any()):
@@ -608,7 +616,7 @@ def _entropy_selection_at_its_threshold(cfg, logits: torch.Tensor, entropy: torc
 
 
 def logits_reference(cfg, logits: torch.Tensor, target: torch.Tensor, inputs: dict[str, torch.Tensor],
-                     mask: torch.Tensor, temperature: float, upstream: float) -> LogitsReference:
+                     mask: torch.Tensor, temperature: float, upstream: float, topk=None) -> LogitsReference:
     """J of ``[B, W, V]`` logits (log-probs and entropy of ``target`` at ``temperature`` in float64, then the
     objective on ``inputs`` — :func:`inputs_around_logits`), its gradient under ``upstream``, and the tolerances."""
     from tests.reference import logprobs_reference
@@ -623,13 +631,13 @@ def logits_reference(cfg, logits: torch.Tensor, target: torch.Tensor, inputs: di
     ref_inputs = {k: v.cpu().double() for k, v in inputs.items()}
     j = grpo_objective_reference(cfg, lp_r, ref_inputs.get("old_logprobs"), ref_inputs["advantages"], mask,
                                  rollout_logprobs=ref_inputs.get("rollout_logprobs"),
-                                 ref_logprobs=ref_inputs.get("ref_logprobs"), entropy=ent_r)
+                                 ref_logprobs=ref_inputs.get("ref_logprobs"), entropy=ent_r, topk=topk)
     (j * upstream).backward()
     with torch.no_grad():
         size = float(grpo_objective_reference(
             cfg, lp_r.detach(), ref_inputs.get("old_logprobs"), ref_inputs["advantages"], mask, magnitude=True,
             rollout_logprobs=ref_inputs.get("rollout_logprobs"), ref_logprobs=ref_inputs.get("ref_logprobs"),
-            entropy=ent_r.detach()))
+            entropy=ent_r.detach(), topk=topk))
     representable = size < 1e30 and not _entropy_selection_at_its_threshold(cfg, r.detach(), ent_r.detach(),
                                                                              mask, temperature)
     # The kernel's log-probs and entropies are float32 results (not given inputs): their rounding, ~eps32 · the
