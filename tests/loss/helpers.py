@@ -54,6 +54,12 @@ FEATURE_CONFIGS: dict[str, list[str]] = {
                              "mismatch.skip_threshold=10.0", "kl.coef=0.1", "kl.straight_through=true",
                              "aggregation.count_empty_sequences=true"],
     "ppo_score_kl_k2": ["kl.coef=0.1", "kl.estimator=k2", "kl.score_function=true", "opsm.delta=0.0"],
+}
+
+# The divergence trust region and M2PO (the property tests and tests/loss/test_trust_region*.py, test_m2po.py cover
+# them on every path; these run where a feature needs a real multi-rank step or a compiler: the layout-invariance
+# torchrun cases, the sm_90 compile, from_counts).
+DIVERGENCE_FEATURES: dict[str, list[str]] = {
     "dppo_kl_m2po": ["policy.eps_low=null", "policy.eps_high=null", "trust_region.mode=binary_kl",
                      "trust_region.delta_low=0.02", "trust_region.delta_high=0.01", "m2po.bound=0.01",
                      "rollout_correction.weight_level=token"],

@@ -130,7 +130,7 @@ def loss_configs(draw, backend: str = "torch") -> dict:
     opsm = {"delta": draw(_maybe(st.one_of(st.sampled_from([0.0, 0.05, 0.5]), _floats(0.0, 5.0)), 2))}
     mismatch = {"skip_threshold": None if bypass else draw(_maybe(_positive(0.0, 2.0, [1e-4, 0.01, 0.1]), 2))}
     nll = {"positive_coef": 0.0 if fused else draw(st.sampled_from([0.0, 0.0, 0.0, 0.3]))}
-    trust_region: dict = {"mode": draw(st.sampled_from(["none", "none", "none"] + TRUST_REGIONS))}
+    trust_region: dict = {"mode": draw(st.sampled_from(["none"] * 8 + TRUST_REGIONS))}
     if trust_region["mode"] != "none":
         trust_region["direction"] = draw(st.sampled_from(["directional", "symmetric"]))
         deltas = [0.02, 0.05, 0.15, 0.2] if trust_region["mode"].endswith("kl") else [0.05, 0.15, 0.2, 0.5]
@@ -139,7 +139,7 @@ def loss_configs(draw, backend: str = "torch") -> dict:
         trust_region["delta_high"] = draw(st.one_of(st.sampled_from(deltas), _floats(1e-3, 1.0)) if low is None
                                           else _maybe(st.one_of(st.sampled_from(deltas), _floats(1e-3, 1.0)), 1))
     m2po: dict = {}
-    if not bypass and draw(st.integers(0, 3)) == 0:
+    if not bypass and draw(st.integers(0, 4)) == 0:
         m2po = {"bound": draw(st.one_of(st.sampled_from([0.0, 0.01, 0.04, 1.0]), _floats(0.0, 10.0))),
                 "scope": draw(st.sampled_from(["all", "clip_quadrants"]))}
     return {"policy": policy, "aggregation": aggregation, "rollout_correction": rc, "kl": kl, "entropy": entropy,

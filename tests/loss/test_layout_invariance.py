@@ -33,14 +33,14 @@ RTOL, ATOL = 1e-6, 1e-12
 TRITON_CONFIGS = {
     "gspo_seq_is_geo_reject/seq_mean_token_mean", "gmpo/seq_mean_token_sum", "reinforce_opsm_skip/token_mean",
     "ppo_seq_reject_kl_st/seq_mean_token_sum_norm", "sapo_entropy_kl/seq_mean_token_mean",
-    "cispo_tis_normalized/token_mean", "skip_just_above/seq_mean_token_sum", "dppo_kl_m2po/seq_mean_token_mean",
+    "cispo_tis_normalized/token_mean", "skip_just_above/seq_mean_token_sum",
 }
 
 
 def _configs(backend: str):
     from mp_grpo.config import load_config
     from mp_grpo.loss.mismatch import k3
-    from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS, TORCH_ONLY_FEATURES, make_batch
+    from tests.loss.helpers import AGGREGATIONS, DIVERGENCE_FEATURES, FEATURE_CONFIGS, TORCH_ONLY_FEATURES, make_batch
 
     # Mismatch skip on both sides of the step's global k3: the decision must be global, not per rank.
     batch = make_batch(0, LENGTHS, T)
@@ -58,6 +58,9 @@ def _configs(backend: str):
             name = f"{feature}/{aggregation}"
             if backend == "torch" or name in TRITON_CONFIGS:
                 yield name, load_config(None, feature_overrides + agg_overrides)
+    if backend == "torch":  # M2PO's step-level gather over the group (a GlobalBatch pass: the backend does not matter)
+        for feature, feature_overrides in DIVERGENCE_FEATURES.items():
+            yield f"{feature}/token_mean", load_config(None, feature_overrides)
 
 
 def _call(cfg, data, rows, cols, *, backend="torch", batch=None, layout=None, lp=None, ent=None, index=None):
