@@ -22,8 +22,10 @@ dataclasses). N = 16384 tokens. In the same run:
 * the one-off cost of ``GlobalBatch.from_rollouts`` per step (not part of the hot path).
 
 Before timing, the compiled and fused variants are checked against eager (loss, gradients and, for fused,
-every metric). ``--variants`` picks a subset (compiling takes most of the run's ~2–3 minutes). Results go to
-``<out>/loss.json`` and ``<out>/loss.md``.
+every metric). ``--variants`` picks a subset (compiling takes most of the run's ~2–3 minutes), ``--configs`` a subset
+of the configs by name. The trust-region rows (DPPO's binary TV, binary KL with M2PO, top-K TV with K = 20 entries a
+token) are DAPO's config plus that one feature: their fused rows against "dapo" are what the feature costs. Results go
+to ``<out>/loss.json`` and ``<out>/loss.md``.
 """
 
 from __future__ import annotations
@@ -55,9 +57,14 @@ from mp_grpo.config.loss import (  # noqa: E402
     OPSMConfig,
     PolicyConfig,
     RatioLevel,
+    M2POConfig,
     RolloutCorrectionConfig,
+    TrustRegion,
+    TrustRegionConfig,
 )
-from mp_grpo.loss import GlobalBatch, GRPOLoss, LossBackend, PackedSequences, PaddedSequences  # noqa: E402
+from mp_grpo.loss import (  # noqa: E402
+    GlobalBatch, GRPOLoss, LossBackend, PackedSequences, PaddedSequences, TopKLogprobs,
+)
 
 N_TOKENS = 16384
 VOCAB = 18992
@@ -87,7 +94,19 @@ CONFIGS: dict[str, LossConfig] = {
         entropy=EntropyConfig(bonus_coef=0.001, top_quantile=0.2),
         mismatch=MismatchConfig(skip_threshold=0.1),
     ),
+    "dapo + binary TV trust region": LossConfig(
+        policy=PolicyConfig(eps_high=0.28),
+        trust_region=TrustRegionConfig(mode=TrustRegion.BINARY_TV, delta_low=0.15, delta_high=0.15)),
+    "dapo + binary KL trust region + M2PO": LossConfig(
+        policy=PolicyConfig(eps_high=0.28),
+        trust_region=TrustRegionConfig(mode=TrustRegion.BINARY_KL, delta_low=0.05, delta_high=0.05),
+        m2po=M2POConfig(bound=0.04)),
+    "dapo + top-K TV trust region (K = 20)": LossConfig(
+        policy=PolicyConfig(eps_high=0.28),
+        trust_region=TrustRegionConfig(mode=TrustRegion.TOPK_TV, delta_low=0.15, delta_high=0.15)),
 }
+TOPK = 20
+"""Entries a token of the top-K trust region's input (TRL's ``divergence_topk`` default)."""
 
 
 @dataclass
@@ -100,29 +119,35 @@ class Inputs:
     advantages: torch.Tensor
     mask: torch.Tensor
     layout: object
+    topk: TopKLogprobs
+    """TOPK entries a position: the engine's top-K log-probs and the trainer's at the same ids (CSR)."""
 
 
-def make_inputs(layout_name: str, seed: int = 0) -> Inputs:
-    """16384 token positions: 64 sequences of up to 256 tokens with random completion lengths."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rows, width = 64, N_TOKENS // 64
-    lengths = torch.randint(width // 8, width + 1, (rows,), generator=gen, device="cuda")
-    mask = torch.arange(width, device="cuda").unsqueeze(0) < lengths.unsqueeze(1)
+def make_inputs(layout_name: str, seed: int = 0, device: str = "cuda", n_tokens: int = N_TOKENS) -> Inputs:
+    """``n_tokens`` token positions (16384): 64 sequences of up to n_tokens / 64 tokens with random completion lengths."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows, width = 64, n_tokens // 64
+    lengths = torch.randint(width // 8, width + 1, (rows,), generator=gen, device=device)
+    mask = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
 
     def noise(scale):
-        return torch.randn(rows, width, generator=gen, device="cuda") * scale
+        return torch.randn(rows, width, generator=gen, device=device) * scale
 
     lp = -noise(1.0).abs()
     old = lp + noise(0.05)
     rollout = old + noise(0.05)
     ref = lp + noise(0.1)
-    entropy = torch.rand(rows, width, generator=gen, device="cuda") * 3
-    adv = torch.randn(rows, generator=gen, device="cuda")
+    entropy = torch.rand(rows, width, generator=gen, device=device) * 3
+    adv = torch.randn(rows, generator=gen, device=device)
+    top = torch.rand(rows * width, TOPK, generator=gen, device=device) ** 4  # a peaked top-K, the rest's mass left
+    top = (top / (top.sum(-1, keepdim=True) * 1.1)).log()
+    topk = TopKLogprobs(torch.arange(0, rows * width * TOPK + 1, TOPK, device=device, dtype=torch.int64),
+                        top.reshape(-1), (top + torch.randn(top.shape, generator=gen, device=device) * 0.05).reshape(-1))
     layout = PaddedSequences()
     if layout_name == "packed":  # the same positions as one THD row of 64 segments of 256
         lp, old, rollout, ref, entropy, mask = (x.reshape(-1) for x in (lp, old, rollout, ref, entropy, mask))
-        layout = PackedSequences(torch.arange(0, N_TOKENS + 1, width, device="cuda", dtype=torch.int32))
-    return Inputs(lp, old, rollout, ref, entropy, adv, mask, layout)
+        layout = PackedSequences(torch.arange(0, n_tokens + 1, width, device=device, dtype=torch.int32))
+    return Inputs(lp, old, rollout, ref, entropy, adv, mask, layout, topk)
 
 
 # ----------------------------------------------------------------------------- measurement helpers
@@ -155,8 +180,9 @@ def kernel_kwargs() -> dict:
 
 # ----------------------------------------------------------------------------- the cases
 def loss_call(loss_fn: GRPOLoss, x: Inputs, lp: torch.Tensor, ent: torch.Tensor, batch: GlobalBatch):
+    topk = x.topk if loss_fn.config.needs_topk_logprobs else None
     return loss_fn(lp, x.old, x.advantages, x.mask, rollout_logprobs=x.rollout, ref_logprobs=x.ref, entropy=ent,
-                   batch=batch, layout=x.layout)
+                   batch=batch, layout=x.layout, topk_logprobs=topk)
 
 
 def make_loss(cfg: LossConfig, variant: str) -> GRPOLoss:
@@ -190,14 +216,15 @@ def check_against_eager(cfg: LossConfig, x: Inputs, batch: GlobalBatch, loss_fn:
     return worst
 
 
-def run(out_dir: Path, variants: tuple[str, ...], vocabs: tuple[int, ...] = (VOCAB,)) -> None:
+def run(out_dir: Path, variants: tuple[str, ...], vocabs: tuple[int, ...] = (VOCAB,),
+        configs: tuple[str, ...] = tuple(CONFIGS)) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.cuda.get_device_name()
     results: dict = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
                      "n_tokens": N_TOKENS, "vocab": list(vocabs), "budget_percent": BUDGET_PERCENT, "rows": [],
                      "kernel_fwd_bwd_ms": {}}
     for vocab in vocabs:
-        run_vocab(results, vocab, variants)
+        run_vocab(results, vocab, variants, configs)
     results["summary"] = summary(results)
     print(results["summary"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +233,7 @@ def run(out_dir: Path, variants: tuple[str, ...], vocabs: tuple[int, ...] = (VOC
     print(f"wrote {out_dir / 'loss.json'} and {out_dir / 'loss.md'}")
 
 
-def run_vocab(results: dict, vocab: int, variants: tuple[str, ...]) -> None:
+def run_vocab(results: dict, vocab: int, variants: tuple[str, ...], configs: tuple[str, ...] = tuple(CONFIGS)) -> None:
     """The kernel alone and every config x layout x variant at one V (rows appended to ``results``)."""
     # --- the kernel, forward + backward, with entropy ---
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -224,7 +251,8 @@ def run_vocab(results: dict, vocab: int, variants: tuple[str, ...]) -> None:
     results["kernel_fwd_bwd_ms"][str(vocab)] = kernel_ms
     print(f"kernel vocab_parallel_logprobs(+entropy) fwd+bwd, V={vocab}: {kernel_ms:.3f} ms")
 
-    for cfg_name, cfg in CONFIGS.items():
+    for cfg_name in configs:
+        cfg = CONFIGS[cfg_name]
         for layout_name in ("padded", "packed"):
             x = make_inputs(layout_name)
             masks, olds, rolls, ents = [x.mask], [x.old], [x.rollout], [x.entropy]
@@ -322,14 +350,19 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--vocab", type=int, nargs="+", default=[VOCAB], help="V of the log-prob kernel (default 18992)")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME",
+                        help="a subset of the configs, by name (default: all): " + " | ".join(CONFIGS))
     args = parser.parse_args()
+    unknown_configs = [c for c in args.configs if c not in CONFIGS]
+    if unknown_configs:
+        parser.error(f"--configs: unknown {unknown_configs}; allowed: {' | '.join(CONFIGS)}")
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         parser.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_loss.py needs a CUDA GPU")
-    run(args.out, variants, tuple(args.vocab))
+    run(args.out, variants, tuple(args.vocab), tuple(args.configs))
 
 
 if __name__ == "__main__":

@@ -225,6 +225,72 @@ def _kl_reference(k, lp: torch.Tensor, ref: torch.Tensor, lr: torch.Tensor, clam
     return _clamp_abs(kl, k.output_clamp)
 
 
+def _one_minus_exp(x: torch.Tensor) -> torch.Tensor:
+    """1 − eˣ for log-probs x ≤ 0, exact near 0 (the other mass of a Bernoulli)."""
+    return -torch.expm1(x)
+
+
+def binary_divergence_reference(mode: str, lp: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """DPPO's binary divergence of the sampled token (arXiv 2602.04879 Eqs. 13 / 14) between π = e^lp and μ = e^mu,
+    log-probs capped at 0: ``binary_tv`` |π − μ|; ``binary_kl`` KL(Bern(μ) ‖ Bern(π)) with 0·log 0 = 0 (xlogy), +inf
+    where π is 1 and μ not."""
+    lp, mu = lp.clamp(max=0.0), mu.clamp(max=0.0)
+    qc, pc = _one_minus_exp(mu), _one_minus_exp(lp)
+    if mode == "binary_tv":  # π − μ = (1 − μ) − (1 − π) where one is near 1 (no rounding of 1 − ε), else e^lp − e^mu
+        return torch.where(torch.maximum(lp, mu) > -math.log(2.0), pc - qc, torch.exp(lp) - torch.exp(mu)).abs()
+    return torch.exp(mu) * (mu - lp) + torch.xlogy(qc, qc) - torch.xlogy(qc, pc)
+
+
+def topk_divergence_reference(mode: str, count: torch.Tensor, rollout: torch.Tensor, trainer: torch.Tensor) -> torch.Tensor:
+    """TRL's top-K divergence (``DPPOTrainer._compute_divergence_mask``, float64) of tokens ``[n]`` whose first
+    ``count`` of K entries (``[n, K]`` log-probs of the engine's top-K ids: the engine's ``rollout``, the trainer's
+    ``trainer``) are given: the K buckets and the rest, rest = max(1 − Σ, 1e-12); TV = ½ Σ|π − μ| over the buckets,
+    KL(μ ‖ π) = Σ μ·log(μ/π) over them (0·log 0 = 0). NaN / +inf among a token's entries: +inf."""
+    n, k = rollout.shape
+    used = torch.arange(k).unsqueeze(0) < count.unsqueeze(1)
+    bad = (used & (torch.isnan(rollout) | torch.isnan(trainer) | (rollout == math.inf) | (trainer == math.inf))).any(1)
+    q = torch.where(used, torch.exp(rollout.clamp(max=0.0)), torch.zeros(()))
+    p = torch.where(used, torch.exp(trainer.clamp(max=0.0)), torch.zeros(()))
+    q, p = torch.where(torch.isnan(q), 0.0, q), torch.where(torch.isnan(p), 0.0, p)
+    rest_q = (1.0 - q.sum(1)).clamp(min=1e-12)
+    rest_p = (1.0 - p.sum(1)).clamp(min=1e-12)
+    if mode == "topk_tv":
+        out = 0.5 * ((p - q).abs().sum(1) + (rest_p - rest_q).abs())
+    else:
+        out = (torch.xlogy(q, q) - torch.xlogy(q, p)).sum(1) + rest_q * (rest_q.log() - rest_p.log())
+    return torch.where(bad, math.inf, out)
+
+
+def trust_region_keep_reference(tr, divergence: torch.Tensor, lp: torch.Tensor, mu: torch.Tensor,
+                                adv: torch.Tensor) -> torch.Tensor:
+    """DPPO's mask (Eq. 12; prime-rl's symmetric variant): drop where π rose above μ beyond delta_high (directional:
+    only where A > 0) or fell below it beyond delta_low (directional: only where A ≤ 0); a null delta never drops."""
+    lp, mu = lp.clamp(max=0.0), mu.clamp(max=0.0)
+    hi = math.inf if tr.delta_high is None else tr.delta_high
+    lo = math.inf if tr.delta_low is None else tr.delta_low
+    up, down = (lp > mu) & (divergence > hi), (lp < mu) & (divergence > lo)
+    if tr.direction.value == "directional":
+        up, down = up & (adv > 0), down & (adv <= 0)
+    return ~(up | down)
+
+
+def m2po_dropped_reference(m2po, d: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """M2PO over the whole step (arXiv 2510.01161; ``d`` = clamp(old − rollout) of every valid token, ``adv`` their
+    advantages): among the candidates (every token, or with ``clip_quadrants`` those with A > 0, d > 0 or A < 0,
+    d < 0) remove the largest d² one at a time while the mean of the rest exceeds the bound; every candidate whose d²
+    is at least the last removed one is dropped (ties go together)."""
+    candidate = torch.ones_like(d, dtype=torch.bool)
+    if m2po.scope.value == "clip_quadrants":
+        candidate = ((adv > 0) & (d > 0)) | ((adv < 0) & (d < 0))
+    remaining = sorted((d * d)[candidate].tolist(), reverse=True)
+    last = None
+    while remaining and sum(remaining) / len(remaining) > m2po.bound:
+        last = remaining.pop(0)
+    if last is None:
+        return torch.zeros_like(candidate)
+    return candidate & (d * d >= last)
+
+
 def _zero_on_graph(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """A float64 zero that depends on ``x`` (so it has a gradient, of 0), never reading masked entries."""
     return torch.where(valid, x, torch.zeros_like(x)).sum() * 0.0
@@ -237,7 +303,7 @@ class _ReferenceRow(dict):
 
 
 def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollout_logprobs, ref_logprobs, entropy,
-                    kl_logprobs, entropy_coef):
+                    kl_logprobs, entropy_coef, topk=None):
     """The step-level quantities and, per non-empty row, the per-token quantities of the objective (float64,
     differentiable w.r.t. ``logprobs``, ``entropy`` and ``kl_logprobs``). Shared by the objective and the metrics."""
     lp_all = logprobs.double()
@@ -291,6 +357,13 @@ def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollo
     if cfg.entropy.top_quantile < 1.0 and nonempty:
         all_ent = torch.cat([ents[b].detach() for b in nonempty])
         step["threshold"] = threshold = torch.quantile(all_ent, 1.0 - cfg.entropy.top_quantile)
+    m2po_drop = [None] * B
+    if cfg.m2po.bound is not None and nonempty:  # over the whole step: d = old − rollout of every valid token
+        d_all = torch.cat([_clamp_abs(olds[b] - rolls[b], clamp) for b in nonempty])
+        dropped = m2po_dropped_reference(cfg.m2po, d_all, torch.cat([advs[b] for b in nonempty]))
+        for b, part in zip(nonempty, dropped.split([lps[b].numel() for b in nonempty])):
+            m2po_drop[b] = part
+    tr_mode = cfg.trust_region.mode.value
 
     out = []
     for b in nonempty:
@@ -299,7 +372,7 @@ def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollo
         lr = _clamp_abs(lp - old, clamp)
         row = _ReferenceRow(b=b, n=n, lp=lp, adv=adv, lr=lr, d=ds[b], ent=ents[b], phi=None, kl=None,
                             raw_weight=raw_weights[b], truncated=truncated[b], weight=weights[b],
-                            keep_rc=None, keep_opsm=None, keep_ent=None)
+                            keep_rc=None, keep_opsm=None, keep_ent=None, keep_tr=None, keep_m2po=None)
         if vespo:
             p = cfg.policy
             log_w = _vespo_log_w(rc, lr, ds[b])
@@ -331,6 +404,18 @@ def _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, *, rollo
             row["keep_ent"] = selected = ents[b].detach() >= threshold
             keep &= selected
         row["keep_ent_or_all"] = selected
+        if tr_mode != "none":  # π_θ (detached) against the rollout's μ
+            if tr_mode.startswith("binary"):
+                div = binary_divergence_reference(tr_mode, lp.detach(), rolls[b])
+            else:
+                counts, top_roll, top_train = topk
+                v = valid[b]
+                div = topk_divergence_reference(tr_mode, counts[b][v], top_roll[b][v].double(), top_train[b][v].double())
+            row["keep_tr"] = trust_region_keep_reference(cfg.trust_region, div, lp.detach(), rolls[b], adv)
+            keep &= row.keep_tr
+        if m2po_drop[b] is not None:
+            row["keep_m2po"] = ~m2po_drop[b]
+            keep &= row.keep_m2po
         row["c"] = torch.where(keep, term, torch.zeros_like(term))
         reg = torch.zeros_like(row.c)
         row["reg_parts"] = []
@@ -393,6 +478,7 @@ def grpo_objective_reference(
     entropy_coef: float | None = None,
     positive: torch.Tensor | None = None,
     magnitude: bool = False,
+    topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The objective J of a whole step given as one padded batch ``[B, T]``, in float64.
 
@@ -403,10 +489,13 @@ def grpo_objective_reference(
     coefficient (None: ``entropy.bonus_coef``).
 
     ``magnitude``: return Σ |each per-token contribution| instead of their sum — the scale of the rounding
-    error of any computation of J (a tolerance for inputs whose terms cancel)."""
+    error of any computation of J (a tolerance for inputs whose terms cancel).
+
+    ``topk``: with a top-K trust region, ``(count [B, T], rollout [B, T, K], trainer [B, T, K])``: each position's
+    first ``count`` entries are the engine's top-K log-probs and the trainer's at the same ids."""
     step, rows = _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
                                  ref_logprobs=ref_logprobs, entropy=entropy, kl_logprobs=kl_logprobs,
-                                 entropy_coef=entropy_coef)
+                                 entropy_coef=entropy_coef, topk=topk)
     total = _zero_on_graph(step.lp_all, step.valid)
     if step.skip:
         return total
@@ -449,6 +538,7 @@ def grpo_metrics_reference(
     kl_logprobs: torch.Tensor | None = None,
     entropy_coef: float | None = None,
     positive: torch.Tensor | None = None,
+    topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """The step's metrics (docs/loss.md, "Metrics") of the inputs of :func:`grpo_objective_reference`, from their
     definitions in float64: name → (value, scale), ``scale`` the mean of |x| of a mean (the size of its rounding
@@ -456,7 +546,7 @@ def grpo_metrics_reference(
 
     Not covered: clip_cov / kl_cov (``cov/selected_frac``)."""
     args = dict(rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
-                kl_logprobs=kl_logprobs, entropy_coef=entropy_coef)
+                kl_logprobs=kl_logprobs, entropy_coef=entropy_coef, topk=topk)
     step, rows = _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, **args)
     with torch.no_grad():
         j = grpo_objective_reference(cfg, logprobs, old_logprobs, advantages, loss_mask, positive=positive, **args)
@@ -514,6 +604,10 @@ def grpo_metrics_reference(
         frac("rejected_frac/opsm", "keep_opsm")
     if cfg.entropy.top_quantile < 1.0:
         frac("rejected_frac/entropy", "keep_ent_or_all")
+    if cfg.trust_region.mode.value != "none":
+        frac("rejected_frac/trust_region", "keep_tr")
+    if cfg.m2po.bound is not None:
+        frac("rejected_frac/m2po", "keep_m2po")
     if rollout_logprobs is not None:
         d = cat("d")
         mean("mismatch/k1", -d)
@@ -843,6 +937,226 @@ def nemo_rl_clipped_pg_loss_reference(
         if correct_valid_toks > 0:
             loss = loss + positive_example_nll_weight * (-lp * correct_mask).sum() / correct_valid_toks
     return loss
+
+
+# --------------------------------------------------------------------------------------------
+# Peer references: DPPO's divergence trust regions and M2PO (one micro-batch = the whole step, float64)
+# --------------------------------------------------------------------------------------------
+def trl_dppo_loss_reference(
+    per_token_logps: torch.Tensor,
+    sampling_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    divergence_type: str = "binary_tv",
+    epsilon: float = 0.15,
+    epsilon_high: float = 0.15,
+    clip_ratio_c: float = 20.0,
+    current_topk_logps: torch.Tensor | None = None,
+    sampling_topk_logps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """TRL's ``DPPOTrainer`` (huggingface/trl trl/experimental/dppo/dppo_trainer.py at ef1b500^:
+    ``_compute_divergence_mask`` and ``_compute_loss`` with beta = 0, one process: ``num_items_in_batch`` = the
+    completion tokens): −A · stopgrad(exp(min(log π − log μ, log C))) · M · log π, Σ over the mask / its count.
+    ``advantages`` ``[B]`` or per token; top-K log-probs ``[B, T, K]`` (every position holds K)."""
+    lp, mu = per_token_logps.double(), sampling_per_token_logps.double()
+    adv = advantages.double()
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    mask = completion_mask.double()
+    log_ratio = lp - mu
+    ratio = torch.exp(log_ratio.clamp(max=math.log(clip_ratio_c))).detach()
+    with torch.no_grad():
+        prob, sampling_prob = torch.exp(lp), torch.exp(mu)
+        if divergence_type == "binary_tv":
+            divergence = (prob - sampling_prob).abs()
+        elif divergence_type == "binary_kl":
+            divergence = sampling_prob * (mu - lp) + (1 - sampling_prob) * (
+                torch.log1p(-sampling_prob.clamp(max=1 - 1e-7)) - torch.log1p(-prob.clamp(max=1 - 1e-7)))
+        else:
+            cur, roll = current_topk_logps.double(), sampling_topk_logps.double()
+            cur_p, roll_p = torch.exp(cur), torch.exp(roll)
+            roll_rest = (1.0 - roll_p.sum(dim=-1)).clamp(min=1e-12)
+            cur_rest = (1.0 - cur_p.sum(dim=-1)).clamp(min=1e-12)
+            if divergence_type == "topk_tv":
+                divergence = ((cur_p - roll_p).abs().sum(dim=-1) + (cur_rest - roll_rest).abs()) / 2.0
+            else:
+                divergence = (roll_p * (roll - cur)).sum(dim=-1) + roll_rest * (roll_rest.log() - cur_rest.log())
+        invalid_pos = (divergence > epsilon_high) & (prob > sampling_prob)
+        invalid_neg = (divergence > epsilon) & (prob < sampling_prob)
+        keep = torch.where(adv > 0, ~invalid_pos, ~invalid_neg).double() * mask
+    per_token_loss = -adv * ratio * keep * lp
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def verl_dppo_loss_reference(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_mode: str = "dppo_tv",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 20.0,
+) -> torch.Tensor:
+    """verl's ``compute_policy_loss_dppo_tv`` / ``_dppo_kl`` (verl-project/verl 1dda039
+    verl/trainer/ppo/core_algos.py, loss_agg_mode token-mean, no rollout IS weights): −A · stopgrad(min(exp(clamp(ℓ,
+    ±20)), C)) · log π · valid, ℓ = log π − old_log_prob (μ: verl's old log-probs; the rollout's in bypass mode)."""
+    lp, old = log_prob.double(), old_log_prob.double()
+    adv, mask = advantages.double(), response_mask.double()
+    ratio = torch.exp((lp - old).clamp(-20.0, 20.0))
+    truncated = ratio.clamp(max=clip_ratio_c).detach()
+    prob, old_prob = torch.exp(lp), torch.exp(old)
+    if loss_mode == "dppo_tv":
+        valid_pos = (prob - old_prob) <= clip_ratio_high
+        valid_neg = (prob - old_prob) >= -clip_ratio_low
+    else:
+        binary_kl = old_prob * (old - lp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        valid_pos = (binary_kl <= clip_ratio_high) | (prob <= old_prob)
+        valid_neg = (binary_kl <= clip_ratio_low) | (prob >= old_prob)
+    valid = torch.where(adv > 0, valid_pos, valid_neg).detach().double()
+    pg_losses = -adv * truncated * lp * valid
+    return (pg_losses * mask).sum() / mask.sum()
+
+
+def prime_rl_default_loss_reference(
+    trainer_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    dppo_mask_low: float = 0.2,
+    dppo_mask_high: float = 0.2,
+    kl_tau: float = 1e-3,
+    adv_tau: float = 1.0,
+    symmetric: bool = False,
+) -> torch.Tensor:
+    """prime-rl's ``default_loss_fn`` (PrimeIntellect-ai/prime-rl 559b447 src/prime_rl/trainer/rl/loss.py), Σ over the
+    samples / the global loss-token count (``compute_loss``): −keep·A·e^ℓ + kl_tau·ℓ², ℓ = trainer − inference, keep
+    DPPO's advantage-conditioned probability-difference mask. ``symmetric``: #2434's variant (refs/pull/2434/head):
+    the mask whatever the advantage (π − μ outside [−low, high]), no KL term."""
+    lp, mu = trainer_logprobs.double(), inference_logprobs.double()
+    adv, mask = advantages.double(), loss_mask.bool()
+    log_ratio = lp - mu
+    ratio = torch.exp(log_ratio)
+    diff = (torch.exp(lp) - torch.exp(mu)).detach()
+    high, low = diff > dppo_mask_high, diff < -dppo_mask_low
+    masked = (high | low) if symmetric else torch.where(adv > 0, high, low)
+    keep = mask & ~masked
+    per_token = -(keep * adv_tau * adv * ratio)
+    if not symmetric:
+        per_token = per_token + kl_tau * (mask * log_ratio**2)
+    return per_token.sum() / mask.sum()
+
+
+def open_instruct_dppo_mask_reference(
+    new_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    divergence_type: str,
+    divergence_threshold: float,
+    *,
+    variant: str = "1745",
+) -> torch.Tensor:
+    """open-instruct's DPPO mask M_t (paper Eq. 12), float 0 / 1: ``compute_binary_divergence`` and ``compute_dppo_mask``
+    of allenai/open-instruct refs/pull/1745 (fp32, log-probs clamped to [−30, 0], probabilities to [1e-6, 1 − 1e-6] for
+    the KL; drop where A > 0 and ρ > 1, or A < 0 and ρ < 1, with the divergence above δ); ``variant="1790"``: #1790's
+    divergence (float64, probabilities clamped to [eps, 1 − eps], the KL clamped ≥ 0). #1755 moves by
+    sign(log π − log μ)·A > 0: the same tokens."""
+    mask = response_mask.bool()
+    with torch.no_grad():
+        if variant == "1745":
+            b, p = behavior_logprobs.float(), new_logprobs.float()
+            mu, pi = torch.exp(b.clamp(min=-30.0, max=0.0)), torch.exp(p.clamp(min=-30.0, max=0.0))
+            eps = 1e-6
+        else:
+            b, p = behavior_logprobs.double().clamp(max=0.0), new_logprobs.double().clamp(max=0.0)
+            eps = torch.finfo(torch.float64).eps
+            mu, pi = torch.exp(b).clamp(eps, 1.0 - eps), torch.exp(p).clamp(eps, 1.0 - eps)
+        if divergence_type == "tv":
+            divergence = (mu - pi).abs()
+        else:
+            mc, pc = (mu.clamp(eps, 1.0 - eps), pi.clamp(eps, 1.0 - eps)) if variant == "1745" else (mu, pi)
+            divergence = mc * (mc.log() - pc.log()) + (1.0 - mc) * (torch.log1p(-mc) - torch.log1p(-pc))
+            if variant != "1745":
+                divergence = divergence.clamp_min(0.0)
+        divergence = torch.where(mask, divergence, torch.zeros_like(divergence)).double()
+        ratio = torch.exp(new_logprobs.double() - behavior_logprobs.double())
+        outside = divergence > divergence_threshold
+        bad = ((advantages > 0) & (ratio > 1.0) & outside) | ((advantages < 0) & (ratio < 1.0) & outside)
+        return (~bad & mask).double()
+
+
+def areal_m2po_mask_reference(old_logp: torch.Tensor, prox_logp: torch.Tensor, loss_mask: torch.Tensor,
+                              m2_threshold: float) -> torch.Tensor:
+    """AReaL's ``_apply_m2po_masking`` / ``_get_m2po_loss_mask`` (inclusionAI/AReaL 4aef98d areal/trainer/ppo/actor.py):
+    δ = old_logp (behaviour) − prox_logp over the loss mask; sorted descending, the first k masked, k the first index
+    whose suffix mean is < the threshold (n − 1 when none is). Returns the new loss mask (bool)."""
+    delta = old_logp.double() - prox_logp.double()
+    m2 = delta * delta
+    flat = loss_mask.bool().reshape(-1)
+    selected = m2.reshape(-1)[flat]
+    if selected.numel() == 0:
+        return loss_mask.bool()
+    sorted_m2, indices = torch.sort(selected, descending=True)
+    n = sorted_m2.numel()
+    suffix = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=sorted_m2.dtype)
+    below = torch.where(suffix < m2_threshold)[0]
+    num_to_mask = int(below[0]) if len(below) > 0 else n - 1
+    keep_sorted = torch.ones(n, dtype=torch.bool)
+    keep_sorted[:num_to_mask] = False
+    out = torch.zeros_like(flat)
+    out[flat] = keep_sorted[torch.argsort(indices)]
+    return out.view_as(loss_mask)
+
+
+def areal_m2po_loss_reference(logprobs: torch.Tensor, prox_logp: torch.Tensor, old_logp: torch.Tensor,
+                              advantages: torch.Tensor, loss_mask: torch.Tensor, *, m2_threshold: float = 0.04,
+                              eps_clip: float = 1e9, rs_upper: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """AReaL's ``grpo_loss_fn`` with M2PO and the decoupled ``ppo_actor_loss_fn`` (areal/utils/functional/functional.py
+    at 4aef98d; rejection sampling: metric ratio, token level, mask above ``rs_upper``): the loss mask after M2PO
+    (:func:`areal_m2po_mask_reference`; the denominator is its count), r = π_θ/π_prox clipped to 1 ± ``eps_clip``,
+    the behaviour weight π_prox/π_behave (``old_logp``) on the tokens rejection sampling keeps. One micro-batch.
+    Returns (loss, the mask after M2PO)."""
+    mask = areal_m2po_mask_reference(old_logp, prox_logp, loss_mask, m2_threshold)
+    count = mask.sum().clamp(min=1)
+    lp, prox, adv = logprobs.double(), prox_logp.double(), advantages.double()
+    log_behave = prox - old_logp.double()
+    behave_weight = torch.exp(torch.where(torch.isfinite(log_behave), log_behave, 0.0))
+    kept = mask & (behave_weight <= rs_upper)
+    ratio = torch.where(kept, torch.exp(lp - prox), 0.0)
+    pg = torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)) * behave_weight
+    return torch.where(kept, pg, 0.0).sum() / count, mask
+
+
+def ms_swift_m2po_loss_reference(per_token_logps: torch.Tensor, rollout_per_token_logps: torch.Tensor,
+                                 advantages: torch.Tensor, completion_mask: torch.Tensor,
+                                 m2_threshold: float = 0.04) -> tuple[torch.Tensor, torch.Tensor]:
+    """ms-swift's ``loss_type="m2po"`` (modelscope/ms-swift refs/pull/9965 swift/rl_core/m2po.py, one process; its
+    GRPO trainer divides by ``num_items_in_batch``): ℓ = log π − log μ; candidates A > 0, ℓ > 0 or A < 0, ℓ < 0; the
+    ascending prefix of their ℓ² with mean ≤ the threshold kept; loss −M · exp(ℓ) · A (the value of ℓ clamped to ±20),
+    Σ over the completion mask / its count. Returns (loss, the M2PO mask)."""
+    lp, mu = per_token_logps.double(), rollout_per_token_logps.double()
+    adv, valid = advantages.double(), completion_mask.bool()
+    log_ratio = lp - mu
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        trust = valid & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
+        index = torch.nonzero(trust.reshape(-1), as_tuple=False).squeeze(-1)
+        values = lr.square().reshape(-1)[index]
+        keep = torch.ones(values.numel(), dtype=torch.bool)
+        if values.numel():
+            sorted_values, order = torch.sort(values)
+            means = sorted_values.cumsum(0) / torch.arange(1, values.numel() + 1, dtype=sorted_values.dtype)
+            keep_count = int((means <= m2_threshold).sum())
+            keep.zero_()
+            keep[order[:keep_count]] = True
+        final = valid.clone()
+        final.reshape(-1)[index] = keep
+    stable = log_ratio + (log_ratio.clamp(-20, 20) - log_ratio).detach()
+    per_token = torch.where(final, -torch.exp(stable) * adv, torch.zeros_like(adv))
+    return (per_token * completion_mask.double()).sum() / completion_mask.double().sum(), final
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from mp_grpo.config.loss import (
     KLConfig,
     KLEstimator,
     LossConfig,
+    M2POConfig,
+    M2POScope,
     MismatchConfig,
     NLLConfig,
     NonFiniteConfig,
@@ -28,6 +30,9 @@ from mp_grpo.config.loss import (
     PolicyConfig,
     RatioLevel,
     RolloutCorrectionConfig,
+    TrustRegion,
+    TrustRegionConfig,
+    TrustRegionDirection,
 )
 
 __all__ = [
@@ -41,6 +46,8 @@ __all__ = [
     "KLEstimator",
     "LogitDtype",
     "LossConfig",
+    "M2POConfig",
+    "M2POScope",
     "MismatchConfig",
     "NLLConfig",
     "NonFiniteConfig",
@@ -49,6 +56,9 @@ __all__ = [
     "PolicyConfig",
     "RatioLevel",
     "RolloutCorrectionConfig",
+    "TrustRegion",
+    "TrustRegionConfig",
+    "TrustRegionDirection",
     "load_config",
     "preset_names",
     "preset_path",

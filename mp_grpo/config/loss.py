@@ -95,6 +95,46 @@ class KLEstimator(str, Enum):
     """``eˣ − x − 1`` (GRPO, verl ``low_var_kl``, NeMo-RL ``k3``)."""
 
 
+class TrustRegion(str, Enum):
+    """The divergence trust region of DPPO (arXiv 2602.04879, "Rethinking the Trust Region in LLM RL";
+    ``trust_region.mode``): the policy term of a token is dropped — not clipped — where a divergence between the
+    trainer's policy π_θ and the rollout engine's μ leaves a threshold (:mod:`mp_grpo.loss.trust_region`)."""
+
+    NONE = "none"
+    """No divergence trust region."""
+    BINARY_TV = "binary_tv"
+    """|π_θ(y_t) − μ(y_t)| of the sampled token (the paper's binary TV, Eq. 13)."""
+    BINARY_KL = "binary_kl"
+    """KL(Bernoulli(μ(y_t)) ‖ Bernoulli(π_θ(y_t))) of the sampled token (the paper's binary KL, Eq. 14)."""
+    TOPK_TV = "topk_tv"
+    """½ (Σ_k |π_θ(k) − μ(k)| + |rest_π − rest_μ|) over the engine's top-K ids and the rest of the vocabulary
+    (TRL's ``topk_tv``); needs ``topk_logprobs=``."""
+    TOPK_KL = "topk_kl"
+    """Σ_k μ(k)·log(μ(k)/π_θ(k)) + rest_μ·log(rest_μ/rest_π) over the same buckets (TRL's ``topk_kl``); needs
+    ``topk_logprobs=``."""
+
+
+class TrustRegionDirection(str, Enum):
+    """Which moves of the sampled token's probability the trust region drops (``trust_region.direction``)."""
+
+    DIRECTIONAL = "directional"
+    """The paper's Eq. 12 (TRL, verl, NeMo-RL, open-instruct, prime-rl's default): where A > 0 drop a token whose
+    π_θ(y_t) rose above μ(y_t) with the divergence beyond ``delta_high``; where A ≤ 0 one whose π_θ(y_t) fell below
+    μ(y_t) beyond ``delta_low`` — only updates that would push the policy further out of the region."""
+    SYMMETRIC = "symmetric"
+    """prime-rl #2434: drop a token beyond ``delta_high`` above or ``delta_low`` below μ, whatever its advantage."""
+
+
+class M2POScope(str, Enum):
+    """Which tokens M2PO's second-moment mask may drop (``m2po.scope``)."""
+
+    ALL = "all"
+    """Every valid token (AReaL ``m2_threshold``)."""
+    CLIP_QUADRANTS = "clip_quadrants"
+    """Only tokens where PPO's clip could act: A > 0 with d > 0, or A < 0 with d < 0 (d = log π_old − log μ; ms-swift
+    ``loss_type="m2po"``); the others are always kept and do not enter the second moment."""
+
+
 def _allowed(enum: type[Enum], nullable: bool = False) -> str:
     values = [m.value for m in enum]  # type: ignore[attr-defined]
     return ("null | " if nullable else "") + " | ".join(values)
@@ -433,6 +473,62 @@ class NonFiniteConfig:
 
 
 @dataclass
+class TrustRegionConfig:
+    """``trust_region``: DPPO's divergence trust region between the trainer's π_θ and the rollout engine's μ.
+
+    The decision is taken per token on stop-gradient values: π_θ = the trainer's log-probs (``logprobs``), μ = the
+    rollout log-probs (``rollout_logprobs``, required), top-K modes the ``topk_logprobs`` input; a dropped token's
+    policy term is 0 (value and gradient), its KL and entropy terms stay, and it stays in every denominator, as the
+    rollout rejection. Formulas and each peer's variant: ``docs/loss.md``, "Divergence trust regions"."""
+
+    mode: TrustRegion = TrustRegion.NONE
+    """none | binary_tv | binary_kl | topk_tv | topk_kl."""
+    direction: TrustRegionDirection = TrustRegionDirection.DIRECTIONAL
+    """directional (the paper's Eq. 12: only moves in the advantage's direction) | symmetric (prime-rl #2434)."""
+    delta_low: float | None = None
+    """Threshold of the divergence where π_θ(y_t) < μ(y_t) (TRL ``epsilon``, verl ``clip_ratio_low``, prime-rl
+    ``dppo_mask_low``); null: that side never drops. ≥ 0. The paper suggests 0.15 (TV) / 0.05 (KL)."""
+    delta_high: float | None = None
+    """Threshold of the divergence where π_θ(y_t) > μ(y_t) (TRL ``epsilon_high``, verl ``clip_ratio_high``, prime-rl
+    ``dppo_mask_high``); null: that side never drops. ≥ 0."""
+
+    def __post_init__(self) -> None:
+        key = "trust_region"
+        if self.mode == TrustRegion.NONE:
+            for name in ("delta_low", "delta_high"):
+                _require(getattr(self, name) is None, f"{key}.{name}", "has no effect with mode none",
+                         "null, or set mode to " + " | ".join(m.value for m in TrustRegion if m != TrustRegion.NONE))
+            _require(self.direction == TrustRegionDirection.DIRECTIONAL, f"{key}.direction",
+                     "has no effect with mode none", "directional (the default), or set mode")
+            return
+        _require(self.delta_low is not None or self.delta_high is not None, f"{key}.mode",
+                 f"is {self.mode.value} but neither delta_low nor delta_high is set", "at least one of them")
+        for name in ("delta_low", "delta_high"):
+            _check_float(f"{key}.{name}", getattr(self, name), nullable=True, low=0.0)
+
+
+@dataclass
+class M2POConfig:
+    """``m2po``: M2PO (arXiv 2510.01161), the second moment of the rollout log-ratio over the whole step bounded.
+
+    With d = log π_old − log μ per token (clamped by ``policy.log_ratio_clamp``), the tokens of the step with the
+    largest d² are dropped until the mean d² of the others is at most ``bound`` — decided once per step over all
+    micro-batches and data-parallel ranks by the :class:`~mp_grpo.GlobalBatch` (:mod:`mp_grpo.loss.m2po`). A
+    dropped token's policy term is 0, and it stays in every denominator."""
+
+    bound: float | None = None
+    """The bound on the mean d² of the kept tokens (AReaL / ms-swift ``m2_threshold``, 0.04 in both); null = off. ≥ 0."""
+    scope: M2POScope = M2POScope.ALL
+    """all (AReaL) | clip_quadrants (ms-swift: only tokens with A > 0, d > 0 or A < 0, d < 0 are candidates)."""
+
+    def __post_init__(self) -> None:
+        _check_float("m2po.bound", self.bound, nullable=True, low=0.0)
+        if self.scope != M2POScope.ALL:
+            _require(self.bound is not None, "m2po.scope", "has no effect without m2po.bound",
+                     "all, or set m2po.bound")
+
+
+@dataclass
 class LossConfig:
     """The whole GRPO-family loss: one field per section."""
 
@@ -454,6 +550,10 @@ class LossConfig:
     """Positive-example NLL (VAPO)."""
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     """NaN / ±inf inputs: raise (default) or skip the step on every rank."""
+    trust_region: TrustRegionConfig = field(default_factory=TrustRegionConfig)
+    """DPPO's divergence trust region (binary / top-K TV or KL against the rollout policy)."""
+    m2po: M2POConfig = field(default_factory=M2POConfig)
+    """M2PO's step-level second-moment mask."""
 
     def __post_init__(self) -> None:
         rc = self.rollout_correction
@@ -474,13 +574,22 @@ class LossConfig:
         if rc.bypass:
             _require(self.mismatch.skip_threshold is None, "mismatch.skip_threshold",
                      "compares old with rollout log-probs, which bypass makes equal", "null with bypass = true")
+            _require(self.m2po.bound is None, "m2po.bound",
+                     "bounds the second moment of old − rollout log-probs, which bypass makes equal",
+                     "null with bypass = true")
 
     @property
     def needs_rollout_logprobs(self) -> bool:
         """Whether :class:`~mp_grpo.GRPOLoss` must be given ``rollout_logprobs``."""
         rc = self.rollout_correction
         return rc.weight_level is not None or rc.reject_level is not None or rc.bypass \
-            or self.mismatch.skip_threshold is not None
+            or self.mismatch.skip_threshold is not None or self.trust_region.mode != TrustRegion.NONE \
+            or self.m2po.bound is not None
+
+    @property
+    def needs_topk_logprobs(self) -> bool:
+        """Whether :class:`~mp_grpo.GRPOLoss` must be given ``topk_logprobs`` (a top-K trust region)."""
+        return self.trust_region.mode in (TrustRegion.TOPK_TV, TrustRegion.TOPK_KL)
 
     @property
     def needs_entropy(self) -> bool:

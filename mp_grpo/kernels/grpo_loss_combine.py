@@ -22,7 +22,8 @@ Schedule (one program per BLOCK positions):
     2. per-sequence values from the pass-1 sums: length n, gspo / gmpo mean, Σd, OPSM mean.
     3. the objective: term, ratio, clip flags; ∂term/∂log π along the token's path, ∂term/∂m.
     4. rollout correction (weight raw → truncated → applied) and the keep masks (rejection, OPSM,
-       top-entropy); the policy term.
+       top-entropy, the trust region — its binary divergence here, a top-K one read per token —, M2PO's d² against
+       the step's threshold, d in float64 from the old and rollout log-probs as given); the policy term.
     5. KL (+ its gradient) and entropy bonus; skip; the divisor D_t; the share and the gradients.
     6. partial sums and extremes of this block for the metrics (and the non-finite counts: dropped positions,
        and per input — the finalize kernel adds those into the deferred error ledger); with rollout log-probs,
@@ -46,6 +47,7 @@ from mp_grpo.kernels.grpo_loss_common import (
     token_inputs,
 )
 from mp_grpo.kernels.token_math import (
+    binary_divergence,
     chi2,
     cispo,
     clamp_sym,
@@ -55,6 +57,7 @@ from mp_grpo.kernels.token_math import (
     high_entropy,
     kl_estimator,
     level_log_ratio,
+    m2po_keep,
     normalized_weight,
     opsm_keep,
     reinforce,
@@ -63,21 +66,22 @@ from mp_grpo.kernels.token_math import (
     score_function_gradient,
     token_divisor,
     truncated_weight,
+    trust_region_keep,
     weighted_kl,
 )
 
 
 @triton.jit
 def grpo_loss_combine_kernel(
-    # token inputs, flat [N]
-    lp_ptr, old_ptr, rollout_ptr, ref_ptr, ent_ptr, adv_ptr, mask_ptr,
-    # FROM_STATS: statistics [TP, N + 1, 4] fp32, targets [N] int64, out (M, log S, entropy) [3, N] fp32,
+    # token inputs, flat [N]; div_ptr: the top-K trust region's divergence (float64, TRUST_REGION == TR_GIVEN only)
+    lp_ptr, old_ptr, rollout_ptr, ref_ptr, ent_ptr, adv_ptr, mask_ptr, div_ptr,
+    # FROM_STATS: statistics [TP, N + 1, 4] fp32, targets [N] int64, out (M, log S, H, 1 - p_t, log p_t + H) [5, N],
     # error counters [3] int64 (lp_ptr / ent_ptr unused)
     stats_ptr, target_ptr, row_out_ptr, errors_ptr,
     # sequences: cu_seqlens [S + 1] (packed only), pass-1 sums [S, NUM_COLS] (float64), seq_grad [S] (float64, zeroed)
     cu_ptr, seq_sums_ptr, seq_grad_ptr,
-    # step values (0-dim: float64 counts, weight mean and entropy threshold; bool skip) and config parameters
-    tokens_ptr, sequences_ptr, weight_mean_ptr, threshold_ptr, skip_ptr, params_ptr,
+    # step values (0-dim: float64 counts, weight mean, entropy and M2PO thresholds; bool skip) and config parameters
+    tokens_ptr, sequences_ptr, weight_mean_ptr, threshold_ptr, skip_ptr, m2po_threshold_ptr, params_ptr,
     # outputs: grad_lp, grad_ent, seq_factor [N] (compute dtype), partials [programs, PARTIAL_COLS] (float64)
     grad_lp_ptr, grad_ent_ptr, seq_factor_ptr, partial_ptr,
     # sizes
@@ -92,6 +96,7 @@ def grpo_loss_combine_kernel(
     WEIGHT_LEVEL: tl.constexpr, NORMALIZE_WEIGHTS: tl.constexpr, REJECT_LEVEL: tl.constexpr,
     OPSM: tl.constexpr, TOP_ENTROPY: tl.constexpr, KL_IN_LOSS: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
     KL_STRAIGHT_THROUGH: tl.constexpr, KL_RATIO: tl.constexpr, ENTROPY_BONUS: tl.constexpr, SKIP: tl.constexpr,
+    TRUST_REGION: tl.constexpr, TR_DIRECTIONAL: tl.constexpr, M2PO: tl.constexpr,
     # meta-parameters: pass-1 columns, dtype, block
     NUM_COLS: tl.constexpr, COL_SEQ_IN: tl.constexpr, COL_D: tl.constexpr, COL_OPSM: tl.constexpr,
     COMPUTE: tl.constexpr, BLOCK: tl.constexpr,
@@ -192,7 +197,34 @@ def grpo_loss_combine_kernel(
         if not FROM_STATS:
             given = tl.load(ent_ptr + offs, mask=valid, other=0.0)
         keep_entropy = high_entropy(given, tl.load(threshold_ptr).to(tl.float64))
-    keep = valid & keep_rollout & keep_opsm & keep_entropy
+    keep_trust = valid
+    if TRUST_REGION != K.TR_NONE:  # π_θ (this pass's log-probs, stop-gradient: the keep has no derivative) vs μ
+        if TRUST_REGION == K.TR_GIVEN:  # top-K: the float64 divergence and bounds, as the torch path compares them
+            divergence = tl.load(div_ptr + offs, mask=valid, other=0.0)
+            delta_low = tl.load(params_ptr + K.P_TR_DELTA_LOW)
+            delta_high = tl.load(params_ptr + K.P_TR_DELTA_HIGH)
+        else:
+            divergence = binary_divergence(lp, rollout, TRUST_REGION)
+            delta_low = param(params_ptr, K.P_TR_DELTA_LOW, COMPUTE)
+            delta_high = param(params_ptr, K.P_TR_DELTA_HIGH, COMPUTE)
+        keep_trust = trust_region_keep(divergence, lp, rollout, adv, delta_low, delta_high, TR_DIRECTIONAL)
+    keep_m2po = valid
+    if M2PO != K.M2PO_NONE:
+        # d in float64 from the inputs as given: the GlobalBatch sorted these very numbers for its threshold
+        if HAS_OLD:
+            old_given = tl.load(old_ptr + offs, mask=valid, other=0.0).to(tl.float64)
+        elif FROM_STATS:
+            old_given = lp.to(tl.float64)  # on-policy: the merged log-probs (float32) themselves
+        else:
+            old_given = tl.load(lp_ptr + offs, mask=valid, other=0.0).to(tl.float64)
+        rollout_given = tl.load(rollout_ptr + offs, mask=valid, other=0.0).to(tl.float64)
+        d_given, _ = clamp_sym(tl.where(valid, old_given - rollout_given, 0.0), tl.load(params_ptr + K.P_LOG_RATIO_CLAMP))
+        if ADV_PER_TOKEN:
+            adv_given = tl.load(adv_ptr + offs, mask=valid, other=0.0)
+        else:
+            adv_given = tl.load(adv_ptr + seq, mask=valid, other=0.0)
+        keep_m2po = m2po_keep(d_given, tl.load(m2po_threshold_ptr), adv_given, M2PO == K.M2PO_CLIP_QUADRANTS)
+    keep = valid & keep_rollout & keep_opsm & keep_entropy & keep_trust & keep_m2po
     policy = tl.where(keep, term, 0.0)
     policy_scale = tl.where(keep, applied, 0.0)  # ∂policy/∂term
 
@@ -267,6 +299,8 @@ def grpo_loss_combine_kernel(
     tl.store(out + K.SUM_REJECTED_ROLLOUT, masked_sum(~keep_rollout, valid))
     tl.store(out + K.SUM_REJECTED_OPSM, masked_sum(~keep_opsm, valid))
     tl.store(out + K.SUM_REJECTED_ENTROPY, masked_sum(~keep_entropy, valid))
+    tl.store(out + K.SUM_REJECTED_TRUST_REGION, masked_sum(~keep_trust, valid))
+    tl.store(out + K.SUM_REJECTED_M2PO, masked_sum(~keep_m2po, valid))
     tl.store(out + K.SUM_KL, masked_sum(kl, valid))
     tl.store(out + K.SUM_ENTROPY, masked_sum(ent, valid))
     # the positions dropped for a non-finite input (metric), and per input where it is not finite (the ledger)

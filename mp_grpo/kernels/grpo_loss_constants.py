@@ -23,6 +23,15 @@ WEIGHT_MEAN_FLOOR = tl.constexpr(1e-8)
 """Below this global mean the IS weights are left unnormalized (verl's rule): a mean this small means
 (almost) every weight truncated to 0, and dividing by it would blow the few others up to ~1e8."""
 
+LOGPROB_MAX = tl.constexpr(0.0)
+"""Ceiling of a log-prob before the trust region's divergences exponentiate it: a probability is at most 1, and a
+trainer's log-prob a rounding above 0 (a log-softmax of a near-deterministic row) is probability 1, not e^(+ε) > 1
+(whose binary KL term log(1 − π) would be NaN)."""
+
+LOG1MEXP_SPLIT = tl.constexpr(-0.6931471805599453)
+"""−ln 2: above it log(1 − eˣ) is taken as log(−expm1(x)), below as log(1 − eˣ) — each branch where the other
+cancels (Mächler, "Accurately computing log(1 − exp(−|a|))", 2012). Not a clamp: both branches are exact."""
+
 # ------------------------------------------------------------------------------------ mode codes
 OBJ_PPO_CLIP = tl.constexpr(0)
 OBJ_GSPO = tl.constexpr(1)
@@ -49,6 +58,15 @@ KL_RATIO_NONE = tl.constexpr(0)
 KL_RATIO_BIAS_CORRECTION = tl.constexpr(1)
 KL_RATIO_SCORE_FUNCTION = tl.constexpr(2)
 
+TR_NONE = tl.constexpr(0)
+TR_BINARY_TV = tl.constexpr(1)
+TR_BINARY_KL = tl.constexpr(2)
+TR_GIVEN = tl.constexpr(3)  # the divergence is an input per token (top-K TV / KL, computed by mp_grpo.loss.trust_region)
+
+M2PO_NONE = tl.constexpr(0)
+M2PO_ALL = tl.constexpr(1)
+M2PO_CLIP_QUADRANTS = tl.constexpr(2)
+
 # ------------------------------------------------------------------------------------ parameter slots
 P_LOG_RATIO_CLAMP = tl.constexpr(0)  # policy.log_ratio_clamp (inf: none)
 P_CLIP_LOW = tl.constexpr(1)  # 1 - eps_low (-inf: none)
@@ -69,7 +87,9 @@ P_KL_INPUT_CLAMP = tl.constexpr(15)  # inf: none
 P_KL_OUTPUT_CLAMP = tl.constexpr(16)  # inf: none
 P_ENTROPY_BONUS = tl.constexpr(17)
 P_NORM_CONSTANT = tl.constexpr(18)  # aggregation.norm_constant (1: none)
-NUM_PARAMS = tl.constexpr(19)
+P_TR_DELTA_LOW = tl.constexpr(19)  # trust_region.delta_low (inf: none)
+P_TR_DELTA_HIGH = tl.constexpr(20)  # trust_region.delta_high (inf: none)
+NUM_PARAMS = tl.constexpr(21)
 
 # ------------------------------------------------------------------------------------ partial / metric slots
 # Columns of the [programs, PARTIAL_COLS] float64 partials: sums, then extremes (even: min, odd: max).
@@ -103,16 +123,18 @@ SUM_NONFINITE_REF = tl.constexpr(24)
 SUM_NONFINITE_ADVANTAGES = tl.constexpr(25)
 SUM_NONFINITE_ENTROPY = tl.constexpr(26)
 NUM_NONFINITE_INPUTS = tl.constexpr(6)
-NUM_SUMS = tl.constexpr(27)
-EXT_RATIO_MIN = tl.constexpr(27)
-EXT_RATIO_MAX = tl.constexpr(28)
-EXT_WEIGHT_RAW_MIN = tl.constexpr(29)
-EXT_WEIGHT_RAW_MAX = tl.constexpr(30)
-EXT_WEIGHT_TRUNCATED_MIN = tl.constexpr(31)
-EXT_WEIGHT_TRUNCATED_MAX = tl.constexpr(32)
-EXT_WEIGHT_APPLIED_MIN = tl.constexpr(33)
-EXT_WEIGHT_APPLIED_MAX = tl.constexpr(34)
-PARTIAL_COLS = tl.constexpr(35)
+SUM_REJECTED_TRUST_REGION = tl.constexpr(27)
+SUM_REJECTED_M2PO = tl.constexpr(28)
+NUM_SUMS = tl.constexpr(29)
+EXT_RATIO_MIN = tl.constexpr(29)
+EXT_RATIO_MAX = tl.constexpr(30)
+EXT_WEIGHT_RAW_MIN = tl.constexpr(31)
+EXT_WEIGHT_RAW_MAX = tl.constexpr(32)
+EXT_WEIGHT_TRUNCATED_MIN = tl.constexpr(33)
+EXT_WEIGHT_TRUNCATED_MAX = tl.constexpr(34)
+EXT_WEIGHT_APPLIED_MIN = tl.constexpr(35)
+EXT_WEIGHT_APPLIED_MAX = tl.constexpr(36)
+PARTIAL_COLS = tl.constexpr(37)
 NUM_EXTREMES = tl.constexpr(8)
 
 # Metric pairs [NUM_PAIRS, 2] (value, count) written by the finalize kernel; pair i = sum column i except:
@@ -121,7 +143,7 @@ PAIR_VALID_TOKENS = tl.constexpr(1)  # count 1 / M
 PAIR_CHI2_SEQ = tl.constexpr(16)  # count: sequences with a valid token (CP rank 0)
 PAIR_SKIPPED = tl.constexpr(17)  # (skip flag, 1)
 PAIR_NONFINITE = tl.constexpr(20)  # count 1 / M
-NUM_PAIRS = tl.constexpr(21)
+NUM_PAIRS = tl.constexpr(29)  # through SUM_REJECTED_M2PO (the per-input non-finite columns between are pairs too, unread)
 
 
 def _constants_key() -> int:

@@ -5,7 +5,7 @@ the very same source on torch tensors (it rebinds ``tl``, ``K``, the helpers bel
 this module in the function's globals). The dialect: arithmetic and comparisons; ``tl.where``,
 ``tl.zeros_like``, ``tl.minimum`` / ``tl.maximum`` (on the torch path with ``torch.clamp``'s gradient: all of
 it to the first operand at a tie, so a bound is inclusive like the kernels' masks), ``tl.exp``,
-``tl.sigmoid``, ``.to(tl.float64)``; compile-time branches on the codes of
+``tl.log``, ``tl.abs``, ``tl.sigmoid``, ``.to(tl.float64)``; compile-time branches on the codes of
 :mod:`mp_grpo.kernels.grpo_loss_constants` (``K.*``) and on ``tl.constexpr`` flags; the helpers :func:`expm1`
 (``torch.expm1`` on the torch path) and :func:`stop_gradient` (the identity here, ``detach`` there); calls to
 the other formulas of this module.
@@ -21,7 +21,7 @@ detached quantities come without a derivative.
 
 All of the per-token maths the kernels and the torch path share is here: the symmetric and range clamps, the
 objectives (ppo_clip / gspo surrogate, cispo, sapo, gmpo, reinforce), the rollout correction (level log-ratio,
-truncated and normalized weight, rejection), the OPSM and top-entropy keeps, the aggregation divisor, the KL
+truncated and normalized weight, rejection), the OPSM and top-entropy keeps, the trust regions' binary divergences and keep, M2PO's keep, the aggregation divisor, the KL
 estimators and their ratio / score-function weights, and the mismatch metrics (k1 / k3 are the KL estimators of d; χ²). What only the torch path
 implements (vespo, clip_cov, kl_cov, GSPO-token, the regularizer's own aggregation, adaptive entropy, NLL)
 is written in ``mp_grpo/loss`` alone.
@@ -58,6 +58,16 @@ def expm1(x):
 
 
 # ------------------------------------------------------------------------------------ clamps
+@triton.jit
+def log1mexp(x):
+    """``log(1 − eˣ)`` for x ≤ 0 (−inf at x = 0): the log of a Bernoulli's other mass from the log of its one,
+    accurate on both sides of ``K.LOG1MEXP_SPLIT``. Both branches see only finite arguments (the unused one gets −1)."""
+    near = x > K.LOG1MEXP_SPLIT
+    a = tl.where(near, x, -1.0)
+    b = tl.where(near, -1.0, x)
+    return tl.where(near, tl.log(-expm1(a)), tl.log(1.0 - tl.exp(b)))
+
+
 @triton.jit
 def clamp_sym(x, bound):
     """``clamp(x, -bound, bound)`` and whether ``x`` lies inside (inclusive: torch's clamp gradient mask, the
@@ -189,6 +199,58 @@ def rejection_keep(log_ratio, reject_min, reject_max):
     """Bool: the ratio e^log_ratio lies in ``[reject_min, reject_max]`` (∓inf: that side never rejects)."""
     ratio = tl.exp(log_ratio)
     return (ratio >= reject_min) & (ratio <= reject_max)
+
+
+# ------------------------------------------------------------------------------------ trust regions
+@triton.jit
+def binary_divergence(lp, mu, TRUST_REGION: tl.constexpr):
+    """DPPO's binary divergence of the sampled token between the trainer's π = e^lp and the rollout's μ = e^mu,
+    from their log-probs (stop-gradient values; each capped at ``K.LOGPROB_MAX``), without exponentiating a
+    positive number:
+
+    * binary TV (``K.TR_BINARY_TV``): |π − μ| = e^max(lp, mu) · (1 − e^−|lp − mu|), exact near a tie;
+    * binary KL (``K.TR_BINARY_KL``): KL(Bernoulli(μ) ‖ Bernoulli(π)) = μ·(mu − lp) + (1 − μ)·(log(1 − μ) −
+      log(1 − π)), with 1 − μ = −expm1(mu) and the logs by :func:`log1mexp` (no cancellation at π or μ near 1);
+      the second term is 0 where μ = 1 (0·log 0 = 0), +inf where π = 1 > μ (the true value).
+
+    Never NaN for finite inputs (a −inf log-prob is a non-finite input the loss drops before)."""
+    lp = tl.minimum(lp, K.LOGPROB_MAX)
+    mu = tl.minimum(mu, K.LOGPROB_MAX)
+    if TRUST_REGION == K.TR_BINARY_TV:
+        out = -tl.exp(tl.maximum(lp, mu)) * expm1(-tl.abs(lp - mu))
+    else:
+        rest_mu = -expm1(mu)
+        other = tl.where(rest_mu > 0.0, rest_mu * (log1mexp(mu) - log1mexp(lp)), 0.0)
+        out = tl.exp(mu) * (mu - lp) + other
+    return out
+
+
+@triton.jit
+def trust_region_keep(divergence, lp, mu, adv, delta_low, delta_high, DIRECTIONAL: tl.constexpr):
+    """Bool: the token's policy term is kept by the trust region. Dropped where the trainer's probability rose above
+    the rollout's (lp > mu, both capped at ``K.LOGPROB_MAX``) with ``divergence`` > ``delta_high``, or fell below it
+    with ``divergence`` > ``delta_low`` (inf: that side never drops); with ``DIRECTIONAL`` (the paper's Eq. 12) the
+    first only where A > 0 and the second only where A ≤ 0 — the moves the advantage pushes further."""
+    lp = tl.minimum(lp, K.LOGPROB_MAX)
+    mu = tl.minimum(mu, K.LOGPROB_MAX)
+    drop_high = (lp > mu) & (divergence > delta_high)
+    drop_low = (lp < mu) & (divergence > delta_low)
+    if DIRECTIONAL:
+        positive = adv > 0
+        drop_high = drop_high & positive
+        drop_low = drop_low & ~positive
+    return ~(drop_high | drop_low)
+
+
+@triton.jit
+def m2po_keep(d, threshold, adv, CLIP_QUADRANTS: tl.constexpr):
+    """Bool: M2PO keeps the token unless d² ≥ ``threshold`` (float64 ``d`` = clamp(old − rollout), the step's
+    threshold from the GlobalBatch; inf: none dropped); with ``CLIP_QUADRANTS`` only a token with A > 0, d > 0 or
+    A < 0, d < 0 can be dropped."""
+    drop = d * d >= threshold
+    if CLIP_QUADRANTS:
+        drop = drop & (((adv > 0) & (d > 0)) | ((adv < 0) & (d < 0)))
+    return ~drop
 
 
 # ------------------------------------------------------------------------------------ keeps, divisor

@@ -8,6 +8,8 @@
 - :mod:`.sequence`: :class:`SequenceLayout` — padded, packed (THD) and context-parallel sequences.
 - :mod:`.objectives`, :mod:`.rollout_correction`, :mod:`.opsm`, :mod:`.entropy`, :mod:`.kl`,
   :mod:`.mismatch`, :mod:`.aggregation`: the terms; :mod:`.clamps`: the fixed bounds.
+- :mod:`.trust_region`: DPPO's divergence trust region (binary / top-K TV or KL; :class:`TopKLogprobs`, the top-K
+  input); :mod:`.m2po`: M2PO's step-level second-moment mask.
 - :mod:`.vespo`: VESPO's gamma weight; :mod:`.covariance`: clip_cov / kl_cov's token selection (per call);
   :mod:`.adaptive_entropy`: the adaptive entropy coefficient (state outside the loss).
 - :mod:`.metrics`: exactly reducible metric dicts and :func:`reduce_metrics`.
@@ -18,6 +20,7 @@ from mp_grpo.loss.global_batch import GlobalBatch, RankDisagreementError, StaleG
 from mp_grpo.loss.grpo_loss import GRPOLoss, LossBackend, fused_unsupported
 from mp_grpo.loss.metrics import reduce_metrics
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout, SumOverGroup, sum_over_group
+from mp_grpo.loss.trust_region import TopKLogprobs
 
 __all__ = [
     "AdaptiveEntropyCoefficient",
@@ -30,6 +33,7 @@ __all__ = [
     "SequenceLayout",
     "StaleGlobalBatchError",
     "SumOverGroup",
+    "TopKLogprobs",
     "fused_unsupported",
     "reduce_metrics",
     "sum_over_group",

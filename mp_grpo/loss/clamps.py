@@ -55,3 +55,8 @@ of its definition: applied whatever ``policy.log_ratio_clamp`` is."""
 
 VESPO_LAMBDA_FLOOR = 1e-4
 """Floor of VESPO's gamma rate λ (TRL / Liger ``.clamp(min=1e-4)``): with λ = 0, φ(w) = w^k is unbounded."""
+
+TOPK_REST_FLOOR = 1e-12
+"""Floor of the top-K trust region's rest-of-vocabulary mass 1 − Σ_k p_k (TRL ``DPPOTrainer``'s ``clamp(min=1e-12)``,
+part of the definition its presets reproduce): where the top-K ids hold (all but a rounding of) the whole mass the
+difference is rounding, possibly ≤ 0, and log of it would be −inf or NaN in the KL's rest term."""

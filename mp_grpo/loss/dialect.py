@@ -60,6 +60,8 @@ class TorchLanguage:
     minimum = staticmethod(_minimum)
     maximum = staticmethod(_maximum)
     exp = staticmethod(torch.exp)
+    log = staticmethod(torch.log)
+    abs = staticmethod(torch.abs)
     sigmoid = staticmethod(torch.sigmoid)
     float64 = torch.float64
     constexpr = tl.constexpr  # annotations only

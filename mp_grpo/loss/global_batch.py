@@ -24,7 +24,8 @@ first steps only)
        :class:`~mp_grpo.loss.fingerprint.RankDisagreementError` (every rank alike) and NaN counts.
     5. Only with ``entropy.top_quantile < 1``: all-gather of the valid tokens' finite entropies over ``group``
        (sizes, then the padded values, fp32 — fp64 for fp64 inputs) and their exact quantile — an exact
-       quantile needs the values.
+       quantile needs the values. Only with ``m2po.bound``: all-gather of the M2PO candidates' d² (float64) and
+       the step's threshold (:mod:`mp_grpo.loss.m2po`) — likewise from the values.
     6. Only under pipeline parallelism (``pp_group``) with step-level quantities: the last stage computes
        them (3–5) and ONE broadcast over ``pp_group`` gives every stage the same values and decisions.
 A host synchronization happens only in step 5 (variable sizes; there the fingerprint's verdict is read first, so
@@ -67,6 +68,7 @@ from mp_grpo.config.loss import LossConfig
 from mp_grpo.loss.clamps import COUNT_FLOOR
 from mp_grpo.loss.entropy import entropy_threshold
 from mp_grpo.loss.fingerprint import Fingerprint, RankDisagreementError, fingerprint_items
+from mp_grpo.loss.m2po import m2po_threshold, m2po_values
 from mp_grpo.loss.mask_identity import StaleGlobalBatchError, check_known_mask
 from mp_grpo.loss.sequence import SequenceLayout
 from mp_grpo.loss.step_counts import (
@@ -75,6 +77,7 @@ from mp_grpo.loss.step_counts import (
 )
 from mp_grpo.loss.step_inputs import (
     as_list, finite_log_ratios, is_weight_sums, k3_sum, nonfinite_positions, per_micro_batch, resolve_layouts,
+    token_advantages,
 )
 from mp_grpo.ops.checks import check_errors
 
@@ -126,6 +129,9 @@ class GlobalBatch:
     nonfinite_inputs: torch.Tensor | None = None
     """0-dim float64 (``nonfinite.skip_step``): valid positions of the step, all ranks, with a NaN / ±inf input among
     those given to :meth:`from_rollouts` (or the count given to :meth:`from_counts`)."""
+    m2po_threshold: torch.Tensor | None = None
+    """0-dim float64 (``m2po.bound``): M2PO drops a candidate's policy term where d² ≥ this (+inf: none dropped;
+    :mod:`mp_grpo.loss.m2po`)."""
     missing_counts: tuple[str, ...] = ()
     """Counts a :meth:`from_counts` batch was not given (NaN in their fields): ``valid_sequences``,
     ``all_sequences``, ``micro_batches``, ``all_positions``. :meth:`check_config` refuses a config that needs one."""
@@ -174,8 +180,9 @@ class GlobalBatch:
         Args:
             config: the LossConfig of the GRPOLoss this batch will be used with.
             masks: this rank's micro-batch loss masks (nonzero = valid), in order.
-            old_logprobs / rollout_logprobs: per micro-batch, needed by ``rollout_correction.normalize_weights``
-                and ``mismatch.skip_threshold``.
+            old_logprobs / rollout_logprobs: per micro-batch, needed by ``rollout_correction.normalize_weights``,
+                ``mismatch.skip_threshold`` and ``m2po.bound`` (pass the loss the same old log-probs: M2PO compares
+                each token's d with the step's threshold, both from these numbers).
             entropies: per micro-batch entropies of the policy at the start of the step (the old-log-prob
                 pass), needed by ``entropy.top_quantile < 1``. GRPOLoss compares the entropies it is given
                 with the resulting threshold; they are the same numbers on the step's first pass.
@@ -191,10 +198,11 @@ class GlobalBatch:
                 (values: None, bool, numbers, str, enums, dataclasses or tuples of them) — the Megatron adapter
                 passes ``calculate_per_token_loss`` and the sampling temperature. Checked in step 4's all-reduce
                 with ``config`` and ``step`` (:mod:`mp_grpo.loss.fingerprint`).
-            ref_logprobs / advantages: per micro-batch (advantages per sequence ``[S]`` or per token), read only
+            ref_logprobs / advantages: per micro-batch (advantages per sequence ``[S]`` or per token), read
                 with ``nonfinite.skip_step``: with it, every input given here (old, rollout and reference
                 log-probs, advantages, entropies) is checked at the valid positions, and a NaN / ±inf anywhere in
                 the group skips the step on every rank. An input not given is checked by GRPOLoss, which raises.
+                ``m2po.scope=clip_quadrants`` needs the advantages (their sign picks M2PO's candidates).
         """
         if not isinstance(config, LossConfig):
             raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
@@ -216,6 +224,7 @@ class GlobalBatch:
         entropy_threshold: float | torch.Tensor | None = None,
         mismatch_k3: float | torch.Tensor | None = None,
         nonfinite_inputs: int | float | torch.Tensor | None = None,
+        m2po_threshold: float | torch.Tensor | None = None,
         step: int | None = None,
         group: ProcessGroup | None = None,
         same_on_all_ranks: Mapping[str, object] | None = None,
@@ -247,6 +256,8 @@ class GlobalBatch:
             nonfinite_inputs: the step's valid positions, over all ranks, with a NaN / ±inf old / rollout /
                 reference log-prob, advantage or entropy, needed by ``nonfinite.skip_step`` (a step with any is
                 skipped); what :meth:`from_rollouts` counts in its step 3.
+            m2po_threshold: M2PO's threshold on d² (+inf: nothing dropped), needed by ``m2po.bound``
+                (:meth:`from_rollouts` step 5, :func:`mp_grpo.loss.m2po.m2po_threshold`).
             step: an optimizer-step id to check later with :meth:`check_step`.
             group: the group the counts are over (DP, or DP×CP). Given (more than one rank), ONE all-reduce checks
                 that every rank passed the same counts and statistics bit for bit, the same ``config``, ``step`` and
@@ -275,7 +286,7 @@ class GlobalBatch:
         values = check_counts(dict(
             valid_tokens=valid_tokens, valid_sequences=valid_sequences, all_sequences=all_sequences,
             micro_batches=micro_batches, weight_mean=weight_mean, entropy_threshold=entropy_threshold,
-            mismatch_k3=mismatch_k3, nonfinite_inputs=nonfinite_inputs), device, config)
+            mismatch_k3=mismatch_k3, nonfinite_inputs=nonfinite_inputs, m2po_threshold=m2po_threshold), device, config)
 
         # --- 2. the batch: NaN for the counts not given; skip from mismatch_k3 ---
         nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
@@ -298,7 +309,7 @@ class GlobalBatch:
             all_positions=nan, micro_batch_shapes=(), step=step, config=config,
             weight_mean=values.get("weight_mean"), entropy_threshold=values.get("entropy_threshold"),
             mismatch_k3=mismatch, skip=skip, nonfinite_inputs=values.get("nonfinite_inputs"),
-            missing_counts=(*missing, "all_positions"),
+            m2po_threshold=values.get("m2po_threshold"), missing_counts=(*missing, "all_positions"),
         )
 
     @classmethod
@@ -367,12 +378,14 @@ class GlobalBatch:
         wants_skip = config is not None and config.mismatch.skip_threshold is not None
         wants_entropy = config is not None and config.entropy.top_quantile < 1.0
         wants_nonfinite = config is not None and config.nonfinite.skip_step
-        needs_weight_mean, needs_skip, needs_entropy, needs_nonfinite = (
+        wants_m2po = config is not None and config.m2po.bound is not None
+        needs_weight_mean, needs_skip, needs_entropy, needs_nonfinite, needs_m2po = (
             decides_here and wants_weight_mean, decides_here and wants_skip, decides_here and wants_entropy,
-            decides_here and wants_nonfinite)
+            decides_here and wants_nonfinite, decides_here and wants_m2po)
         old = rollout = None
-        if needs_weight_mean or needs_skip:
-            why = "rollout_correction.normalize_weights" if needs_weight_mean else "mismatch.skip_threshold"
+        if needs_weight_mean or needs_skip or needs_m2po:
+            why = ("rollout_correction.normalize_weights" if needs_weight_mean else
+                   "mismatch.skip_threshold" if needs_skip else "m2po.bound")
             old = per_micro_batch("old_logprobs", old_logprobs, shapes, why)
             rollout = per_micro_batch("rollout_logprobs", rollout_logprobs, shapes, why)
         ents = per_micro_batch("entropies", entropies, shapes, "entropy.top_quantile < 1") if needs_entropy else None
@@ -385,6 +398,12 @@ class GlobalBatch:
                                             advantages=advantages, entropies=entropies)
         # d = old − rollout (float64) where both are finite: the step-level sums never read a NaN or inf
         ds, summed = finite_log_ratios(old, rollout, valid, clamp) if old is not None else (None, None)
+        m2po_local = None
+        if needs_m2po:  # d² of this rank's M2PO candidates (their sign needs the advantages with clip_quadrants)
+            advs = (token_advantages(advantages, resolved, shapes) if advantages is not None
+                    else [None] * len(shapes))
+            m2po_local = torch.cat([m2po_values(config.m2po, d, a, f)  # type: ignore[union-attr]
+                                    for d, a, f in zip(ds, advs, summed)])  # type: ignore[arg-type]
 
         # --- 2. per-sequence valid counts (and Σd), whole sequences: one all-reduce over the CP group ---
         per_seq = []
@@ -424,24 +443,29 @@ class GlobalBatch:
         nonfinite = nonfinite if needs_nonfinite else None
         skip = _skip(config, mismatch_k3, nonfinite)
 
-        # --- 5. the entropy quantile over every valid token of the group ---
+        # --- 5. the entropy quantile over every valid token of the group; M2PO's threshold over its candidates ---
+        if (needs_entropy or needs_m2po) and agree is not None and not bool(agree):  # a sync step 5 makes anyway:
+            check_errors()  # raise before a gather that ranks built for another config would not join
+        m2po = None
+        if needs_m2po:
+            m2po = m2po_threshold(all_gather_varlen(m2po_local, group), config.m2po.bound)  # type: ignore[union-attr,arg-type]
         threshold = None
         if needs_entropy:
-            if agree is not None and not bool(agree):  # a sync step 5 makes anyway: raise before a gather
-                check_errors()  # that ranks built for another config would not join
             dtype = torch.float64 if any(e.dtype == torch.float64 for e in ents) else torch.float32  # type: ignore[union-attr]
             local = torch.cat([e.detach()[v & torch.isfinite(e)].to(dtype) for e, v in zip(ents, valid)])  # type: ignore[arg-type]
             threshold = entropy_threshold(all_gather_varlen(local, group), config.entropy.top_quantile)  # type: ignore[union-attr]
 
         # --- 6. pipeline parallelism: the last stage's decisions on every stage (one broadcast over PP) ---
-        if group_size(pp_group) > 1 and (wants_weight_mean or wants_skip or wants_entropy or wants_nonfinite):
+        if group_size(pp_group) > 1 and (wants_weight_mean or wants_skip or wants_entropy or wants_nonfinite
+                                         or wants_m2po):
             nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
             mine = torch.stack([
                 weight_mean if weight_mean is not None else nan, mismatch_k3 if mismatch_k3 is not None else nan,
                 threshold.to(torch.float64) if threshold is not None else nan,
-                nonfinite if nonfinite is not None else nan,
+                nonfinite if nonfinite is not None else nan, m2po if m2po is not None else nan,
             ])
-            weight_mean, mismatch_k3, decided_threshold, nonfinite = broadcast_from_last(mine, pp_group).unbind()
+            weight_mean, mismatch_k3, decided_threshold, nonfinite, m2po = broadcast_from_last(mine, pp_group).unbind()
+            m2po = m2po if wants_m2po else None
             weight_mean = weight_mean if wants_weight_mean else None
             mismatch_k3 = mismatch_k3 if wants_skip else None
             nonfinite = nonfinite if wants_nonfinite else None
@@ -453,6 +477,7 @@ class GlobalBatch:
             all_positions=n_positions, micro_batch_shapes=tuple(shapes), masks=tuple(masks), mask_versions=tuple(m._version for m in masks),
             step=step, config=config, weight_mean=weight_mean,
             entropy_threshold=threshold, mismatch_k3=mismatch_k3, skip=skip, nonfinite_inputs=nonfinite,
+            m2po_threshold=m2po,
         )
 
     # ------------------------------------------------------------------------------------------ use

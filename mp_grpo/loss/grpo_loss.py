@@ -7,19 +7,22 @@ Schedule of :meth:`GRPOLoss.__call__`
        With ``nll.positive_coef`` and ``batch=None``, the positive examples' token count likewise.
     3. Token stage: masked positions are replaced by 0 *before* any arithmetic (``torch.where``, so inf /
        NaN there never reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the
-       rollout-correction log-ratio d, the OPSM divergence; the columns to sum per sequence. clip_cov /
-       kl_cov: then their covariance selection over this call's valid tokens (:mod:`.covariance`; eager).
+       rollout-correction log-ratio d, the OPSM divergence, the trust region's divergence, M2PO's float64 d; the
+       columns to sum per sequence. clip_cov / kl_cov: then their covariance selection over this call's valid tokens
+       (:mod:`.covariance`; eager). A top-K trust region's divergence is taken before, for both backends
+       (:func:`mp_grpo.loss.trust_region.topk_divergence`: torch, float64, from the ``topk_logprobs`` CSR input).
     4. Per-sequence sums of those columns over whole sequences (one all-reduce over the CP group under
        context parallelism, differentiable with a sum backward), broadcast back to the tokens.
     5. Combine stage: the objective's term; × the IS weight; zeroed where rejected (rollout correction,
-       OPSM, top-entropy); + coef·KL and − bonus·entropy on every valid token (the bonus only on the selected
-       ones with ``bonus_on_selected``); each divided by its aggregation's global divisor (``mode`` for the
-       term, ``regularizer`` for KL / entropy); + the VAPO NLL on positive examples over their step count;
-       zero when the step is skipped; summed → this micro-batch's share.
+       OPSM, top-entropy, the divergence trust region, M2PO against the GlobalBatch's threshold); + coef·KL and
+       − bonus·entropy on every valid token (the bonus only on the selected ones with ``bonus_on_selected``);
+       each divided by its aggregation's global divisor (``mode`` for the term, ``regularizer`` for KL / entropy);
+       + the VAPO NLL on positive examples over their step count; zero when the step is skipped; summed → this
+       micro-batch's share.
     6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`).
 
 No host synchronization happens in steps 3–6 (the covariance selection included); with ``batch=None`` step 2
-makes collectives (and one host read when the top-entropy quantile is needed). ``compile=True`` compiles the
+makes collectives (and one host read when the top-entropy quantile or M2PO's threshold is needed). ``compile=True`` compiles the
 token and combine stages with ``torch.compile`` (the per-sequence sums, the covariance selection and the
 collectives stay eager).
 
@@ -44,13 +47,14 @@ from enum import Enum
 import torch
 
 from mp_grpo.collectives import group_size
-from mp_grpo.config.loss import GSPOGradient, LossConfig, Objective, RatioLevel
+from mp_grpo.config.loss import GSPOGradient, LossConfig, M2POScope, Objective, RatioLevel
 from mp_grpo.loss import torch_path
 from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES, covariance_selection
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.input_checks import check_batch, check_float, check_is_weights, check_loss_call, checked_layout
 from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayout
 from mp_grpo.loss.torch_path import StepValues, record_nonfinite, record_nonfinite_is_weights
+from mp_grpo.loss.trust_region import TopKLogprobs, topk_divergence
 from mp_grpo.ops.grpo_loss import FusedGRPOLoss, SequenceInfo, StepTensors
 from mp_grpo.ops.checks import (
     CheckInputs,
@@ -158,6 +162,7 @@ class GRPOLoss:
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         is_weights: torch.Tensor | None = None,
+        topk_logprobs: TopKLogprobs | None = None,
         check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the step objective (0-dim, differentiable) and its metrics.
@@ -194,6 +199,9 @@ class GRPOLoss:
                 nor with vespo (whose φ holds the IS weight inside). The rollout rejection, OPSM and the other
                 selections still apply; the KL and entropy terms are not weighted. Torch path only (``AUTO``
                 takes it; ``TRITON`` refuses).
+            topk_logprobs: with ``trust_region.mode`` topk_tv / topk_kl (only then): the engine's top-K log-probs of
+                every token position and the trainer's at the same ids, in CSR form over the flattened token
+                positions (:class:`mp_grpo.loss.TopKLogprobs`); the trainer's values are read detached.
             check_inputs: how a NaN / ±inf input at a trained position is reported (the position is dropped from
                 the loss and counted in the metric ``nonfinite_inputs`` whatever this is): ``DEFERRED`` (the
                 default; ``True``) records it for ``mp_grpo.check_errors()`` (raised at once on the CPU), ``SYNC``
@@ -205,7 +213,7 @@ class GRPOLoss:
         positive_mask = check_loss_call(
             self.config, layout, logprobs.shape, logprobs.device, "logprobs", old_logprobs, advantages, loss_mask,
             rollout_logprobs, ref_logprobs, entropy, kl_logprobs=kl_logprobs, entropy_coef=entropy_coef,
-            generator=generator, positive=positive, positive_tokens=positive_tokens,
+            generator=generator, positive=positive, positive_tokens=positive_tokens, topk_logprobs=topk_logprobs,
         )
         if is_weights is not None:
             check_is_weights(self.config, is_weights, logprobs.shape, logprobs.device)
@@ -215,7 +223,7 @@ class GRPOLoss:
             logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
             entropy=entropy, batch=batch, layout=layout, kl_logprobs=kl_logprobs, entropy_coef=entropy_coef,
             positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator, is_weights=is_weights,
-            check_inputs=check_inputs_mode(check_inputs),
+            topk_logprobs=topk_logprobs, check_inputs=check_inputs_mode(check_inputs),
         )
 
     def share_unchecked(
@@ -236,6 +244,7 @@ class GRPOLoss:
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         is_weights: torch.Tensor | None = None,
+        topk_logprobs: TopKLogprobs | None = None,
         check_inputs: CheckInputs = CheckInputs.DEFERRED,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Steps 2–6 of :meth:`__call__`, for inputs its step 1 checked already — by the public entry point the
@@ -266,16 +275,21 @@ class GRPOLoss:
                 layouts=[layout]).valid_tokens
         if batch is None:
             old_for_batch = logprobs.detach() if old_logprobs is None else old_logprobs
+            signs = cfg.m2po.bound is not None and cfg.m2po.scope != M2POScope.ALL
             batch = GlobalBatch.from_rollouts(
                 cfg, [loss_mask], old_logprobs=[old_for_batch],
                 rollout_logprobs=None if rollout_logprobs is None else [rollout_logprobs],
                 entropies=None if entropy is None else [entropy], group=layout.cp_group, layouts=[layout],
+                advantages=[advantages] if signs else None,
             )
+        # the top-K trust region's divergence per token (torch, float64; both backends read it)
+        divergence = None if topk_logprobs is None else topk_divergence(
+            cfg.trust_region.mode, topk_logprobs, layout.valid_tokens(loss_mask), check_inputs)
         if fused:  # steps 3–6 in the fused kernels
             return self._fused(  # type: ignore[misc]
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy,
                 self._step_tensors_of(batch, logprobs.device), _sequence_info(layout, token_shape, logprobs.device),
-                check_inputs,
+                check_inputs, divergence,
             )
         valid = layout.valid_tokens(loss_mask)
         if advantages.shape != token_shape:
@@ -283,7 +297,7 @@ class GRPOLoss:
         # --- 3. token stage ---
         tokens = self._token_stage(
             logprobs, old_logprobs, advantages, valid, rollout_logprobs, ref_logprobs, entropy, kl_logprobs,
-            positive_mask, is_weights,
+            positive_mask, is_weights, divergence,
         )
         if cfg.policy.objective in COVARIANCE_OBJECTIVES:  # per call = per micro-batch (verl), see .covariance
             tokens = tokens._replace(cov_selected=covariance_selection(
@@ -300,7 +314,7 @@ class GRPOLoss:
             micro_batches=batch.num_micro_batches, weight_mean=batch.weight_mean,
             entropy_threshold=batch.entropy_threshold, skip=batch.skip,
             entropy_coef=cfg.entropy.bonus_coef if entropy_coef is None else entropy_coef,
-            positive_tokens=positive_tokens,
+            positive_tokens=positive_tokens, m2po_threshold=batch.m2po_threshold,
         )
         share, metrics = self._combine_stage(tokens, seq_sums, seq_tokens, step, layout.owns_sequences)
         record_nonfinite(tokens.nonfinite, batch.skip, check_inputs)  # type: ignore[arg-type]
@@ -331,6 +345,7 @@ class GRPOLoss:
         positive: torch.Tensor | None = None,
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        topk_logprobs: TopKLogprobs | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share and metrics from a vocabulary shard of logits: what
         ``self(vocab_parallel_logprobs(logits, target, ...), ...)`` returns — with the entropy computed when the
@@ -364,7 +379,7 @@ class GRPOLoss:
         positive_mask = check_loss_call(
             cfg, layout, target.shape, logits.device, "target", old_logprobs, advantages, loss_mask, rollout_logprobs,
             ref_logprobs, None, entropy_computed=True, entropy_coef=entropy_coef, generator=generator,
-            positive=positive, positive_tokens=positive_tokens,
+            positive=positive, positive_tokens=positive_tokens, topk_logprobs=topk_logprobs,
         )
         if batch is not None:
             check_batch(cfg, batch, loss_mask)
@@ -373,6 +388,7 @@ class GRPOLoss:
             with_entropy=bool(with_entropy) or cfg.needs_entropy,
             rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, batch=batch, layout=layout,
             entropy_coef=entropy_coef, positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator,
+            topk_logprobs=topk_logprobs,
         )
 
     def on_logits_unchecked(
@@ -393,6 +409,7 @@ class GRPOLoss:
         positive_mask: torch.Tensor | None = None,
         positive_tokens: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        topk_logprobs: TopKLogprobs | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """:meth:`on_logits` for arguments checked already by the public entry point the micro-batch entered
         (:meth:`on_logits`, ``MegatronGRPO.loss_func``): ``logits`` and ``target`` (and that the kernels run on
@@ -410,15 +427,17 @@ class GRPOLoss:
                 logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
                 ref_logprobs=ref_logprobs, entropy=entropy, batch=batch, layout=layout, entropy_coef=entropy_coef,
                 positive_mask=positive_mask, positive_tokens=positive_tokens, generator=generator,
-                check_inputs=spec.check_inputs,
+                topk_logprobs=topk_logprobs, check_inputs=spec.check_inputs,
             )
         # --- the fused path: one autograd Function (the fused kernels implement no option that reads
         #     entropy_coef, positive or generator: check_loss_call refused them for this config) ---
         shape, device = target.shape, logits.device
+        divergence = None if topk_logprobs is None else topk_divergence(
+            self.config.trust_region.mode, topk_logprobs, layout.valid_tokens(loss_mask), spec.check_inputs)
         call = self._fused.prepare(  # type: ignore[union-attr]
             device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, with_entropy,
             advantages.shape == shape, self._step_tensors_of(batch, device), _sequence_info(layout, shape, device),
-            spec.check_inputs,
+            spec.check_inputs, divergence,
         )
         return logits_grpo_loss(self._fused, logits, target, spec, call)  # type: ignore[arg-type]
 
@@ -450,7 +469,7 @@ def _step_tensors(cfg: LossConfig, batch: GlobalBatch, device: torch.device) -> 
     step = StepTensors(
         valid_tokens=batch.valid_tokens, sequences=batch.sequences(cfg.aggregation.count_empty_sequences),
         micro_batches=batch.num_micro_batches, weight_mean=batch.weight_mean,
-        entropy_threshold=batch.entropy_threshold, skip=batch.skip,
+        entropy_threshold=batch.entropy_threshold, skip=batch.skip, m2po_threshold=batch.m2po_threshold,
     )
     for name, value in zip(StepTensors._fields, step):
         if value is not None and value.device != device:

@@ -15,6 +15,7 @@ from mp_grpo.config.loss import LossConfig, Objective
 from mp_grpo.loss.covariance import COVARIANCE_OBJECTIVES
 from mp_grpo.loss.global_batch import GlobalBatch
 from mp_grpo.loss.sequence import PaddedSequences, SequenceLayout
+from mp_grpo.loss.trust_region import TopKLogprobs, check_topk_logprobs
 
 
 def check_loss_call(
@@ -36,6 +37,7 @@ def check_loss_call(
     generator: torch.Generator | None = None,
     positive: torch.Tensor | None = None,
     positive_tokens: torch.Tensor | None = None,
+    topk_logprobs: TopKLogprobs | None = None,
 ) -> torch.Tensor | None:
     """Step 1 of :class:`~mp_grpo.loss.GRPOLoss`'s schedule, once per call: every host-side check of one
     micro-batch's loss inputs against the token ``shape`` and ``device`` of ``reference`` (the argument that sets
@@ -51,6 +53,7 @@ def check_loss_call(
         raise ValueError("entropy_coef must be given exactly when entropy.adaptive is true (the step's coefficient "
                          f"from AdaptiveEntropyCoefficient.applied); entropy.adaptive is {cfg.entropy.adaptive}")
     check_covariance(cfg, layout, generator, device, reference)
+    check_topk_logprobs(cfg.trust_region, topk_logprobs, shape, device, reference)
     return positive_token_mask(cfg, layout, shape, positive, positive_tokens, device, reference)
 
 
@@ -96,7 +99,7 @@ def check_token_inputs(
     if rc.bypass and old_logprobs is not None:
         raise ValueError("old_logprobs must be None with rollout_correction.bypass: the rollout log-probs are the old ones")
     needs = {
-        "rollout_logprobs": (cfg.needs_rollout_logprobs, "rollout_correction / mismatch settings"),
+        "rollout_logprobs": (cfg.needs_rollout_logprobs, "rollout_correction / mismatch / trust_region / m2po settings"),
         "ref_logprobs": (cfg.kl.coef != 0.0, "kl.coef != 0"),
         "entropy": (cfg.needs_entropy and not entropy_computed,
                     "entropy.bonus_coef / entropy.top_quantile / entropy.adaptive"),

@@ -58,6 +58,8 @@ STEP_STATISTICS = (
     StepStatistic("nonfinite_inputs", "nonfinite.skip_step", lambda c: c.nonfinite.skip_step,
                   "the count, over all ranks, of the step's valid positions with a NaN or ±inf old / rollout / "
                   "reference log-prob, advantage or entropy"),
+    StepStatistic("m2po_threshold", "m2po.bound", lambda c: c.m2po.bound is not None,
+                  "M2PO's threshold on d² = (old − rollout)² over the step's candidates (mp_grpo.loss.m2po)"),
 )
 """The step-level quantities (``GlobalBatch.from_rollouts`` computes them; ``from_counts`` takes them)."""
 
@@ -143,6 +145,9 @@ def check_counts(given: dict[str, object], device: torch.device, config: LossCon
         rules += statistic_rules("mismatch_k3", values["mismatch_k3"], non_negative=True)
     if "nonfinite_inputs" in values:
         rules += count_rules("nonfinite_inputs", values["nonfinite_inputs"])
+    if "m2po_threshold" in values:  # +inf (nothing dropped) is a valid threshold
+        tau = values["m2po_threshold"]
+        rules.append(Rule("m2po_threshold ≥ 0 (not NaN; +inf: nothing dropped)", tau >= 0))
     enforce(rules, values, "GlobalBatch.from_counts")
 
     # --- 4. float64 0-dim tensors on device ---

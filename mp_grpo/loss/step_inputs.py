@@ -77,17 +77,32 @@ def nonfinite_positions(
     for i, (v, layout, shape) in enumerate(zip(valid, layouts, shapes)):
         bad = torch.zeros(shape, dtype=torch.bool, device=v.device)
         for name, value in given.items():
-            x = value[i]
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-                raise TypeError(f"{name}[{i}] must be a floating-point tensor")
-            if name == "advantages":
-                if layout.is_per_sequence(x.shape, torch.Size(shape), f"advantages[{i}]"):
-                    x = layout.broadcast(x, torch.Size(shape))
-            elif tuple(x.shape) != shape:
-                raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)}, masks[{i}] has {shape}")
-            bad = bad | ~torch.isfinite(x)
+            bad = bad | ~torch.isfinite(_token_shaped(name, i, value[i], layout, shape))
         count = count + (v & bad).sum(dtype=torch.float64)
     return count
+
+
+def token_advantages(advantages: Sequence[torch.Tensor], layouts: list[SequenceLayout],
+                     shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Per micro-batch, the advantages token-shaped (per-sequence ones broadcast to their tokens), checked."""
+    advantages = as_list("advantages", advantages)
+    if len(advantages) != len(shapes):
+        raise ValueError(f"advantages has {len(advantages)} tensors but masks has {len(shapes)} micro-batches")
+    return [_token_shaped("advantages", i, a, layout, shape)
+            for i, (a, layout, shape) in enumerate(zip(advantages, layouts, shapes))]
+
+
+def _token_shaped(name: str, i: int, x: object, layout: SequenceLayout, shape: tuple[int, ...]) -> torch.Tensor:
+    """``name[i]`` checked (a floating-point tensor of the mask's shape; advantages may be per sequence, then
+    broadcast to their tokens)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name}[{i}] must be a floating-point tensor")
+    if name == "advantages":
+        if layout.is_per_sequence(x.shape, torch.Size(shape), f"advantages[{i}]"):
+            x = layout.broadcast(x, torch.Size(shape))
+    elif tuple(x.shape) != shape:
+        raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)}, masks[{i}] has {shape}")
+    return x
 
 
 def finite_log_ratios(

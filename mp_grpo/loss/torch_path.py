@@ -6,11 +6,12 @@ account (steps 1–2), then calls, with the inputs it checked:
     3. :func:`token_stage`: a valid position where an input is NaN or ±inf dropped as if masked (counted per
        input); masked positions replaced by 0 *before* any arithmetic (``torch.where``, so inf / NaN there never
        reach a value or a gradient); the clamped log-ratio ℓ = log π_θ − log π_old, the rollout-correction
-       log-ratio d, the OPSM divergence; the columns to sum per sequence.
+       log-ratio d, the OPSM divergence, the trust region's divergence (binary; top-K given), M2PO's float64 d;
+       the columns to sum per sequence.
     4. (in ``__call__``: the per-sequence sums of those columns, broadcast back to the tokens.)
     5. :func:`combine_stage`: 5a. the objective's term; 5b. × the IS weight (computed, or the caller's
        ``is_weights``), the rollout rejection; 5c. zeroed
-       where rejected (OPSM, top-entropy, clip_cov's selection); 5d. + coef·KL and − bonus·entropy on every
+       where rejected (OPSM, top-entropy, clip_cov's selection, the trust region, M2PO); 5d. + coef·KL and − bonus·entropy on every
        valid token; 5e. each divided by its aggregation's global divisor, + the VAPO NLL, zero when the step is
        skipped, summed → this micro-batch's share.
     6. Metrics (no gradient): ``[sum, count]`` means and min / max entries (see :mod:`.metrics`), and the count of
@@ -33,10 +34,12 @@ from mp_grpo.loss.aggregation import token_divisor
 from mp_grpo.loss.clamps import COUNT_FLOOR, symmetric_clamp
 from mp_grpo.loss.entropy import high_entropy
 from mp_grpo.loss.kl import kl_penalty
+from mp_grpo.loss.m2po import m2po_keep, m2po_log_ratio
 from mp_grpo.loss.mismatch import chi2_sequence, chi2_token, k1, k3
 from mp_grpo.loss.objectives import needs_sequence_sum, policy_term, sequence_input, sequence_value
 from mp_grpo.loss.opsm import opsm_divergence, opsm_keep
 from mp_grpo.loss.rollout_correction import kept, level_log_ratio, normalized_weight, token_log_ratio, weights
+from mp_grpo.loss.trust_region import BINARY_CODES, binary_divergence, trust_region_keep
 from mp_grpo.loss.vespo import vespo_token_input
 from mp_grpo.ops.checks import (
     NONFINITE_INPUTS, CheckInputs, kernel_counters, nonfinite_input_kinds, raise_on_kernel_errors, record_errors,
@@ -73,6 +76,14 @@ class Tokens(NamedTuple):
     """0-dim int64: the valid positions where the caller's ``is_weights`` is NaN or ±inf (dropped); None without."""
     cov_selected: torch.Tensor | None = None
     """Bool: clip_cov / kl_cov's covariance selection of this call (set after the token stage)."""
+    rollout: torch.Tensor | None = None
+    """The rollout log-probs (compute dtype, detached): μ of the trust region."""
+    divergence: torch.Tensor | None = None
+    """The trust region's divergence D_t (binary: compute dtype, from logprobs and rollout; top-K: the given float64)."""
+    m2po_d: torch.Tensor | None = None
+    """M2PO's d = clamp(old − rollout) in float64 from the inputs as given (``m2po.bound`` only)."""
+    advantages_given: torch.Tensor | None = None
+    """The advantages as given (their dtype, detached): M2PO's clip quadrants read their sign (``clip_quadrants``)."""
 
 
 class StepValues(NamedTuple):
@@ -88,6 +99,8 @@ class StepValues(NamedTuple):
     """The entropy-bonus coefficient of this step (``bonus_coef``, or the adaptive one)."""
     positive_tokens: torch.Tensor | None
     """The step's valid tokens of positive examples (``nll.positive_coef`` only)."""
+    m2po_threshold: torch.Tensor | None = None
+    """M2PO's threshold on d² (``m2po.bound`` only)."""
 
 
 def token_stage(
@@ -102,6 +115,7 @@ def token_stage(
     kl_logprobs: torch.Tensor | None,
     positive: torch.Tensor | None,
     is_weights: torch.Tensor | None = None,
+    topk_divergence: torch.Tensor | None = None,
 ) -> Tokens:
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
@@ -149,6 +163,16 @@ def token_stage(
         columns.append(opsm_divergence(behaviour, lp, valid))  # type: ignore[arg-type]
     if sequence_bias_correction(cfg):
         columns.append(log_ratio)
+    divergence = m2po_d = None
+    mode = cfg.trust_region.mode
+    if mode in BINARY_CODES:
+        divergence = binary_divergence(mode, lp, rollout)  # type: ignore[arg-type]
+    elif topk_divergence is not None:
+        divergence = torch.where(valid, topk_divergence, torch.zeros((), dtype=topk_divergence.dtype,
+                                                                     device=topk_divergence.device))
+    if cfg.m2po.bound is not None:  # from the inputs as given, as the GlobalBatch took its threshold (float64)
+        m2po_d = m2po_log_ratio(logprobs if old_logprobs is None else old_logprobs, rollout_logprobs, valid,  # type: ignore[arg-type]
+                                cfg.policy.log_ratio_clamp)
     return Tokens(
         logprobs=lp, log_ratio=log_ratio, advantages=adv, valid=valid, rollout_d=d,
         ref=None if ref_logprobs is None else clean(ref_logprobs).detach(),
@@ -158,7 +182,10 @@ def token_stage(
         positive=None if positive is None else valid & positive,
         is_weights=None if is_weights is None else clean(is_weights).detach(),
         seq_columns=torch.stack(columns, dim=-1), nonfinite=nonfinite, dropped=dropped,
-        nonfinite_is_weights=None if bad_weights is None else bad_weights.sum(),
+        nonfinite_is_weights=None if bad_weights is None else bad_weights.sum(), rollout=rollout,
+        divergence=divergence, m2po_d=m2po_d,
+        advantages_given=torch.where(valid, advantages.detach(), torch.zeros((), dtype=advantages.dtype,
+                                                                           device=advantages.device)),
     )
 
 
@@ -193,7 +220,7 @@ def combine_stage(
     policy = pt.term
     # --- 5b. rollout correction: weight and rejection (vespo folds them into φ in the token stage) ---
     raw_weight = weight = truncated = None
-    keep_rc = keep_opsm = keep_ent = None
+    keep_rc = keep_opsm = keep_ent = keep_tr = keep_m2po = None
     folded = cfg.policy.objective == Objective.VESPO
     if rc.weight_level is not None and not folded:
         w_log = level_log_ratio(rc.weight_level, t.rollout_d, seq_tokens[..., d_col], seq_count, clamp)  # type: ignore[arg-type,index]
@@ -213,8 +240,12 @@ def combine_stage(
         keep_opsm = opsm_keep(adv, seq_tokens[..., opsm_col], seq_count, cfg.opsm.delta)  # type: ignore[index]
     if cfg.entropy.top_quantile < 1.0:
         keep_ent = high_entropy(t.entropy_given, step.entropy_threshold)  # type: ignore[arg-type]
+    if t.divergence is not None:  # the trust region: π_θ (detached) against the rollout's μ
+        keep_tr = trust_region_keep(cfg.trust_region, t.divergence, lp, t.rollout, adv)  # type: ignore[arg-type]
+    if t.m2po_d is not None:
+        keep_m2po = m2po_keep(cfg.m2po, t.m2po_d, step.m2po_threshold, t.advantages_given)  # type: ignore[arg-type]
     keep = valid
-    for mask in (keep_rc, keep_opsm, keep_ent, keep_cov):
+    for mask in (keep_rc, keep_opsm, keep_ent, keep_cov, keep_tr, keep_m2po):
         if mask is not None:
             keep = keep & mask
     policy = torch.where(keep, policy, zero)
@@ -273,7 +304,8 @@ def combine_stage(
                 out.update(M.stats_entries("is_weight/applied", weight, valid))
         if t.is_weights is not None:
             out.update(M.stats_entries("is_weight/given", t.is_weights, valid))
-        for name, mask in (("rollout", keep_rc), ("opsm", keep_opsm), ("entropy", keep_ent)):
+        for name, mask in (("rollout", keep_rc), ("opsm", keep_opsm), ("entropy", keep_ent),
+                           ("trust_region", keep_tr), ("m2po", keep_m2po)):
             if mask is not None:
                 out[f"rejected_frac/{name}"] = M.mean_entry((~mask).to(lp.dtype), valid)
         if t.rollout_d is not None:

@@ -198,7 +198,8 @@ class MegatronGRPO:
             )
         masks = [mb.loss_mask for mb in micro_batches]
         layouts = [mb.sequences for mb in micro_batches]
-        step_level = self.config.rollout_correction.normalize_weights or self.config.mismatch.skip_threshold is not None
+        step_level = (self.config.rollout_correction.normalize_weights or self.config.mismatch.skip_threshold is not None
+                      or self.config.m2po.bound is not None)
         # Under pipeline parallelism only the last stage needs them: it decides and broadcasts over PP.
         needs_logprobs = step_level and is_last_rank(self.groups.pp)
         for i, mb in enumerate(micro_batches):
@@ -206,7 +207,7 @@ class MegatronGRPO:
                 if needs_logprobs and getattr(mb, name) is None:
                     raise ValueError(
                         f"micro_batches[{i}].{name} is None, but rollout_correction.normalize_weights / "
-                        "mismatch.skip_threshold decide on it before the step: set it (MicroBatch.with_logprobs, "
+                        "mismatch.skip_threshold / m2po.bound decide on it before the step: set it (MicroBatch.with_logprobs, "
                         "e.g. from a no-grad pass of the model at the start of the step)"
                     )
         # nonfinite.skip_step: the last stage checks every rollout input the micro-batches hold
@@ -222,7 +223,7 @@ class MegatronGRPO:
             old_logprobs=given("old_logprobs") if needs_logprobs or checks_inputs else None,
             rollout_logprobs=given("rollout_logprobs") if needs_logprobs or checks_inputs else None,
             ref_logprobs=given("ref_logprobs") if checks_inputs else None,
-            advantages=given("advantages") if checks_inputs else None,
+            advantages=given("advantages") if checks_inputs or needs_logprobs else None,  # (M2PO's clip quadrants)
             entropies=entropies,
             group=self.groups.dp_cp,
             layouts=layouts,

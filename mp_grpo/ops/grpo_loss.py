@@ -114,6 +114,7 @@ class StepTensors(NamedTuple):
     weight_mean: torch.Tensor | None
     entropy_threshold: torch.Tensor | None
     skip: torch.Tensor | None
+    m2po_threshold: torch.Tensor | None = None
 
 
 class _Call(NamedTuple):
@@ -130,6 +131,8 @@ class _Call(NamedTuple):
     sequences: SequenceInfo
     check_inputs: CheckInputs = CheckInputs.DEFERRED
     """How the counts of non-finite inputs at trained positions are recorded (the positions are dropped always)."""
+    divergence: torch.Tensor | None = None
+    """The top-K trust region's divergence per token, float64 (``mp_grpo.loss.trust_region.topk_divergence``)."""
 
 
 class FusedGRPOLoss:
@@ -155,6 +158,7 @@ class FusedGRPOLoss:
         step: StepTensors,
         sequences: SequenceInfo,
         check_inputs: CheckInputs = CheckInputs.DEFERRED,
+        divergence: torch.Tensor | None = None,
     ) -> _Call:
         """Everything of one call besides the differentiable inputs: the plan (cached per input combination),
         the parameter vector on ``device`` (cached), the inputs."""
@@ -167,7 +171,7 @@ class FusedGRPOLoss:
         if params is None:
             params = self._params_on[device] = torch.tensor(self._parameters, dtype=torch.float64, device=device)
         return _Call(plan, params, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, step, sequences,
-                     check_inputs)
+                     check_inputs, divergence)
 
     @staticmethod
     def metrics(plan: FusedLossPlan, pairs: torch.Tensor, extremes: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -187,12 +191,14 @@ class FusedGRPOLoss:
         step: StepTensors,
         sequences: SequenceInfo,
         check_inputs: CheckInputs = CheckInputs.DEFERRED,
+        divergence: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(this micro-batch's share, its metric dict) — the contract of :meth:`mp_grpo.GRPOLoss.__call__`;
         the inputs are already checked (shapes, dtypes, devices)."""
         check_runs_here(logprobs, "logprobs")
         call = self.prepare(logprobs.device, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs,
-                            entropy is not None, advantages.shape == logprobs.shape, step, sequences, check_inputs)
+                            entropy is not None, advantages.shape == logprobs.shape, step, sequences, check_inputs,
+                            divergence)
         loss, pairs, extremes = FusedGRPOLossFunction.apply(logprobs, entropy, call)
         return loss, self.metrics(call.plan, pairs, extremes)
 
@@ -321,6 +327,7 @@ def loss_forward(
     rollout = placeholder if call.rollout is None else _flat(call.rollout)
     ref = placeholder if call.ref is None else _flat(call.ref)
     ent = placeholder if entropy is None else entropy
+    div = placeholder if call.divergence is None else _flat(call.divergence)
     if from_stats is None:
         stats = target = errors = placeholder
         stats_sizes = (1, 1, -100, 0, 0, 1.0)
@@ -361,12 +368,13 @@ def loss_forward(
     unused = call.params
     meta = _combine_meta(plan, tl_compute, from_stats is not None, seqs.owns_sequences)
     launch_meta(grpo_loss_combine_kernel, (programs,), meta,
-        lp, old, rollout, ref, ent, adv, mask,
+        lp, old, rollout, ref, ent, adv, mask, div,
         stats, target, placeholder if from_stats is None else rows, errors,
         cu, seq_sums, seq_grad,
         step.valid_tokens, step.sequences, unused if step.weight_mean is None else step.weight_mean,
         unused if step.entropy_threshold is None else step.entropy_threshold,
-        unused if step.skip is None else step.skip, call.params,
+        unused if step.skip is None else step.skip,
+        unused if step.m2po_threshold is None else step.m2po_threshold, call.params,
         grad_lp, grad_lp if grad_ent is None else grad_ent, grad_lp if seq_factor is None else seq_factor, partials,
         n, row_length, s, search_steps, *stats_sizes,
     )

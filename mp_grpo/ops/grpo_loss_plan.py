@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from mp_grpo.config.loss import Aggregation, KLEstimator, LossConfig, Objective, RatioLevel
+from mp_grpo.config.loss import (
+    Aggregation, KLEstimator, LossConfig, M2POScope, Objective, RatioLevel, TrustRegion, TrustRegionDirection,
+)
 from mp_grpo.kernels import grpo_loss_constants as K
 
 _OBJECTIVES = {
@@ -28,6 +30,8 @@ _AGGREGATIONS = {
 _LEVELS = {None: K.LEVEL_NONE, RatioLevel.TOKEN: K.LEVEL_TOKEN, RatioLevel.SEQUENCE: K.LEVEL_SEQUENCE,
            RatioLevel.GEOMETRIC: K.LEVEL_GEOMETRIC}
 _KL_ESTIMATORS = {KLEstimator.K1: K.KL_K1, KLEstimator.K2: K.KL_K2, KLEstimator.K3: K.KL_K3}
+_TRUST_REGIONS = {TrustRegion.NONE: K.TR_NONE, TrustRegion.BINARY_TV: K.TR_BINARY_TV,
+                  TrustRegion.BINARY_KL: K.TR_BINARY_KL, TrustRegion.TOPK_TV: K.TR_GIVEN, TrustRegion.TOPK_KL: K.TR_GIVEN}
 
 
 def _code(value: Any) -> int:
@@ -110,7 +114,10 @@ def build_plan(cfg: LossConfig, key: InputsKey) -> FusedLossPlan:
         OPSM=cfg.opsm.delta is not None, TOP_ENTROPY=cfg.entropy.top_quantile < 1.0,
         KL_IN_LOSS=key.has_ref and kl.coef != 0.0, KL_ESTIMATOR=_code(_KL_ESTIMATORS[kl.estimator]),
         KL_STRAIGHT_THROUGH=kl.straight_through, KL_RATIO=_code(kl_ratio), ENTROPY_BONUS=entropy_bonus,
-        SKIP=has_skip,
+        SKIP=has_skip, TRUST_REGION=_code(_TRUST_REGIONS[cfg.trust_region.mode]),
+        TR_DIRECTIONAL=cfg.trust_region.direction == TrustRegionDirection.DIRECTIONAL,
+        M2PO=_code(K.M2PO_NONE if cfg.m2po.bound is None else
+                   K.M2PO_ALL if cfg.m2po.scope == M2POScope.ALL else K.M2PO_CLIP_QUADRANTS),
     )
     return FusedLossPlan(
         token_flags=token_flags, combine_flags=combine_flags, num_cols=num_cols, seq_grad=seq_objective,
@@ -151,6 +158,10 @@ def _metric_names(cfg: LossConfig, key: InputsKey) -> tuple[tuple[str, bool, int
         pair("rejected_frac/opsm", K.SUM_REJECTED_OPSM)
     if cfg.entropy.top_quantile < 1.0:
         pair("rejected_frac/entropy", K.SUM_REJECTED_ENTROPY)
+    if cfg.trust_region.mode != TrustRegion.NONE:
+        pair("rejected_frac/trust_region", K.SUM_REJECTED_TRUST_REGION)
+    if cfg.m2po.bound is not None:
+        pair("rejected_frac/m2po", K.SUM_REJECTED_M2PO)
     if key.has_rollout:
         pair("mismatch/k1", K.SUM_MISMATCH_K1)
         pair("mismatch/k3", K.SUM_MISMATCH_K3)
@@ -195,6 +206,8 @@ def config_parameters(cfg: LossConfig) -> list[float]:
         (K.P_KL_OUTPUT_CLAMP, opt(kl.output_clamp, inf)),
         (K.P_ENTROPY_BONUS, float(cfg.entropy.bonus_coef)),
         (K.P_NORM_CONSTANT, opt(cfg.aggregation.norm_constant, 1.0)),
+        (K.P_TR_DELTA_LOW, opt(cfg.trust_region.delta_low, inf)),
+        (K.P_TR_DELTA_HIGH, opt(cfg.trust_region.delta_high, inf)),
     ]
     out = [0.0] * _code(K.NUM_PARAMS)
     for slot, value in values:

@@ -16,15 +16,18 @@ from mp_grpo.config import (
     ConfigError,
     KLEstimator,
     LossConfig,
+    M2POScope,
     Objective,
     RatioLevel,
+    TrustRegion,
     load_config,
     preset_path,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = ["trl_grpo", "trl_dapo", "trl_dr_grpo", "trl_cispo", "trl_sapo", "gspo", "verl_ppo", "nemo_rl_grpo",
-           "megatron_lm_grpo", "deepseek_v32", "mismatch_safe", "trl_vespo", "trl_luspo", "verl_clip_cov", "verl_kl_cov"]
+           "megatron_lm_grpo", "deepseek_v32", "mismatch_safe", "trl_vespo", "trl_luspo", "verl_clip_cov", "verl_kl_cov",
+           "trl_dppo", "nemo_rl_dppo_binary_tv", "prime_rl_dppo", "areal_m2po"]
 
 
 def _leaf_keys(cls, prefix: str = "") -> list[str]:
@@ -89,6 +92,15 @@ def test_preset_values() -> None:
                                                           clip_cov.clip_cov_ub) == (0.0002, 1.0, 5.0)
     kl_cov = load_config(preset_path("verl_kl_cov")).policy
     assert kl_cov.objective is Objective.KL_COV and (kl_cov.kl_cov_ratio, kl_cov.ppo_kl_coef) == (0.0002, 0.1)
+    trl_dppo = load_config(preset_path("trl_dppo"))  # DPPOConfig's defaults (TRL ef1b500^)
+    assert (trl_dppo.trust_region.mode, trl_dppo.trust_region.delta_low, trl_dppo.trust_region.delta_high,
+            1.0 + trl_dppo.policy.eps_high, trl_dppo.rollout_correction.bypass) == (TrustRegion.BINARY_TV, 0.15, 0.15,
+                                                                                  20.0, True)
+    prime = load_config(preset_path("prime_rl_dppo"))  # default_loss_fn's dppo_mask_low / _high (559b447)
+    assert (prime.trust_region.delta_low, prime.trust_region.delta_high, prime.policy.eps_low,
+            prime.policy.eps_high) == (0.2, 0.2, None, None)
+    m2po = load_config(preset_path("areal_m2po"))  # examples/math/gsm8k_m2po.yaml (AReaL 4aef98d)
+    assert (m2po.m2po.bound, m2po.m2po.scope, m2po.rollout_correction.reject_max) == (0.04, M2POScope.ALL, 5.0)
     assert {p.stem for p in PRESETS_DIR.glob("*.yaml")} == set(PRESETS)
 
 

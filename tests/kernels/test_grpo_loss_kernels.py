@@ -29,7 +29,7 @@ def _compile_all() -> None:
     from mp_grpo.kernels.grpo_loss_finalize import grpo_loss_finalize_kernel
     from mp_grpo.kernels.grpo_loss_token import grpo_loss_token_kernel
     from mp_grpo.ops.grpo_loss_plan import InputsKey, build_plan
-    from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS
+    from tests.loss.helpers import AGGREGATIONS, DIVERGENCE_FEATURES, FEATURE_CONFIGS
 
     compiler = Sm90Compiler()
     compile_kernel = compiler.compile
@@ -37,7 +37,12 @@ def _compile_all() -> None:
     sizes = dict(N="i32", T="i32", S="i32", search_steps="i32")
     stats = dict(stats_ptr="*fp32", target_ptr="*i64", TP="i32", V_global="i32", ignore_index="i32",
                  stride_stats_rank="i32", stride_stats_row="i32", inv_temperature="fp32")
-    for i, (feature, overrides) in enumerate(FEATURE_CONFIGS.items()):
+    # every feature config; the binary KL trust region with M2PO (on the log-prob statistics: the on_logits path) and
+    # the per-token (top-K) divergence with M2PO's clip quadrants, each compiled once
+    topk = ["trust_region.mode=topk_tv", "trust_region.direction=symmetric", "trust_region.delta_high=0.1",
+            "m2po.bound=0.04", "m2po.scope=clip_quadrants"]
+    divergence = [(name, overrides) for name, overrides in DIVERGENCE_FEATURES.items()]
+    for i, (feature, overrides) in enumerate([*FEATURE_CONFIGS.items(), *divergence, ("topk_m2po_quadrants", topk)]):
         aggregation = list(AGGREGATIONS)[i % len(AGGREGATIONS)]
         cfg = load_config(None, overrides + AGGREGATIONS[aggregation])
         packed = i % 2 == 1
@@ -46,7 +51,12 @@ def _compile_all() -> None:
         plan = build_plan(cfg, InputsKey(packed=packed, has_old=True, has_rollout=True, has_ref=True, has_entropy=True,
                                          advantages_per_token=i % 3 == 0))
         # GRPOLoss on log-probs, and (fp32 compute) on the log-prob op's statistics (GRPOLoss.on_logits).
-        for from_stats in (False, True) if compute == tl.float32 else (False,):
+        from_stats_cases = (False, True) if compute == tl.float32 else (False,)
+        if feature in DIVERGENCE_FEATURES:
+            from_stats_cases = (True,) if compute == tl.float32 else (False,)
+        elif feature not in FEATURE_CONFIGS:
+            from_stats_cases = (False,)
+        for from_stats in from_stats_cases:
             tokens = dict(lp_ptr=lp, old_ptr=ptr, rollout_ptr="*fp32", adv_ptr=ptr, mask_ptr="*i1",
                           cu_ptr="*i32" if packed else lp, params_ptr="*fp64", **sizes, **stats)
             if plan.num_cols:
@@ -56,7 +66,7 @@ def _compile_all() -> None:
                 tokens, ref_ptr=ptr, ent_ptr=lp, row_out_ptr="*fp32", errors_ptr="*i64", seq_sums_ptr="*fp64",
                 seq_grad_ptr="*fp64", tokens_ptr="*fp64", sequences_ptr="*fp64", weight_mean_ptr="*fp64",
                 threshold_ptr="*fp64", skip_ptr="*i1", grad_lp_ptr=ptr, grad_ent_ptr=ptr, seq_factor_ptr=ptr,
-                partial_ptr="*fp64",
+                partial_ptr="*fp64", div_ptr="*fp64", m2po_threshold_ptr="*fp64",
             ), dict(plan.combine_flags, FROM_STATS=from_stats, OWNS_SEQUENCES=i % 3 != 1, COMPUTE=compute,
                     BLOCK=256, CONSTANTS_KEY=CONSTANTS_KEY))
     for seq_grad, scaled, packed in itertools.product([False, True], [False, True], [False, True]):

@@ -56,6 +56,15 @@ FEATURE_CONFIGS: dict[str, list[str]] = {
     "ppo_score_kl_k2": ["kl.coef=0.1", "kl.estimator=k2", "kl.score_function=true", "opsm.delta=0.0"],
 }
 
+# The divergence trust region and M2PO (the property tests and tests/loss/test_trust_region*.py, test_m2po.py cover
+# them on every path; these run where a feature needs a real multi-rank step or a compiler: the layout-invariance
+# torchrun cases, the sm_90 compile, from_counts).
+DIVERGENCE_FEATURES: dict[str, list[str]] = {
+    "dppo_kl_m2po": ["policy.eps_low=null", "policy.eps_high=null", "trust_region.mode=binary_kl",
+                     "trust_region.delta_low=0.02", "trust_region.delta_high=0.01", "m2po.bound=0.01",
+                     "rollout_correction.weight_level=token"],
+}
+
 # Options only the torch path implements (mp_grpo.loss.fused_unsupported): LossBackend.AUTO routes them to
 # it; the fused-path tests do not run them.
 TORCH_ONLY_FEATURES: dict[str, list[str]] = {

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_grpo.loss import GlobalBatch, GRPOLoss, LossBackend, PackedSequences, PaddedSequences, reduce_metrics
+from mp_grpo.loss.trust_region import TopKLogprobs
 from tests.loss.strategies import MicroBatch, Step
 from tests.reference import grpo_metrics_reference, grpo_objective_reference
 from tests.tolerances import tolerance
@@ -39,6 +40,31 @@ class Result:
     metrics: dict[str, float]
 
 
+def topk_for(step: Step, flat_positions: torch.Tensor, device: torch.device | None = None) -> TopKLogprobs | None:
+    """The step's top-K input (``step.topk``) as a CSR over ``flat_positions`` (the micro-batch's tokens as ``b · W + t``
+    of the step, row-major; a position outside the step — ``< 0`` or ``≥ B · W`` — has no entry); None without one."""
+    if step.topk is None:
+        return None
+    count, rollout, trainer = step.topk
+    numel = count.numel()
+    flat = flat_positions.reshape(-1)
+    inside = (flat >= 0) & (flat < numel)
+    where = torch.where(inside, flat, 0)
+    counts = torch.where(inside, count.reshape(-1)[where], 0)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    take = torch.arange(rollout.shape[-1]).unsqueeze(0) < counts.unsqueeze(1)
+    r = rollout.reshape(numel, -1)[where][take]
+    t = trainer.reshape(numel, -1)[where][take]
+    device = torch.device("cpu") if device is None else device
+    return TopKLogprobs(indptr.to(device), r.to(device), t.to(device))
+
+
+def _m2po_advantages(step: Step, advantages: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """What GlobalBatch.from_rollouts needs as ``advantages`` (M2PO's clip quadrants only)."""
+    m2po = step.cfg.m2po
+    return advantages if m2po.bound is not None and m2po.scope.value != "all" else None
+
+
 def run_single(step: Step, backend: LossBackend, device: torch.device | None = None) -> Result:
     """One GRPOLoss call on the whole padded step (``batch=None``), backward through ``step.upstream``; on
     ``device`` (default cpu), the result on the CPU."""
@@ -54,6 +80,8 @@ def run_single(step: Step, backend: LossBackend, device: torch.device | None = N
         extra["positive"] = step.positive.to(device)
     if step.entropy_coef is not None:
         extra["entropy_coef"] = step.entropy_coef
+    if step.topk is not None:
+        extra["topk_logprobs"] = topk_for(step, torch.arange(step.rows * step.width), device)
     loss, metrics = GRPOLoss(step.cfg, backend=backend)(leaves["logprobs"], old, d["advantages"], d["loss_mask"],
                                                         **kwargs, **extra)
     (loss * step.upstream).backward()
@@ -135,7 +163,8 @@ def run_split(step: Step, split: list[MicroBatch], backend: LossBackend, seed: i
     roll = [m["tensors"]["rollout_logprobs"] for m in mbs] if "rollout_logprobs" in step.data else None
     ents = [m["tensors"]["entropy"] for m in mbs] if "entropy" in step.data else None
     gb = GlobalBatch.from_rollouts(cfg, masks, old_logprobs=old, rollout_logprobs=roll, entropies=ents,
-                                   layouts=layouts)
+                                   layouts=layouts,
+                                   advantages=_m2po_advantages(step, [m["tensors"]["advantages"] for m in mbs]))
     positive_tokens = None
     if step.positive is not None:
         pos_masks = []
@@ -159,6 +188,8 @@ def run_split(step: Step, split: list[MicroBatch], backend: LossBackend, seed: i
             extra.update(positive=m["positive"], positive_tokens=positive_tokens)
         if step.entropy_coef is not None:
             extra["entropy_coef"] = step.entropy_coef
+        if step.topk is not None:
+            extra["topk_logprobs"] = topk_for(step, m["positions"], device)
         loss, mets = loss_fn(leaves["logprobs"], old_lp, t["advantages"], t["loss_mask"], batch=gb,
                              layout=m["layout"], **kwargs, **extra)
         (loss * step.upstream).backward()
@@ -196,7 +227,7 @@ def reference(step: Step) -> tuple[Result, float, dict]:
     leaves = {n: d[n].clone().requires_grad_() for n in LEAVES if n in d}
     args = dict(rollout_logprobs=d.get("rollout_logprobs"), ref_logprobs=d.get("ref_logprobs"),
                 entropy=leaves.get("entropy"), kl_logprobs=leaves.get("kl_logprobs"),
-                entropy_coef=step.entropy_coef, positive=step.positive)
+                entropy_coef=step.entropy_coef, positive=step.positive, topk=step.topk)
     args = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in args.items()}
     args["entropy"], args["kl_logprobs"] = leaves.get("entropy"), leaves.get("kl_logprobs")
     old = d.get("old_logprobs")
@@ -229,6 +260,8 @@ def representable(step: Step, ref: tuple[Result, float, dict]) -> bool:
     if any(math.isfinite(scale) and not scale < metric_limit for _, scale in ref[2].values()):
         return False
     if _kl_input_at_its_clamp(step) or _ratio_at_a_bound(step):
+        return False
+    if _trust_region_at_a_bound(step) or _m2po_ill_posed(step):
         return False
     if _vespo_weight_ill_conditioned(step):
         return False
@@ -282,6 +315,77 @@ def _vespo_weight_ill_conditioned(step: Step) -> bool:
     for k, lam in ((p.vespo_k_pos, p.vespo_lambda_pos), (p.vespo_k_neg, p.vespo_lambda_neg)):
         gain = torch.maximum(gain, (k - max(lam, VESPO_LAMBDA_FLOOR) * w).abs())
     return bool((valid.any(-1) & (gain * error > _rtol(step.compute_dtype()) / 3.0)).any())
+
+
+DIVERGENCE_ROUNDING = 16.0
+"""Multiples of the compute dtype's eps (relative to the sizes of the divergence's terms, plus 1) within which a
+trust region's divergence and its threshold are a knife edge."""
+
+
+def _trust_region_at_a_bound(step: Step) -> bool:
+    """Whether a trained token's trust-region divergence lies within the compute dtype's rounding of its threshold
+    (:func:`trust_region_at_a_bound` on the inputs as computed)."""
+    d = as_computed(step)
+    if step.cfg.trust_region.mode.value == "none":
+        return False
+    return trust_region_at_a_bound(step.cfg, d["logprobs"], d["rollout_logprobs"], d["loss_mask"] != 0,
+                                   torch.finfo(step.compute_dtype()).eps, step.topk)
+
+
+def trust_region_at_a_bound(cfg, logprobs: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor, eps: float,
+                            topk=None) -> bool:
+    """Whether a trained token's trust-region divergence (float64, of ``logprobs`` — the compute dtype's, with rounding
+    ``eps`` — against ``rollout``) lies within that rounding of ``delta_low`` / ``delta_high`` (the loss computes a binary
+    divergence in its compute dtype, the reference in float64: |π − μ| = 0.15 ± 1e-8 falls either side), or its
+    log-prob ties the rollout's within that rounding (which side π lies decides which threshold applies). The top-K
+    divergence is float64 on both sides: only its own summation order (a few ulps) matters there."""
+    from tests.reference import binary_divergence_reference, topk_divergence_reference
+
+    tr = cfg.trust_region
+    if tr.mode.value == "none" or not bool(valid.any()):
+        return False
+    lp, mu = logprobs.double()[valid].clamp(max=0.0), rollout.double()[valid].clamp(max=0.0)
+    if tr.mode.value.startswith("binary"):
+        div = binary_divergence_reference(tr.mode.value, lp, mu)
+        size = lp.exp() + mu.exp() + (mu - lp).abs() + 1.0  # the sizes the KL's terms cancel from (TV: its inputs)
+    else:
+        count, top_roll, top_train = topk
+        div = topk_divergence_reference(tr.mode.value, count[valid], top_roll[valid].double(), top_train[valid].double())
+        eps, size = torch.finfo(torch.float64).eps, torch.ones_like(lp) * 4.0
+    if bool((((lp - mu).abs() <= DIVERGENCE_ROUNDING * eps * (lp.abs() + mu.abs())) & (lp != mu)).any()):
+        return True
+    for bound in (tr.delta_low, tr.delta_high):
+        if bound is not None and bool(((div - bound).abs() <= DIVERGENCE_ROUNDING * eps * size).any()):
+            return True
+    return False
+
+
+def _m2po_ill_posed(step: Step) -> bool:
+    """M2PO: the loss takes d from the old and rollout log-probs as given (float64, the GlobalBatch's numbers), the
+    reference from their rounding to the compute dtype (:func:`as_computed`): they differ where an input is wider than
+    the compute dtype (as with normalize_weights). And a mean of the kept values within float64 rounding of the bound
+    is a knife edge between the batch's cumulative sums and the reference's sums."""
+    cfg = step.cfg
+    if cfg.m2po.bound is None:
+        return False
+    compute = step.compute_dtype()
+    if any(torch.finfo(step.data[n].dtype).eps < torch.finfo(compute).eps
+           for n in ("old_logprobs", "rollout_logprobs") if n in step.data):
+        return True
+    d = as_computed(step)
+    valid = d["loss_mask"] != 0
+    clamp = cfg.policy.log_ratio_clamp
+    x = d.get("old_logprobs", d["logprobs"]) - d["rollout_logprobs"]
+    x = x if clamp is None else x.clamp(-clamp, clamp)
+    adv = d["advantages"] if d["advantages"].dim() == 2 else d["advantages"].unsqueeze(1).expand_as(x)
+    if cfg.m2po.scope.value == "clip_quadrants":
+        valid = valid & (((adv > 0) & (x > 0)) | ((adv < 0) & (x < 0)))
+    values = torch.sort((x * x)[valid]).values
+    if values.numel() == 0:
+        return False
+    means = values.cumsum(0) / torch.arange(1, values.numel() + 1, dtype=torch.float64)
+    scale = values.abs().cumsum(0) / torch.arange(1, values.numel() + 1, dtype=torch.float64) + cfg.m2po.bound
+    return bool(((means - cfg.m2po.bound).abs() <= 64 * torch.finfo(torch.float64).eps * scale).any())
 
 
 RATIO_ROUNDING = 4.0
@@ -512,7 +616,7 @@ def _entropy_selection_at_its_threshold(cfg, logits: torch.Tensor, entropy: torc
 
 
 def logits_reference(cfg, logits: torch.Tensor, target: torch.Tensor, inputs: dict[str, torch.Tensor],
-                     mask: torch.Tensor, temperature: float, upstream: float) -> LogitsReference:
+                     mask: torch.Tensor, temperature: float, upstream: float, topk=None) -> LogitsReference:
     """J of ``[B, W, V]`` logits (log-probs and entropy of ``target`` at ``temperature`` in float64, then the
     objective on ``inputs`` — :func:`inputs_around_logits`), its gradient under ``upstream``, and the tolerances."""
     from tests.reference import logprobs_reference
@@ -527,13 +631,13 @@ def logits_reference(cfg, logits: torch.Tensor, target: torch.Tensor, inputs: di
     ref_inputs = {k: v.cpu().double() for k, v in inputs.items()}
     j = grpo_objective_reference(cfg, lp_r, ref_inputs.get("old_logprobs"), ref_inputs["advantages"], mask,
                                  rollout_logprobs=ref_inputs.get("rollout_logprobs"),
-                                 ref_logprobs=ref_inputs.get("ref_logprobs"), entropy=ent_r)
+                                 ref_logprobs=ref_inputs.get("ref_logprobs"), entropy=ent_r, topk=topk)
     (j * upstream).backward()
     with torch.no_grad():
         size = float(grpo_objective_reference(
             cfg, lp_r.detach(), ref_inputs.get("old_logprobs"), ref_inputs["advantages"], mask, magnitude=True,
             rollout_logprobs=ref_inputs.get("rollout_logprobs"), ref_logprobs=ref_inputs.get("ref_logprobs"),
-            entropy=ent_r.detach()))
+            entropy=ent_r.detach(), topk=topk))
     representable = size < 1e30 and not _entropy_selection_at_its_threshold(cfg, r.detach(), ent_r.detach(),
                                                                              mask, temperature)
     # The kernel's log-probs and entropies are float32 results (not given inputs): their rounding, ~eps32 · the

@@ -30,6 +30,9 @@ OBJECTIVES_FUSED = ["ppo_clip", "cispo", "sapo", "gspo", "gmpo", "reinforce"]
 OBJECTIVES_TORCH = OBJECTIVES_FUSED + ["vespo"]
 AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 LEVELS = ["token", "sequence", "geometric"]
+TRUST_REGIONS = ["binary_tv", "binary_kl", "topk_tv", "topk_kl"]
+TOPK_K = 3
+"""Entries per token position of a drawn top-K input (each valid position holds 1 … TOPK_K of them)."""
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 INPUTS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "kl_logprobs", "advantages")
 
@@ -127,8 +130,20 @@ def loss_configs(draw, backend: str = "torch") -> dict:
     opsm = {"delta": draw(_maybe(st.one_of(st.sampled_from([0.0, 0.05, 0.5]), _floats(0.0, 5.0)), 2))}
     mismatch = {"skip_threshold": None if bypass else draw(_maybe(_positive(0.0, 2.0, [1e-4, 0.01, 0.1]), 2))}
     nll = {"positive_coef": 0.0 if fused else draw(st.sampled_from([0.0, 0.0, 0.0, 0.3]))}
+    trust_region: dict = {"mode": draw(st.sampled_from(["none"] * 8 + TRUST_REGIONS))}
+    if trust_region["mode"] != "none":
+        trust_region["direction"] = draw(st.sampled_from(["directional", "symmetric"]))
+        deltas = [0.02, 0.05, 0.15, 0.2] if trust_region["mode"].endswith("kl") else [0.05, 0.15, 0.2, 0.5]
+        low = draw(_maybe(st.one_of(st.sampled_from(deltas), _floats(1e-3, 1.0)), 1))
+        trust_region["delta_low"] = low
+        trust_region["delta_high"] = draw(st.one_of(st.sampled_from(deltas), _floats(1e-3, 1.0)) if low is None
+                                          else _maybe(st.one_of(st.sampled_from(deltas), _floats(1e-3, 1.0)), 1))
+    m2po: dict = {}
+    if not bypass and draw(st.integers(0, 4)) == 0:
+        m2po = {"bound": draw(st.one_of(st.sampled_from([0.0, 0.01, 0.04, 1.0]), _floats(0.0, 10.0))),
+                "scope": draw(st.sampled_from(["all", "clip_quadrants"]))}
     return {"policy": policy, "aggregation": aggregation, "rollout_correction": rc, "kl": kl, "entropy": entropy,
-            "opsm": opsm, "mismatch": mismatch, "nll": nll}
+            "opsm": opsm, "mismatch": mismatch, "nll": nll, "trust_region": trust_region, "m2po": m2po}
 
 
 RAW_KEYS: dict[str, list] = {
@@ -175,6 +190,12 @@ RAW_KEYS: dict[str, list] = {
     "entropy.coef_max": [0.2, 1.0],
     "mismatch.skip_threshold": [None, 0.0, 0.1],
     "nll.positive_coef": [-0.1, 0.0, 0.3],
+    "trust_region.mode": ["none", "binary_tv", "binary_kl", "topk_tv", "topk_kl", "ratio"],
+    "trust_region.direction": ["directional", "symmetric"],
+    "trust_region.delta_low": [None, -0.1, 0.0, 0.15],
+    "trust_region.delta_high": [None, 0.05, 1.5],
+    "m2po.bound": [None, -1.0, 0.0, 0.04],
+    "m2po.scope": ["all", "clip_quadrants"],
 }
 """Keys and values for :func:`raw_config_overrides`: valid and invalid values of every section."""
 
@@ -211,6 +232,9 @@ class Step:
     upstream: float
     """The upstream gradient the loss is multiplied by before backward."""
     notes: dict = field(default_factory=dict)
+    topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """A top-K trust region's input per position: (count [B, W] int64, rollout [B, W, TOPK_K], trainer
+    [B, W, TOPK_K]) — each position's first ``count`` entries (``tests.loss.properties.topk_for`` makes the CSR)."""
 
     def __repr__(self) -> str:  # what hypothesis prints of a falsifying example: the draw, not the tensors
         dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in self.data.items() if k != "loss_mask"}
@@ -360,7 +384,44 @@ def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_prec
     entropy_coef = None
     if cfg.entropy.adaptive:
         entropy_coef = draw(st.sampled_from([0.0, 0.02, 0.5]))
-    return Step(cfg, data, per_token, positive, entropy_coef, upstream, notes)
+    topk = None
+    if cfg.needs_topk_logprobs:
+        topk = _topk_inputs(gen, mask, draw(st.sampled_from([0.0, 0.1, 1.0, 5.0])), draw(st.booleans()))
+    if cfg.m2po.bound is not None and "rollout_logprobs" in data and draw(st.booleans()):
+        data["rollout_logprobs"] = _tied_rollout(gen, data, mask)
+        notes["m2po_ties"] = True
+    return Step(cfg, data, per_token, positive, entropy_coef, upstream, notes, topk)
+
+
+def _topk_inputs(gen: torch.Generator, mask: torch.Tensor, spread: float, edges: bool):
+    """(count, rollout, trainer) of a top-K input: 1 … TOPK_K entries at each valid position (0 … TOPK_K elsewhere,
+    with junk), the engine's log-probs of distinct ids summing to at most 1, the trainer's at the same ids ``spread``
+    away; ``edges``: probabilities of 1 (log-prob 0), of 0 (−inf) and a whole mass in the top-K (rest at its floor)."""
+    B, W = mask.shape
+    count = torch.randint(1, TOPK_K + 1, (B, W), generator=gen)
+    count = torch.where(mask, count, torch.randint(0, TOPK_K + 1, (B, W), generator=gen))
+    weights = torch.rand(B, W, TOPK_K + 1, generator=gen, dtype=torch.float64) ** 3  # the last one: the rest
+    probs = weights / weights.sum(-1, keepdim=True)
+    rollout = probs[..., :TOPK_K].log()
+    trainer = (rollout + torch.randn(B, W, TOPK_K, generator=gen, dtype=torch.float64) * spread).clamp(max=0.0)
+    if edges:
+        pick = torch.randint(0, 4, (B, W), generator=gen)
+        one = torch.tensor([0.0] + [-math.inf] * (TOPK_K - 1), dtype=torch.float64)
+        rollout = torch.where((pick == 0).unsqueeze(-1), one, rollout)  # μ(k) = 1: rest 0
+        trainer = torch.where((pick == 1).unsqueeze(-1), one, trainer)  # π(k) = 1
+        trainer = torch.where((pick == 2).unsqueeze(-1), torch.full_like(trainer, -math.inf), trainer)  # π(k) = 0
+    junk = torch.tensor([1e4, -1e4, math.nan], dtype=torch.float64)[torch.randint(0, 3, (B, W, TOPK_K), generator=gen)]
+    masked = ~mask.unsqueeze(-1)
+    return count, torch.where(masked, junk, rollout).float(), torch.where(masked, junk, trainer).float()
+
+
+def _tied_rollout(gen: torch.Generator, data: dict, mask: torch.Tensor) -> torch.Tensor:
+    """Rollout log-probs whose d = old − rollout takes a few values ± c only: M2PO's d² tie across tokens."""
+    old = data.get("old_logprobs", data["logprobs"]).double()
+    offsets = torch.tensor([-0.3, 0.3, 0.1, -0.1, 0.0], dtype=torch.float64)
+    tied = old - offsets[torch.randint(0, 5, mask.shape, generator=gen)]
+    dtype = data["rollout_logprobs"].dtype
+    return torch.where(mask, tied.to(dtype), data["rollout_logprobs"])
 
 
 def _place_on_edges(cfg: LossConfig, gen: torch.Generator, lp, old, rollout, mask):

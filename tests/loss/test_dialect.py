@@ -279,9 +279,67 @@ def test_kernel_and_torch_path_agree() -> None:
         torch.testing.assert_close(out[i], w, rtol=1e-14, atol=1e-15, msg=f"output {i}")
 
 
+@triton.jit
+def _trust_region_kernel(lp_ptr, mu_ptr, adv_ptr, params_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    delta_low, delta_high, threshold = tl.load(params_ptr), tl.load(params_ptr + 1), tl.load(params_ptr + 2)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    lp = tl.load(lp_ptr + offs, mask=m, other=0.0)
+    mu = tl.load(mu_ptr + offs, mask=m, other=0.0)
+    adv = tl.load(adv_ptr + offs, mask=m, other=0.0)
+    tv = T.binary_divergence(lp, mu, CODES.TR_BINARY_TV)
+    kl = T.binary_divergence(lp, mu, CODES.TR_BINARY_KL)
+    tl.store(out_ptr + 0 * N + offs, tv, mask=m)
+    tl.store(out_ptr + 1 * N + offs, kl, mask=m)
+    tl.store(out_ptr + 2 * N + offs, T.log1mexp(tl.minimum(lp, 0.0)), mask=m)
+    tl.store(out_ptr + 3 * N + offs, T.trust_region_keep(tv, lp, mu, adv, delta_low, delta_high, True).to(tl.float64),
+             mask=m)
+    tl.store(out_ptr + 4 * N + offs, T.trust_region_keep(kl, lp, mu, adv, delta_low, delta_high, False).to(tl.float64),
+             mask=m)
+    d = lp - mu
+    tl.store(out_ptr + 5 * N + offs, T.m2po_keep(d, threshold, adv, True).to(tl.float64), mask=m)
+    tl.store(out_ptr + 6 * N + offs, T.m2po_keep(d, threshold, adv, False).to(tl.float64), mask=m)
+
+
+def test_trust_region_formulas_kernel_and_torch_path_agree() -> None:
+    """The trust region's and M2PO's formulas (binary TV / KL, log1mexp, the keeps) on the kernels' side and the torch
+    path's, float64, at probabilities of 0 and 1, ties, and −ln 2 (log1mexp's branch point); the divergences against
+    the independent float64 reference of tests/reference.py."""
+    from tests.reference import binary_divergence_reference
+
+    edges = [0.0, -1e-30, -1e-9, -1e-6, -math.log(2.0), -1.0, -30.0, -1e4]
+    lp = torch.tensor([a for a in edges for _ in edges] + _random(30, 60, scale=2.0).abs().neg().tolist(),
+                      dtype=torch.float64)
+    mu = torch.tensor([b for _ in edges for b in edges] + _random(31, 60, scale=2.0).abs().neg().tolist(),
+                      dtype=torch.float64)
+    n = lp.numel()
+    adv = _random(32, n)
+    adv[::7] = 0.0
+    delta_low, delta_high = 0.1, 0.2
+    threshold = float((lp - mu)[70] ** 2)  # one value exactly at the threshold: dropped
+    out = torch.zeros(7, n, dtype=torch.float64)
+    params = torch.tensor([delta_low, delta_high, threshold], dtype=torch.float64)
+    _trust_region_kernel[(1,)](lp, mu, adv, params, out, n, BLOCK=256)
+    F = torch_formula
+    tv = F(T.binary_divergence)(lp, mu, CODES.TR_BINARY_TV)
+    kl = F(T.binary_divergence)(lp, mu, CODES.TR_BINARY_KL)
+    want = [tv, kl, F(T.log1mexp)(lp.clamp(max=0.0)),
+            F(T.trust_region_keep)(tv, lp, mu, adv, delta_low, delta_high, True).double(),
+            F(T.trust_region_keep)(kl, lp, mu, adv, delta_low, delta_high, False).double(),
+            F(T.m2po_keep)(lp - mu, torch.tensor(threshold, dtype=torch.float64), adv, True).double(),
+            F(T.m2po_keep)(lp - mu, torch.tensor(threshold, dtype=torch.float64), adv, False).double()]
+    for i, w in enumerate(want):
+        torch.testing.assert_close(out[i], w, rtol=1e-13, atol=1e-300, equal_nan=False, msg=f"output {i}")
+    assert not bool(torch.isnan(out).any())
+    for mode, got in (("binary_tv", tv), ("binary_kl", kl)):
+        torch.testing.assert_close(got, binary_divergence_reference(mode, lp, mu), rtol=1e-10, atol=1e-300, msg=mode)
+    assert want[6][70] == 0.0 and bool(kl[lp == 0.0][mu[lp == 0.0] < 0.0].isinf().all())  # π = 1 > μ: +inf
+
+
 def test_the_torch_modules_run_token_math() -> None:
     """mp_grpo/loss calls the kernels' formulas, not copies of them."""
-    from mp_grpo.loss import aggregation, clamps, entropy, kl, mismatch, objectives, opsm, rollout_correction
+    from mp_grpo.loss import aggregation, clamps, entropy, kl, m2po, mismatch, objectives, opsm, rollout_correction
+    from mp_grpo.loss import trust_region
 
     for module, name, formula in [
         (clamps, "_clamp_sym", T.clamp_sym), (objectives, "_clipped_surrogate", T.clipped_surrogate),
@@ -293,6 +351,8 @@ def test_the_torch_modules_run_token_math() -> None:
         (rollout_correction, "_rejection_keep", T.rejection_keep), (opsm, "_opsm_keep", T.opsm_keep),
         (entropy, "_high_entropy", T.high_entropy), (aggregation, "_token_divisor", T.token_divisor),
         (mismatch, "_kl_estimator", T.kl_estimator), (mismatch, "_chi2", T.chi2), (kl, "_weighted_kl", T.weighted_kl),
+        (trust_region, "_binary_divergence", T.binary_divergence),
+        (trust_region, "_trust_region_keep", T.trust_region_keep), (m2po, "_m2po_keep", T.m2po_keep),
     ]:
         assert getattr(module, name).__code__ is formula.fn.__code__, (module.__name__, name)
 

@@ -11,7 +11,7 @@ import torch
 from mp_grpo.config import load_config
 from mp_grpo.loss import GlobalBatch, GRPOLoss, StaleGlobalBatchError, reduce_metrics
 from mp_grpo.ops.checks import check_errors, deferred_checks
-from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS, make_batch
+from tests.loss.helpers import AGGREGATIONS, DIVERGENCE_FEATURES, FEATURE_CONFIGS, make_batch
 
 LENGTHS = [4, 0, 2, 5, 0, 3]  # two empty sequences: valid sequences (4) ≠ all sequences (6)
 T = 6
@@ -80,16 +80,16 @@ def test_counts_of_the_masks_give_the_same_loss_and_gradients(aggregation: str, 
 
 
 @pytest.mark.parametrize("feature", ["cispo_tis_normalized", "sapo_entropy_kl", "reinforce_opsm_skip",
-                                     "ppo_seq_reject_kl_st"])
+                                     "ppo_seq_reject_kl_st", "dppo_kl_m2po"])
 def test_step_statistics_passed_in_give_the_same_loss_and_gradients(feature: str) -> None:
     """A config that needs step-level passes: the statistics from_rollouts computes, handed to from_counts
     (as a loop would after its own pass), give the same values, gradients and metrics."""
     batch = make_batch(12, LENGTHS, T)
-    cfg = load_config(None, FEATURE_CONFIGS[feature])
+    cfg = load_config(None, {**FEATURE_CONFIGS, **DIVERGENCE_FEATURES}[feature])
     full = GlobalBatch.from_rollouts(cfg, _parts(batch, "loss_mask"), old_logprobs=_parts(batch, "old_logprobs"),
                                      rollout_logprobs=_parts(batch, "rollout_logprobs"),
                                      entropies=_parts(batch, "entropy"))
-    stats = {name: getattr(full, name) for name in ("weight_mean", "entropy_threshold", "mismatch_k3")
+    stats = {name: getattr(full, name) for name in ("weight_mean", "entropy_threshold", "mismatch_k3", "m2po_threshold")
              if getattr(full, name) is not None}
     assert stats, "the feature must need a step-level pass"
     counts_gb = GlobalBatch.from_counts(**_counts_of(full), config=cfg, device="cpu", **stats)

@@ -75,6 +75,7 @@ NONLINEAR = {
     "mismatch.skip_threshold": ["mismatch.skip_threshold=0.1"],
     "nonfinite.skip_step": ["nonfinite.skip_step=true"],
     "nll.positive_coef": ["nll.positive_coef=0.1"],
+    "m2po.bound": ["m2po.bound=0.04"],
     "aggregation.regularizer_mode": ["aggregation.mode=seq_mean_token_mean", "aggregation.regularizer_mode=token_mean",
                                      "kl.coef=0.01"],
 }

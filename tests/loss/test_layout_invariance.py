@@ -6,7 +6,7 @@ rows and with packed (THD) segments, each sequence cut into Megatron's 2·CP chu
 TP=2 × DP=2 with log-probs from ``vocab_parallel_logprobs`` on vocabulary shards. Every aggregation mode,
 uneven lengths (each micro-batch padded to its own length, inf/NaN in the padding), an empty sequence, an
 empty micro-batch and a rank with zero valid tokens, and the step-level features (top-entropy quantile,
-IS-weight normalization, mismatch skip on both sides of its threshold), and the torch-only options
+IS-weight normalization, mismatch skip on both sides of its threshold, M2PO's threshold gathered over the group), and the torch-only options
 (VESPO's per-sequence weight, GSPO-token, the sequence-level KL bias correction, separate KL / entropy
 aggregation, the bonus on the step's top-entropy tokens; ``TORCH_ONLY_FEATURES``; VAPO's NLL on positive examples
 over the step's count of their tokens). The fused Triton path (under the
@@ -40,7 +40,7 @@ TRITON_CONFIGS = {
 def _configs(backend: str):
     from mp_grpo.config import load_config
     from mp_grpo.loss.mismatch import k3
-    from tests.loss.helpers import AGGREGATIONS, FEATURE_CONFIGS, TORCH_ONLY_FEATURES, make_batch
+    from tests.loss.helpers import AGGREGATIONS, DIVERGENCE_FEATURES, FEATURE_CONFIGS, TORCH_ONLY_FEATURES, make_batch
 
     # Mismatch skip on both sides of the step's global k3: the decision must be global, not per rank.
     batch = make_batch(0, LENGTHS, T)
@@ -58,6 +58,9 @@ def _configs(backend: str):
             name = f"{feature}/{aggregation}"
             if backend == "torch" or name in TRITON_CONFIGS:
                 yield name, load_config(None, feature_overrides + agg_overrides)
+    if backend == "torch":  # M2PO's step-level gather over the group (a GlobalBatch pass: the backend does not matter)
+        for feature, feature_overrides in DIVERGENCE_FEATURES.items():
+            yield f"{feature}/token_mean", load_config(None, feature_overrides)
 
 
 def _call(cfg, data, rows, cols, *, backend="torch", batch=None, layout=None, lp=None, ent=None, index=None):

@@ -283,6 +283,8 @@ def test_on_logits_matches_reference_and_the_two_ops(data) -> None:
     step = data.draw(steps(cfg_dict, max_rows=max_rows, max_len=max_len, low_precision=False))
     note(f"step: {step!r}")
     cfg = step.cfg
+    # M2PO's d on-policy is the kernel's float32 log-probs' (the reference's: the float64 ones): a step-level knife edge
+    assume(cfg.m2po.bound is None or "old_logprobs" in step.data)
     vocab = data.draw({"small": st.integers(2, 12), "long": st.integers(2, 64),
                        "wide": st.one_of(st.integers(13, 9000), st.integers(13, 9000),
                                          st.sampled_from([65537, 70001]))}[shape])
@@ -302,7 +304,7 @@ def test_on_logits_matches_reference_and_the_two_ops(data) -> None:
     target = torch.randint(0, vocab, (B, W), generator=gen)
     target = torch.where(mask | (torch.rand(B, W, generator=gen) < 0.5), target, -100)  # ignored only where masked
     inputs = P.inputs_around_logits(step, logits, target, temperature, data.draw(P.logit_spreads(cfg)), gen)
-    ref = P.logits_reference(cfg, logits, target, inputs, mask, temperature, step.upstream)
+    ref = P.logits_reference(cfg, logits, target, inputs, mask, temperature, step.upstream, topk=step.topk)
     assume(ref.representable)
     layout = None
     if packed:  # the rows back to back, each a segment of the whole width
@@ -314,10 +316,16 @@ def test_on_logits_matches_reference_and_the_two_ops(data) -> None:
     inputs = {k: v.to(device) for k, v in inputs.items()}
     # the step's account as a training loop builds it from its forward-only pass (log-probs = old when on-policy)
     lp_pass, entropy = vocab_parallel_logprobs(logits, target, with_entropy=True, temperature=temperature)
+    # the trust region reads the kernel's float32 log-probs: a divergence within their rounding of δ is a knife edge
+    assume(cfg.trust_region.mode.value == "none" or not P.trust_region_at_a_bound(
+        cfg, lp_pass.detach().cpu().reshape(B, W), inputs["rollout_logprobs"].cpu().reshape(B, W), mask.cpu().reshape(B, W),
+        torch.finfo(torch.float32).eps, step.topk))
     batch = GlobalBatch.from_rollouts(cfg, [mask], old_logprobs=[inputs.get("old_logprobs", lp_pass)],
                                       rollout_logprobs=[inputs["rollout_logprobs"]] if "rollout_logprobs" in inputs
-                                      else None, entropies=[entropy], layouts=None if layout is None else [layout])
+                                      else None, entropies=[entropy], layouts=None if layout is None else [layout],
+                                      advantages=[inputs["advantages"]])
     kwargs = {k: inputs.get(k) for k in ("rollout_logprobs", "ref_logprobs")}
+    kwargs["topk_logprobs"] = P.topk_for(step, torch.arange(B * W), device)
     loss_fn = GRPOLoss(cfg, backend=LossBackend.TRITON)
     g = step.upstream
     # --- the fused path ---

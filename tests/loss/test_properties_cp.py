@@ -55,6 +55,7 @@ def _run_cp(step, split, backend, cp_rank: int):
     """This rank's share of the step (its CP chunks of every sequence), its gradients at its positions of the
     step's ``[B, W]`` tokens (flat, one extra slot that must stay 0), which positions it holds, its metric dicts."""
     from mp_grpo.loss import GlobalBatch, GRPOLoss, PackedSequences, PaddedSequences
+    from tests.loss import properties as P
     from tests.loss.properties import LEAVES, TOKEN_INPUTS
 
     group = dist.group.WORLD
@@ -91,7 +92,8 @@ def _run_cp(step, split, backend, cp_rank: int):
         old_logprobs=[t.get("old_logprobs", t["logprobs"]) for t, *_ in tensors],
         rollout_logprobs=[t["rollout_logprobs"] for t, *_ in tensors] if "rollout_logprobs" in d else None,
         entropies=[t["entropy"] for t, *_ in tensors] if "entropy" in d else None,
-        group=group, layouts=[layout for _, _, layout, _ in tensors])
+        group=group, layouts=[layout for _, _, layout, _ in tensors],
+        advantages=P._m2po_advantages(step, [t["advantages"] for t, *_ in tensors]))
     positive_tokens = None
     if step.positive is not None:
         masks = [t["loss_mask"] & (layout.broadcast(step.positive[mb["rows"]].to(torch.float64),
@@ -112,6 +114,8 @@ def _run_cp(step, split, backend, cp_rank: int):
             extra.update(positive=step.positive[mb["rows"]], positive_tokens=positive_tokens)
         if step.entropy_coef is not None:
             extra["entropy_coef"] = step.entropy_coef
+        if step.topk is not None:  # this rank's positions (the padding's extra slot has no entry)
+            extra["topk_logprobs"] = P.topk_for(step, index)
         loss, mets = loss_fn(leaves["logprobs"], old, t["advantages"], t["loss_mask"], batch=gb, layout=layout,
                              **kwargs, **extra)
         (loss * step.upstream).backward()

@@ -39,7 +39,8 @@ LOSS_CONFIGS: dict[str, list[str]] = {
         "aggregation.mode=seq_mean_token_sum_norm", "aggregation.norm_constant=16",
         "aggregation.count_empty_sequences=true",
         "rollout_correction.weight_level=token", "rollout_correction.weight_max=2.0",
-        "rollout_correction.normalize_weights=true", "entropy.top_quantile=0.5", "mismatch.skip_threshold=10.0",
+        "rollout_correction.normalize_weights=true", "entropy.top_quantile=0.5", "trust_region.mode=binary_tv",
+        "trust_region.delta_high=0.05", "m2po.bound=0.02", "m2po.scope=clip_quadrants", "mismatch.skip_threshold=10.0",
     ],
 }
 

@@ -40,7 +40,7 @@ def case_two_stages() -> None:
 
     # --- the decisions are the last stage's, on every stage ---
     decided = torch.stack([batch.weight_mean, batch.mismatch_k3, batch.entropy_threshold.to(torch.float64),
-                           batch.skip.to(torch.float64)])
+                           batch.skip.to(torch.float64), batch.m2po_threshold])
     both = [torch.empty_like(decided) for _ in range(2)]
     dist.all_gather(both, decided)
     torch.testing.assert_close(both[0], both[1], rtol=0, atol=0)
@@ -48,10 +48,12 @@ def case_two_stages() -> None:
     if last:  # and they are those of the step computed without pipeline parallelism
         alone = GlobalBatch.from_rollouts(
             config, [mb.loss_mask for mb in micro], old_logprobs=[mb.old_logprobs for mb in micro],
-            rollout_logprobs=[mb.rollout_logprobs for mb in micro], entropies=entropies, layouts=[mb.sequences for mb in micro])
+            rollout_logprobs=[mb.rollout_logprobs for mb in micro], entropies=entropies, layouts=[mb.sequences for mb in micro],
+            advantages=[mb.advantages for mb in micro])
         torch.testing.assert_close(batch.weight_mean, alone.weight_mean)
         torch.testing.assert_close(batch.mismatch_k3, alone.mismatch_k3)
         torch.testing.assert_close(batch.entropy_threshold, alone.entropy_threshold.to(torch.float64))
+        assert torch.isfinite(alone.m2po_threshold) and torch.equal(batch.m2po_threshold, alone.m2po_threshold)
 
     # --- metrics: the last stage's values on every stage, no raise on the first ---
     losses = []

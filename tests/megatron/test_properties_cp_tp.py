@@ -169,6 +169,8 @@ def megatron_cp_tp_example(data) -> None:
     # What the adapter does not pass: a step's adaptive entropy coefficient and positive-example flags.
     cfg_dict["entropy"] = {k: v for k, v in cfg_dict["entropy"].items() if k not in ("adaptive", "coef_min", "coef_max")}
     cfg_dict["nll"]["positive_coef"] = 0.0
+    if cfg_dict["trust_region"]["mode"].startswith("topk"):  # nor the engine's top-K log-probs (docs/loss.md)
+        cfg_dict["trust_region"] = {"mode": "none"}
     note(f"backend {backend.value}, config: {cfg_dict}")
     step = data.draw(steps(cfg_dict, max_rows=4, max_len=7, low_precision=False))
     note(f"step: {step!r}")
@@ -196,10 +198,15 @@ def megatron_cp_tp_example(data) -> None:
     mask = step.data["loss_mask"]
     target = torch.where(mask, tokens[:, 1:], -100)
     inputs = P.inputs_around_logits(step, logits[:, :W], target, temperature, data.draw(P.logit_spreads(cfg)), gen)
-    step_level = cfg.rollout_correction.normalize_weights or cfg.mismatch.skip_threshold is not None
+    step_level = (cfg.rollout_correction.normalize_weights or cfg.mismatch.skip_threshold is not None
+                  or cfg.m2po.bound is not None)
     # A step-level decision reads the old log-probs before the step (the adapter asks for them): on-policy, a real
     # step recomputes them; here the draw is left out.
     assume(not (step_level and "old_logprobs" not in inputs))
+    # the trust region reads the kernel's float32 log-probs: a divergence within their rounding of δ is a knife edge
+    assume(cfg.trust_region.mode.value == "none" or not P.trust_region_at_a_bound(
+        cfg, vocab_parallel_logprobs(logits[:, :W], target, temperature=temperature), inputs["rollout_logprobs"], mask,
+        torch.finfo(torch.float32).eps))
     ref = P.logits_reference(cfg, logits[:, :W], target, inputs, mask, temperature, 1.0)
     assume(ref.representable)
 

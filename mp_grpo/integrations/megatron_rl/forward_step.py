@@ -163,15 +163,16 @@ class GRPOForwardStep:
         inputs = [loss_inputs(mb, groups.cp) for mb in micro_batches]
         masks, layouts = [x.mask for x in inputs], [x.layout for x in inputs]
         cfg = self.config
-        if cfg.rollout_correction.normalize_weights or cfg.mismatch.skip_threshold is not None:
+        if cfg.rollout_correction.normalize_weights or cfg.mismatch.skip_threshold is not None or cfg.m2po.bound is not None:
             if any(x.inference_logprobs is None for x in inputs):
-                raise ValueError("config: rollout_correction.normalize_weights / mismatch.skip_threshold need the "
-                                 "inference log-probs (--rl-inference-logprobs-is-correction)")
+                raise ValueError("config: rollout_correction.normalize_weights / mismatch.skip_threshold / m2po.bound need "
+                                 "the inference log-probs (--rl-inference-logprobs-is-correction)")
             # No collective over PP here: this runs inside Megatron's schedule, where the first stage's first forward
             # step comes before the last stage's (which waits in its first p2p receive), so a broadcast from the last
             # stage would deadlock. Every stage has the same micro-batches, log-probs included: each decides itself.
             batch = GlobalBatch.from_rollouts(cfg, masks, old_logprobs=[x.old_logprobs for x in inputs],
                                               rollout_logprobs=[x.inference_logprobs for x in inputs],
+                                              advantages=[x.advantages for x in inputs],
                                               group=groups.dp_cp, layouts=layouts, step=step, pp_group=None)
         else:
             batch = GlobalBatch.from_masks(masks, group=groups.dp_cp, layouts=layouts, step=step)
@@ -196,7 +197,7 @@ class GRPOForwardStep:
             lp = vocab_parallel_logprobs(logits, x.target, tp_group=tp, temperature=self.temperature)
             return self.loss_on_logprobs(lp, x, batch)
         return self.loss.on_logits(
-            logits, x.target, x.old_logprobs, x.advantages, x.mask, tp_group=tp, temperature=self.temperature,
+            logits, x.target, _old_logprobs(cfg, x), x.advantages, x.mask, tp_group=tp, temperature=self.temperature,
             with_entropy=self.entropy_term == EntropyTerm.FULL, rollout_logprobs=rollout, ref_logprobs=x.ref_logprobs if cfg.kl.coef != 0.0 else None,
             batch=batch, layout=x.layout)
 
@@ -210,7 +211,7 @@ class GRPOForwardStep:
                 raise ValueError("entropy_term FULL needs the logits (loss_on_logits)")
             entropy = sampled_token_entropy(logprobs)
         return self.loss(
-            logprobs, x.old_logprobs, x.advantages, x.mask,
+            logprobs, _old_logprobs(cfg, x), x.advantages, x.mask,
             rollout_logprobs=x.inference_logprobs if cfg.needs_rollout_logprobs else None,
             ref_logprobs=x.ref_logprobs if cfg.kl.coef != 0.0 else None, entropy=entropy, batch=batch, layout=x.layout)
 
@@ -377,3 +378,9 @@ def megatron_metrics(metrics: dict[str, torch.Tensor], *, sampled_entropy: bool)
             key = MEGATRON_KEYS.get(name) if name != "entropy" or sampled_entropy else None
             out[key or f"mp_grpo/{name}"] = value.detach().to(torch.float32)
     return out
+
+
+def _old_logprobs(cfg: LossConfig, x: LossInputs) -> torch.Tensor | None:
+    """The micro-batch's old log-probs for the loss — none with ``rollout_correction.bypass``, where the inference
+    log-probs are the old ones (the DPPO presets: the ratio and the trust region against the rollout)."""
+    return None if cfg.rollout_correction.bypass else x.old_logprobs

@@ -309,7 +309,7 @@ class MPGRPOLossFn:
         f = fields.fields
         positive, positive_tokens = self._positive(fields, rewards, None)
         share, ours = self._loss(  # type: ignore[misc]
-            logprobs, f["prev_logprobs"], f["advantages"], fields.mask,
+            logprobs, _old_logprobs(cfg, f), f["advantages"], fields.mask,
             rollout_logprobs=f["generation_logprobs"] if cfg.needs_rollout_logprobs else None,
             ref_logprobs=f.get("reference_policy_logprobs"), batch=batch,
             kl_logprobs=f.get("curr_logprobs_unfiltered") if cfg.kl.coef != 0.0 else None,
@@ -350,11 +350,11 @@ class MPGRPOLossFn:
                                           sampling_filter=self.sampling_filter)
             lp, entropy = out if with_entropy else (out, None)
             unfiltered = vocab_parallel_logprobs(logits, fields.target, tp_group=groups.tp)
-            share, ours = self._loss(lp, f["prev_logprobs"], f["advantages"], fields.mask,  # type: ignore[misc]
+            share, ours = self._loss(lp, _old_logprobs(cfg, f), f["advantages"], fields.mask,  # type: ignore[misc]
                                      entropy=entropy, kl_logprobs=unfiltered, **common)
         else:
             share, ours = self._loss.on_logits(  # type: ignore[union-attr]
-                logits, fields.target, f["prev_logprobs"], f["advantages"], fields.mask, tp_group=groups.tp,
+                logits, fields.target, _old_logprobs(cfg, f), f["advantages"], fields.mask, tp_group=groups.tp,
                 with_entropy=self.with_entropy, sampling_filter=self.sampling_filter, **common)
         # --- 4. what NeMo-RL's Megatron worker divides by the CP size ---
         returned = share * float(group_size(cp)) if self.cp_normalize else share
@@ -467,3 +467,9 @@ def _section(config: Any, name: str, optional: bool = False) -> Any:
 
 def _shape(x: object) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _old_logprobs(cfg: LossConfig, fields: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """NeMo-RL's ``prev_logprobs`` as the loss's old log-probs — none with ``rollout_correction.bypass``, where the
+    generation log-probs are the old ones (the DPPO presets: the ratio and the trust region against the rollout)."""
+    return None if cfg.rollout_correction.bypass else fields["prev_logprobs"]

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mp_grpo.config.loss import Aggregation, LossConfig, Objective, RolloutCorrectionConfig
+from mp_grpo.config.loss import Aggregation, LossConfig, Objective, RolloutCorrectionConfig, TrustRegion
 from mp_grpo.loss import GlobalBatch, GRPOLoss
 from mp_grpo.loss.clamps import symmetric_clamp
 from mp_grpo.ops.checks import check_errors
@@ -81,6 +81,14 @@ def verl_refusals(config: LossConfig) -> list[str]:
         out.append(f"mismatch.skip_threshold={config.mismatch.skip_threshold}: skipping a step needs the rollout "
                    "log-probs of the whole step, which verl does not hand a policy loss (verl's "
                    "algorithm.rollout_correction reports the mismatch as rollout_corr/ metrics)")
+    if config.trust_region.mode != TrustRegion.NONE:
+        out.append(f"trust_region.mode={config.trust_region.mode.value}: the trust region compares π_θ with the rollout "
+                   "engine's log-probs, which verl does not hand a policy loss; verl's own policy_loss.loss_mode="
+                   "dppo_tv / dppo_kl is DPPO's binary trust region (against old_log_prob: the rollout's in its bypass "
+                   "mode)")
+    if config.m2po.bound is not None:
+        out.append(f"m2po.bound={config.m2po.bound}: M2PO's mask needs the rollout log-probs of the whole step, which "
+                   "verl does not hand a policy loss")
     if config.policy.objective == Objective.VESPO and _has_rollout_correction(config):
         out.append("policy.objective=vespo with rollout_correction: VESPO puts the IS weight inside its gamma "
                    "weight φ(w); verl's precomputed rollout_is_weights can only multiply the policy term")

@@ -31,11 +31,12 @@ from tests.tolerances import assert_close
 EMPTY_SEQS = ["aggregation.count_empty_sequences=true"]
 FEEDABLE = {
     **{name: [] for name in ("megatron_lm_grpo", "nemo_rl_grpo", "trl_cispo", "trl_dapo", "trl_dr_grpo", "trl_grpo",
-                             "trl_luspo", "trl_sapo", "trl_vespo", "verl_clip_cov", "verl_kl_cov", "verl_ppo")},
+                             "trl_luspo", "trl_sapo", "trl_vespo", "verl_clip_cov", "verl_kl_cov", "verl_ppo",
+                             "trl_dppo", "nemo_rl_dppo_binary_tv", "prime_rl_dppo")},
     "gspo": EMPTY_SEQS, "deepseek_v32": EMPTY_SEQS,  # NeMo-RL's S counts every row: the one override they need
 }
 """Every preset NeMo-RL can feed (with its override): the log-prob input."""
-REFUSED_PRESETS = {"mismatch_safe": "mismatch.skip_threshold"}
+REFUSED_PRESETS = {"mismatch_safe": "mismatch.skip_threshold", "areal_m2po": "m2po.bound"}
 """Presets refused on both paths, and the setting named."""
 EPSILON = 1e-8
 """NeMo-RL's ``masked_mean`` epsilon, in the synchronous metrics."""

@@ -18,9 +18,10 @@ require_verl()
 from mp_grpo.config import load_config, preset_names  # noqa: E402
 from tests.distributed import REPO_ROOT  # noqa: E402
 
-REFUSED = {"deepseek_v32", "megatron_lm_grpo", "mismatch_safe", "nemo_rl_grpo", "trl_vespo"}
-"""Presets with a KL term (verl adds its own), a mismatch skip, or VESPO's folded IS weight (a preset added later
-is expected refused exactly when verl_refusals names something)."""
+REFUSED = {"deepseek_v32", "megatron_lm_grpo", "mismatch_safe", "nemo_rl_grpo", "trl_vespo", "trl_dppo",
+           "nemo_rl_dppo_binary_tv", "prime_rl_dppo", "areal_m2po"}
+"""Presets with a KL term (verl adds its own), a mismatch skip, VESPO's folded IS weight, a trust region or M2PO (both
+read the rollout log-probs) (a preset added later is expected refused exactly when verl_refusals names something)."""
 
 
 KNOWN = REFUSED | {"gspo", "trl_cispo", "trl_dapo", "trl_dr_grpo", "trl_grpo", "trl_luspo", "trl_sapo", "verl_clip_cov",
