@@ -12,7 +12,10 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    when it was set on the MicroBatch.
 2. Log-probs (and entropy) of the targets on the TP group, at the rollout's sampling temperature and,
    when the micro-batch carries one (:meth:`MicroBatch.with_sampling_filter`), under the rollout's
-   sampling filter (top-k / top-p / min-p replayed: the filtered, renormalized distribution):
+   sampling filter (top-k / top-p / min-p replayed: the filtered, renormalized distribution), or over the
+   rollout engine's captured support (:meth:`MicroBatch.with_captured_support`: each token's distribution
+   renormalized over the ids it was sampled from), and with the engine's top-K ids
+   (:meth:`MicroBatch.with_rollout_top_k`) the trainer's log-probs at them, in the same forward:
    :func:`mp_grpo.vocab_parallel_logprobs` of the logits, or :func:`mp_grpo.fused_linear_logprobs` of
    the hidden states and the weight (the output layer's GEMM fused with the log-probs, chunk by chunk,
    never holding the logits; into ``weight.main_grad`` as :mod:`mp_grpo.megatron.main_grad` decides). This is
@@ -20,7 +23,8 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    fused path with a token-separable loss (:func:`~mp_grpo.megatron.fused_output.loss_in_forward`)
    steps 2–3 run together in :func:`~mp_grpo.megatron.fused_output.fused_output_loss`: the loss's
    gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On
-   the logits path without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
+   the logits path without a sampling filter, captured support or top-K ids steps 2–3 run together in
+   :meth:`GRPOLoss.on_logits`: one
    autograd Function, the loss's backward inside the log-prob backward kernel (same values, fewer host
    steps per micro-batch). On the logits path the gradient of the logits is written into the logits
    (``inplace_backward``: Megatron's schedule never reads the model output again), and
@@ -62,6 +66,7 @@ from mp_grpo.megatron.scaling import MegatronScaling
 from mp_grpo.ops.checks import CheckInputs, check_inputs_mode, check_main_grad, check_temperature
 from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs_unchecked
 from mp_grpo.ops.logits_grpo_loss import LogitsSpec
+from mp_grpo.ops.top_k_logprobs import TokenLogprobs
 from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs_unchecked
 
 
@@ -400,15 +405,38 @@ class MegatronGRPO:
         x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
                            self.groups.tp_size)
         # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
-        return self._logprobs_unchecked(x, mb, output_weight, inplace_backward)
+        out = self._logprobs_unchecked(x, mb, output_weight, inplace_backward, with_top_k=False)
+        return out.logprobs, out.entropy
+
+    def token_logprobs_with_top_k(
+        self,
+        output_tensor: torch.Tensor,
+        mb: MicroBatch,
+        *,
+        vocab_size: int | None = None,
+        output_weight: OutputWeight | None = None,
+    ) -> TokenLogprobs:
+        """:meth:`token_logprobs` and, in the same forward, the trainer's log-probs at the micro-batch's rollout top-K
+        ids (:attr:`MicroBatch.rollout_top_k`): ``TokenLogprobs(logprobs, entropy or None, top_k)``, ``top_k``
+        ``[nnz]`` fp32 aligned with ``mb.rollout_top_k.ids`` (not differentiable). For passes outside the training
+        step (a forward-only pass measuring the top-K divergence); the training step takes them in
+        :meth:`loss_func`."""
+        if mb.rollout_top_k is None:
+            raise ValueError("mb.rollout_top_k is None: set the engine's top-K ids with MicroBatch.with_rollout_top_k")
+        x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
+                           self.groups.tp_size)
+        return self._logprobs_unchecked(x, mb, output_weight, False, with_top_k=True)
 
     def _logprobs_unchecked(
-        self, x: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None, inplace_backward: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, x: torch.Tensor, mb: MicroBatch, output_weight: OutputWeight | None, inplace_backward: bool, *,
+        with_top_k: bool,
+    ) -> TokenLogprobs:
         """Step 2 on the output :func:`~mp_grpo.megatron.output_checks.checked_output` returned: the ops' unchecked
-        entries."""
+        entries; ``top_k`` (the log-probs at ``mb.rollout_top_k``'s ids) None unless ``with_top_k``."""
+        top_k_ids = mb.rollout_top_k.ids if with_top_k else None
         common = dict(tp_group=self.groups.tp, inv_temperature=self._inv_temperature, with_entropy=self.with_entropy,
-                      ignore_index=IGNORE_INDEX, check_inputs=self.check_inputs, sampling_filter=mb.sampling_filter)
+                      ignore_index=IGNORE_INDEX, check_inputs=self.check_inputs, sampling_filter=mb.sampling_filter,
+                      captured_support=mb.captured_support, top_k_ids=top_k_ids)
         if self.output_path == OutputPath.FUSED:
             weight = output_weight.weight  # type: ignore[union-attr]
             # Megatron's linear layer, too, accumulates only when a weight gradient is computed.
@@ -420,7 +448,9 @@ class MegatronGRPO:
                                                   **common)
         else:
             out = vocab_parallel_logprobs_unchecked(x, mb.targets, inplace_backward=inplace_backward, **common)
-        return out if self.with_entropy else (out, None)
+        if top_k_ids is not None:
+            return out
+        return TokenLogprobs(*(out if self.with_entropy else (out, None)), None)
 
     def loss_func(
         self,
@@ -445,26 +475,28 @@ class MegatronGRPO:
                         mb.advantages, mb.loss_mask, mb.rollout_logprobs, mb.ref_logprobs, None, entropy_computed=True)
         check_batch(self.config, batch, mb.loss_mask)
 
-        def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-            share, metrics = self.loss.share_unchecked(
-                logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
-                rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-                batch=batch, layout=mb.sequences, check_inputs=self.check_inputs,
-            )
-            # Trained tokens outside the rollout's sampling filter (log-prob -inf; 0 without a filter or when
-            # checked, which raises instead): always present, so every micro-batch's dict has the same names.
+        def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None,
+                     top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+            share, metrics = self._share(mb, batch, logprobs, entropy, top_k)
+            # Trained tokens outside the rollout's sampling filter or captured support (log-prob -inf; 0 without
+            # either or when checked, which raises instead): always present, so every micro-batch's dict has the
+            # same names.
             outside = (torch.isneginf(logprobs.detach()) & mb.loss_mask).sum()
             metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
             return share, metrics
 
+        restricted = mb.sampling_filter is not None or mb.captured_support is not None or mb.rollout_top_k is not None
         if self.output_path == OutputPath.FUSED and loss_in_forward(self.config, mb.sequences):
-            # --- 2.–3. fused path, token-separable loss: log-probs and the share with its gradient in forward ---
+            # --- 2.–3. fused path, token-separable loss: log-probs (and the top-K ones) and the share with its
+            #          gradient in forward ---
             share, metrics = fused_output_loss(
                 x, output_weight, mb.targets, share_of, tp_group=self.groups.tp,  # type: ignore[arg-type]
                 inv_temperature=self._inv_temperature, with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
                 sampling_filter=mb.sampling_filter, check_inputs=self.check_inputs, logit_dtype=self.logit_dtype,
+                captured_support=mb.captured_support,
+                top_k_ids=mb.rollout_top_k.ids if mb.rollout_top_k is not None else None,
             )
-        elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None:
+        elif self.output_path == OutputPath.LOGITS and not restricted:
             # --- 2.–3. logits path: log-probs and the share in one autograd Function (GRPOLoss.on_logits) ---
             spec = LogitsSpec(self.groups.tp, self._inv_temperature, IGNORE_INDEX, True, self.check_inputs)
             share, metrics = self.loss.on_logits_unchecked(
@@ -475,10 +507,11 @@ class MegatronGRPO:
             outside = torch.zeros((), dtype=torch.int64, device=share.device)
             metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
         else:
-            # --- 2. log-probs (and entropy) ---
-            logprobs, entropy = self._logprobs_unchecked(x, mb, output_weight, inplace_backward=True)
+            # --- 2. log-probs (and entropy; the top-K ones) ---
+            out = self._logprobs_unchecked(x, mb, output_weight, inplace_backward=True,
+                                           with_top_k=mb.rollout_top_k is not None)
             # --- 3. this micro-batch's share of the step objective ---
-            share, metrics = share_of(logprobs, entropy)
+            share, metrics = share_of(*out)
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
         scaling = MegatronScaling(calculate_per_token_loss=self.calculate_per_token_loss,
                                   num_microbatches=len(batch.micro_batch_shapes), dp_size=self.groups.dp_size)
@@ -492,6 +525,22 @@ class MegatronGRPO:
             num_tokens = mb.sequences.valid_tokens(mb.loss_mask).sum().to(device=loss.device, dtype=torch.int)
             return loss, num_tokens, metrics
         return loss, metrics
+
+    def _share(self, mb: MicroBatch, batch: GlobalBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None,
+               top_k: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """Step 3: GRPOLoss's share of the micro-batch from its log-probs (and entropy). ``top_k``: the trainer's
+        log-probs at ``mb.rollout_top_k.ids`` ([nnz] fp32, aligned), taken in step 2's forward — the loss's input of a
+        top-K divergence with the engine's ``mb.rollout_top_k.logprobs``. This version's GRPOLoss takes no top-K
+        input: a micro-batch carrying the engine's top-K is refused here, after the trainer's values were taken."""
+        if top_k is not None:
+            raise ValueError(
+                "mb.rollout_top_k: the trainer's log-probs at the engine's top-K ids were taken, but this version's "
+                "GRPOLoss has no top-K divergence to use them; leave MicroBatch.rollout_top_k unset")
+        return self.loss.share_unchecked(
+            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
+            rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+            batch=batch, layout=mb.sequences, check_inputs=self.check_inputs,
+        )
 
     def _vocab_size(self, vocab_size: int | None) -> int | None:
         """The model's vocabulary size: ``vocab_size`` if given, else the one this object was built with."""
