@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import cce_anchor
-from fused_report import BARE, CCE, FP32, FUSED, GSPO, LIGER, SUPPORT, TOP_K, WITH_LOSS
+from fused_report import BARE, CCE, FP32, FUSED, GSPO, LIGER, WITH_LOSS
 from mp_grpo.config.precision import LogitDtype
 from mp_grpo.ops.token_ids import CapturedSupport, TokenIds
 from mp_grpo.ops.batch_major_linear import batch_major_linear
@@ -261,8 +261,8 @@ def cases(n: int, hidden_size: int, v: int):
         "loss_main_grad": (f"{WITH_LOSS}, into fp32 main_grad", with_loss(True)),
         "loss_512": (f"{WITH_LOSS}, 512 MiB chunks",
                      with_loss(False, plan_chunks(n, hidden_size, v, torch.bfloat16).forward_rows)),
-        "loss_support": (f"{WITH_LOSS}{SUPPORT}", replay("support")),
-        "loss_top_k": (f"{WITH_LOSS}{TOP_K}", replay("top_k")),
+        "loss_support": (f"{WITH_LOSS}, captured support of {SUPPORT_IDS} ids a token", replay("support")),
+        "loss_top_k": (f"{WITH_LOSS}, the trainer's log-probs at K = {TOP_K_IDS} top-K ids", replay("top_k")),
         "per_token": (FUSED, fused(False, False)),
         "per_token_fp32": (f"{FUSED}{FP32}", fused(False, False, LogitDtype.FP32)),
         "per_token_main_grad": (f"{FUSED} into fp32 main_grad", fused(False, True)),

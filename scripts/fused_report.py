@@ -14,10 +14,6 @@ GSPO = f"{FUSED} + GSPO GRPOLoss (sequence-level: recompute path)"
 CCE = "Apple cut-cross-entropy linear_cross_entropy"
 FP32 = ", logit_dtype=fp32"
 """Suffix of the rows with logits kept in fp32 (``LogitDtype.FP32``)."""
-SUPPORT = ", captured support of 512 ids a token"
-"""Suffix of the captured-support replay row (``captured_support=``)."""
-TOP_K = ", the trainer's log-probs at K = 20 top-K ids"
-"""Suffix of the top-K row (``top_k_ids=``)."""
 NOT_MEASURED = "not measured this run"
 """How the reports name a row that was skipped or failed (its reason follows)."""
 TARGET_TIME_RATIO = 1.10  # fwd+bwd of the fused output layer + loss vs. the bare matmuls (the target)
@@ -121,8 +117,8 @@ def _replay_targets(v: int, rows: dict) -> list[str]:
             continue
         ratio = row["fwd_bwd_ms"] / base["fwd_bwd_ms"]
         lines.append(f"- V = {v}, {row['case']}: fwd+bwd {row['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the op without it "
-                     f"({base['fwd_bwd_ms']:.2f} ms); target ≤ {limit:.2f}x: {_verdict(ratio, limit, 'x')}; extra peak "
-                     f"{row['extra_peak_GiB']:.2f} GiB")
+                     f"({base['fwd_bwd_ms']:.2f} ms); target ≤ {limit:.2f}x: {_verdict(ratio, limit, 'x')}; "
+                     f"extra peak {row['extra_peak_GiB']:.2f} GiB")
     return lines
 
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mp_grpo.kernels.logprob_merge import merge_rows
-from mp_grpo.kernels.logprob_support import in_support, support_range
+from mp_grpo.kernels.logprob_support import in_support, shard_ids, support_range
 
 
 @triton.jit
@@ -58,10 +58,7 @@ def logprob_gather_ids_kernel(
     # --- 2. the logit of each id this shard owns; -inf outside the kept set or the support ---
     for k0 in range(start, end, BLOCK_K):
         pos = k0 + offs
-        in_row = pos < end
-        ids = tl.load(ids_ptr + pos, mask=in_row, other=0)
-        local = ids - vocab_start
-        mine = in_row & (local >= 0) & (local < V_local)
+        in_row, ids, local, mine = shard_ids(ids_ptr, pos, end, V_local, vocab_start)
         x = tl.load(x_row_ptr + local, mask=mine, other=0.0).to(tl.float32)
         if HAS_THRESHOLD:
             x = tl.where(x >= threshold, x, float("-inf"))

@@ -31,13 +31,23 @@ from mp_grpo.kernels.logprob_stats import LN2, LOG2E, MAX_SENTINEL, online_sums
 
 @triton.jit
 def support_range(indptr_ptr, row, nnz):
-    """Row ``row``'s entries ``[start, end)`` of a CSR, clamped to ``[0, nnz]`` (a malformed ``indptr`` — counted on the
-    host side — reads nothing out of bounds: a row whose end is not past its start has no entries)."""
+    """Row ``row``'s entries ``[start, end)`` of a CSR, clamped to ``[0, nnz]`` (a malformed ``indptr`` — counted on
+    the host side — reads nothing out of bounds: a row whose end is not past its start has no entries)."""
     start = tl.load(indptr_ptr + row)
     end = tl.load(indptr_ptr + row + 1)
     start = tl.minimum(tl.maximum(start, 0), nnz)
     end = tl.minimum(tl.maximum(end, start), nnz)
     return start, end
+
+
+@triton.jit
+def shard_ids(ids_ptr, pos, end, V_local, vocab_start):
+    """The CSR entries ``pos`` of a row ending at ``end``: (in the row, their ids — 0 past the end —, the ids'
+    columns in this shard, whether this shard owns them)."""
+    in_row = pos < end
+    ids = tl.load(ids_ptr + pos, mask=in_row, other=0)
+    local = ids - vocab_start
+    return in_row, ids, local, in_row & (local >= 0) & (local < V_local)
 
 
 @triton.jit
@@ -83,12 +93,8 @@ def logprob_support_stats_kernel(
     u = tl.zeros([], dtype=tl.float32)
     found = tl.zeros([], dtype=tl.int32)  # the target among the row's ids (every shard sees every id)
     for k0 in range(start, end, BLOCK_K):
-        pos = k0 + offs
-        in_row = pos < end
-        ids = tl.load(ids_ptr + pos, mask=in_row, other=0)
+        in_row, ids, local, mine = shard_ids(ids_ptr, k0 + offs, end, V_local, vocab_start)
         found += tl.sum((in_row & (ids == target)).to(tl.int32), axis=0)
-        local = ids - vocab_start
-        mine = in_row & (local >= 0) & (local < V_local)
         x = tl.load(x_row_ptr + local, mask=mine, other=float("-inf")).to(tl.float32)
         m, s, u = online_sums(m, s, u, x, mine & (local == local_target), scale, HAS_ENTROPY)
 
@@ -148,9 +154,7 @@ def logprob_support_grad_kernel(
     # --- 2. the gradient at each of this shard's support ids, into the row's entries of the buffer ---
     for k0 in range(start, end, BLOCK_K):
         pos = k0 + offs
-        in_row = pos < end
-        local = tl.load(ids_ptr + pos, mask=in_row, other=0) - vocab_start
-        mine = in_row & (local >= 0) & (local < V_local)
+        _, _, local, mine = shard_ids(ids_ptr, pos, end, V_local, vocab_start)
         z = tl.load(x_row_ptr + local, mask=mine, other=float("-inf")).to(tl.float32)
         grad = gradient_values(z, local == target_col, row_max, log_sum, complement, centered, entropy, g_logprob,
                                g_entropy, row_ok, inv_temperature, HAS_ENTROPY_GRAD)
@@ -182,9 +186,7 @@ def logprob_support_scatter_kernel(
     # --- 2. this shard's support ids: their buffered gradient into the row ---
     for k0 in range(start, end, BLOCK_K):
         pos = k0 + offs
-        in_row = pos < end
-        local = tl.load(ids_ptr + pos, mask=in_row, other=0) - vocab_start
-        mine = in_row & (local >= 0) & (local < V_local)
+        _, _, local, mine = shard_ids(ids_ptr, pos, end, V_local, vocab_start)
         tl.store(grad_row_ptr + local, tl.load(values_ptr + pos, mask=mine), mask=mine)
 
 

@@ -211,7 +211,8 @@ def fused_output_loss(
 
     ``loss_fn(logprobs, entropy) -> (share, metrics)`` is GRPOLoss bound to the micro-batch and the step's
     GlobalBatch; with ``top_k_ids`` it is called ``loss_fn(logprobs, entropy, top_k_logprobs)`` (the trainer's
-    log-probs at the engine's top-K ids, :func:`mp_grpo.ops.fused_linear_loss.fused_linear_loss`). The weight gradient goes into ``main_grad`` when ``output_weight`` says so
+    log-probs at the engine's top-K ids, :func:`mp_grpo.ops.fused_linear_loss.fused_linear_loss`). The weight
+    gradient goes into ``main_grad`` when ``output_weight`` says so
     (:mod:`mp_grpo.megatron.main_grad`; only when a weight gradient is computed).
     The arguments are checked already by the caller, ``MegatronGRPO.loss_func`` (the micro-batch's boundary;
     ``weight.main_grad`` here, where the accumulation is decided): this runs

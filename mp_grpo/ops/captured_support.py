@@ -68,10 +68,10 @@ def check_captured_support(support: CapturedSupport, target_shape: torch.Size, d
     check_token_ids(support, "captured_support", target_shape, device, CapturedSupport)
     if sampling_filter is not None:
         raise ValueError(
-            "captured_support and sampling_filter: pass one. The captured support is the set the engine's filter kept "
-            "when it sampled each token; replaying the filter as well would intersect it with the set the trainer's own "
-            "logits keep, a distribution no engine samples from (vLLM, sglang, prime-rl, SkyRL and miles replay the "
-            "support alone)")
+            "captured_support and sampling_filter: pass one. The captured support is the set the engine's filter "
+            "kept when it sampled each token; replaying the filter as well would intersect it with the set the "
+            "trainer's own logits keep, a distribution no engine samples from (vLLM, sglang, prime-rl, SkyRL and "
+            "miles replay the support alone)")
 
 
 def check_replay(sampling_filter: SamplingFilter | None, captured_support: CapturedSupport | None,

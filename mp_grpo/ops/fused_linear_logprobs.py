@@ -139,7 +139,7 @@ from mp_grpo.ops.output_chunks import (
 )
 from mp_grpo.ops.sampling_filter import SamplingFilter, filtered_statistics, targets_outside_filter
 from mp_grpo.ops.token_ids import CapturedSupport, TokenIds, check_token_ids, record_token_ids_errors
-from mp_grpo.ops.top_k_logprobs import TokenLogprobs, gather_logits_at_ids, logprobs_at_ids
+from mp_grpo.ops.top_k_logprobs import TokenLogprobs, gather_logits_at_ids, top_k_outputs
 
 
 def _forward_statistics(
@@ -343,12 +343,8 @@ class FusedLinearLogProbs(torch.autograd.Function):
         logprobs = merged.logprobs.view(target.shape)
         if top_k_ids is not None:
             # --- 4. the log-probs at the engine's top-K ids (not differentiable) ---
-            top_k = torch.empty(top_k_ids.nnz, dtype=torch.float32, device=h.device)
-            logprobs_at_ids(gathered, t, top_k_ids, top_k, v_local=v_local, ignore_index=ignore_index,
-                            inv_temperature=inv_temperature)
-            entropy = merged.entropy.view(target.shape) if with_entropy else merged.entropy
-            ctx.mark_non_differentiable(top_k, *(() if with_entropy else (entropy,)))
-            return logprobs, entropy, top_k
+            return top_k_outputs(ctx, merged, gathered, t, top_k_ids, target.shape, v_local=v_local,
+                                 ignore_index=ignore_index, inv_temperature=inv_temperature, with_entropy=with_entropy)
         if with_entropy:
             return logprobs, merged.entropy.view(target.shape)
         return logprobs

@@ -53,7 +53,7 @@ def new_stats_buffer(rows: int, device: torch.device) -> torch.Tensor:
 
 
 class StatsBuffer(NamedTuple):
-    """A statistics buffer with a payload after its rows, sent by the same all-gather (:func:`new_stats_buffer_with`)."""
+    """A statistics buffer with a payload after its rows, sent by one all-gather (:func:`new_stats_buffer_with`)."""
 
     buffer: torch.Tensor
     """``[rows + 1 + payload_rows, 4]`` fp32: what :func:`gather_statistics` sends (``payload_rows=``)."""

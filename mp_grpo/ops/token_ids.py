@@ -26,8 +26,9 @@ from mp_grpo.ops.checks import CheckInputs, record_errors
 @dataclass(frozen=True)
 class TokenIds:
     """Each token's list of global vocabulary ids, CSR over the flattened tokens: token i's ids are
-    ``ids[indptr[i] : indptr[i + 1]]`` (see the module docstring). What :func:`mp_grpo.vocab_parallel_logprobs_with_top_k`
-    and the fused ops take as the rollout engine's top-K ids (any order within a token)."""
+    ``ids[indptr[i] : indptr[i + 1]]`` (see the module docstring). What
+    :func:`mp_grpo.vocab_parallel_logprobs_with_top_k` and the fused ops take as the rollout engine's top-K ids (any
+    order within a token)."""
 
     indptr: torch.Tensor
     """``[tokens + 1]`` int64 row pointer: ``indptr[0] = 0``, non-decreasing, ``indptr[-1] = len(ids)``."""

@@ -30,7 +30,7 @@ import torch
 from mp_grpo.kernels.launch_config import LogprobLaunchConfig, logprob_launch_config
 from mp_grpo.kernels.logprob_at_ids import logprob_at_ids_kernel, logprob_gather_ids_kernel
 from mp_grpo.ops.launcher import LaunchMeta, launch_meta
-from mp_grpo.ops.logprob_launch import Gathered
+from mp_grpo.ops.logprob_launch import Gathered, Merged
 from mp_grpo.ops.token_ids import CapturedSupport, TokenIds
 
 
@@ -107,3 +107,27 @@ def logprobs_at_ids(
         stats.stride(0), stats.stride(1), payload.stride(0),
         inv_temperature,
     )
+
+
+def top_k_outputs(
+    ctx,
+    merged: Merged,
+    gathered: Gathered,
+    target: torch.Tensor,  # [N] int64
+    top_k_ids: TokenIds,
+    target_shape: torch.Size,
+    *,
+    v_local: int,
+    ignore_index: int,
+    inv_temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-prob ops' outputs with ``top_k_ids`` (their forward's last step): ``(logprobs, entropy — an empty
+    placeholder without ``with_entropy`` —, top_k)``, step 3 run here, ``top_k`` and a placeholder marked
+    non-differentiable on the autograd ``ctx``."""
+    top_k = torch.empty(top_k_ids.nnz, dtype=torch.float32, device=target.device)
+    logprobs_at_ids(gathered, target, top_k_ids, top_k, v_local=v_local, ignore_index=ignore_index,
+                    inv_temperature=inv_temperature)
+    entropy = merged.entropy.view(target_shape) if with_entropy else merged.entropy
+    ctx.mark_non_differentiable(top_k, *(() if with_entropy else (entropy,)))
+    return merged.logprobs.view(target_shape), entropy, top_k

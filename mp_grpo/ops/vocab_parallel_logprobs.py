@@ -68,7 +68,7 @@ from mp_grpo.ops.logprob_launch import (
     shard_statistics,
 )
 from mp_grpo.ops.token_ids import CapturedSupport, TokenIds, check_token_ids, record_token_ids_errors
-from mp_grpo.ops.top_k_logprobs import TokenLogprobs, gather_logits_at_ids, logprobs_at_ids
+from mp_grpo.ops.top_k_logprobs import TokenLogprobs, gather_logits_at_ids, top_k_outputs
 
 
 class VocabParallelLogProbs(torch.autograd.Function):
@@ -145,12 +145,8 @@ class VocabParallelLogProbs(torch.autograd.Function):
         logprobs = merged.logprobs.view(target.shape)
         if top_k_ids is not None:
             # --- 4. the log-probs at the engine's top-K ids (not differentiable) ---
-            top_k = torch.empty(top_k_ids.nnz, dtype=torch.float32, device=x.device)
-            logprobs_at_ids(gathered, t, top_k_ids, top_k, v_local=v_local, ignore_index=ignore_index,
-                            inv_temperature=inv_temperature)
-            entropy = merged.entropy.view(target.shape) if with_entropy else merged.entropy
-            ctx.mark_non_differentiable(top_k, *(() if with_entropy else (entropy,)))
-            return logprobs, entropy, top_k
+            return top_k_outputs(ctx, merged, gathered, t, top_k_ids, target.shape, v_local=v_local,
+                                 ignore_index=ignore_index, inv_temperature=inv_temperature, with_entropy=with_entropy)
         if with_entropy:
             return logprobs, merged.entropy.view(target.shape)
         return logprobs
@@ -266,11 +262,8 @@ def vocab_parallel_logprobs(
     Batch invariance: a row's log-prob, entropy and gradient are bitwise identical whatever the number
     of rows, their position and the leading shape (docs/kernel.md, "Batch invariance").
     """
-    check_logits_and_target(logits, target)
-    check_runs_here(logits, "logits")
-    inv_temperature = check_temperature(temperature)
-    check_inputs = check_inputs_mode(check_inputs)
-    check_replay(sampling_filter, captured_support, target.shape, logits.device, check_inputs)
+    inv_temperature, check_inputs = _checked(logits, target, temperature, check_inputs, sampling_filter,
+                                             captured_support)
     return vocab_parallel_logprobs_unchecked(
         logits, target, tp_group=tp_group, inv_temperature=inv_temperature, with_entropy=bool(with_entropy),
         ignore_index=int(ignore_index), inplace_backward=bool(inplace_backward), check_inputs=check_inputs,
@@ -301,17 +294,24 @@ def vocab_parallel_logprobs_with_top_k(
     the target's log-prob is (over the kept set or the support, -inf at an id outside it), not differentiable.
     Collectives: none beyond :func:`vocab_parallel_logprobs`'s — this shard's logits at the ids it owns travel in
     the statistics' all-gather (4 bytes an id)."""
-    check_logits_and_target(logits, target)
-    check_runs_here(logits, "logits")
-    inv_temperature = check_temperature(temperature)
-    check_inputs = check_inputs_mode(check_inputs)
-    check_replay(sampling_filter, captured_support, target.shape, logits.device, check_inputs)
+    inv_temperature, check_inputs = _checked(logits, target, temperature, check_inputs, sampling_filter,
+                                             captured_support)
     check_token_ids(top_k_ids, "top_k_ids", target.shape, logits.device)
     return vocab_parallel_logprobs_unchecked(
         logits, target, tp_group=tp_group, inv_temperature=inv_temperature, with_entropy=bool(with_entropy),
         ignore_index=int(ignore_index), inplace_backward=bool(inplace_backward), check_inputs=check_inputs,
         sampling_filter=sampling_filter, captured_support=captured_support, top_k_ids=top_k_ids,
     )
+
+
+def _checked(logits, target, temperature, check_inputs, sampling_filter, captured_support) -> tuple[float, CheckInputs]:
+    """The public entries' argument checks: ``(1 / temperature, check_inputs as a CheckInputs)``."""
+    check_logits_and_target(logits, target)
+    check_runs_here(logits, "logits")
+    inv_temperature = check_temperature(temperature)
+    check_inputs = check_inputs_mode(check_inputs)
+    check_replay(sampling_filter, captured_support, target.shape, logits.device, check_inputs)
+    return inv_temperature, check_inputs
 
 
 def vocab_parallel_logprobs_unchecked(

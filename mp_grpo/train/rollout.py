@@ -125,7 +125,8 @@ class RolloutEngine:
         sequence_ids: torch.Tensor, capture_support: bool = False,
     ) -> Generation:
         """``completion_length`` tokens after each prompt; ``sequence_ids`` key the sampling noise per row. With
-        ``capture_support`` (and a sampling filter) also the kept set of each sampled token (:attr:`Generation.support`)."""
+        ``capture_support`` (and a sampling filter) also the kept set of each sampled token
+        (:attr:`Generation.support`)."""
         captured: list[torch.Tensor] = []  # per completion token: [kept entries, 3] (row, position, id)
         n, p_max = prompts.shape
         device = prompts.device

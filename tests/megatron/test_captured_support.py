@@ -49,7 +49,10 @@ def engine_lists(rollouts, seed: int = 0):
 def dense(indptr: torch.Tensor, ids: torch.Tensor, shape, values: torch.Tensor | None = None) -> torch.Tensor:
     """A CSR as a dense ``shape + [V]`` field: True (or the value) at each token's ids, False (NaN) elsewhere."""
     rows = indptr.numel() - 1
-    out = torch.full((rows, H.VOCAB), float("nan")) if values is not None else torch.zeros(rows, H.VOCAB, dtype=torch.bool)
+    if values is not None:
+        out = torch.full((rows, H.VOCAB), float("nan"))
+    else:
+        out = torch.zeros(rows, H.VOCAB, dtype=torch.bool)
     for r in range(rows):
         lo, hi = int(indptr[r]), int(indptr[r + 1])
         out[r, ids[lo:hi]] = values[lo:hi] if values is not None else True

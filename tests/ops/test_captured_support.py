@@ -183,7 +183,7 @@ def test_target_outside_its_support() -> None:
     outside = sorted(set(range(V)) - set(support.ids[lo:int(support.indptr[6])].tolist()))
     bad[5] = outside[0]
     bad[7] = sorted(set(range(V)) - set(support.ids[int(support.indptr[7]):int(support.indptr[8])].tolist()))[-1]
-    with pytest.raises(ValueError, match=r"target: 2 token\(s\) lie outside their captured_support.*the first is token 5"):
+    with pytest.raises(ValueError, match=r"target: 2 token\(s\) lie outside their captured_support.*first is token 5"):
         vocab_parallel_logprobs(logits, bad, captured_support=support)
     with deferred_checks():  # as on a GPU: counted on the device, raised at check_errors with the first token
         vocab_parallel_logprobs(logits, bad, captured_support=support)

@@ -88,7 +88,7 @@ def support_mask(support: CapturedSupport) -> torch.Tensor:
 
 def reference_gradient(logits: torch.Tensor, target: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor,
                        keep: torch.Tensor | None = None):
-    """d/dlogits of Σ g_lp · log p_t + g_ent · H in float64 of the same logits (renormalized over ``keep``), and p_t."""
+    """d/dlogits of Σ g_lp · log p_t + g_ent · H in float64 of the same logits (renormalized over ``keep``); p_t."""
     x = logits.detach().double().requires_grad_()
     z = x / TEMPERATURE if keep is None else torch.where(keep, x / TEMPERATURE, float("-inf"))
     logp = torch.log_softmax(z, -1)

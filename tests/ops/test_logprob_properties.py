@@ -256,8 +256,8 @@ def test_logprobs_over_a_captured_support_match_float64_reference(data) -> None:
     seed = data.draw(st.integers(0, 2**32 - 1))
     gen = torch.Generator().manual_seed(seed)
     support = data.draw(_supports(vocab, rows_shape[0], gen))
-    note(f"rows {rows_shape}, vocab {vocab}, {dtype}, scale {scale}, temperature {temperature}, entropy {with_entropy}, "
-         f"inplace {inplace}, support sizes {support.indptr.diff().tolist()}, seed {seed}")
+    note(f"rows {rows_shape}, vocab {vocab}, {dtype}, scale {scale}, temperature {temperature}, "
+         f"entropy {with_entropy}, inplace {inplace}, support sizes {support.indptr.diff().tolist()}, seed {seed}")
     logits = (torch.randn(*rows_shape, vocab, generator=gen, dtype=torch.float64) * scale).to(dtype)
     keep = support_keep_reference(support.indptr, support.ids, logits.shape)
     target = torch.multinomial(keep.double(), 1, generator=gen).reshape(rows_shape)

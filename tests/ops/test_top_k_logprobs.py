@@ -127,7 +127,8 @@ def test_entropy_and_none() -> None:
 
 @pytest.mark.parametrize("ids,match", [
     (TokenIds(torch.tensor([0, 1]), torch.tensor([3])), r"top_k_ids.indptr has 2 entries but target \(8,\) holds 8"),
-    (TokenIds(torch.arange(N + 1), torch.tensor([3, 4, 5, 6, 7, 8, 9, V])), r"top_k_ids: 1 violation.*ids in \[0, 40\)"),
+    (TokenIds(torch.arange(N + 1), torch.tensor([3, 4, 5, 6, 7, 8, 9, V])),
+     r"top_k_ids: 1 violation.*ids in \[0, 40\)"),
     (TokenIds(torch.tensor([0, 2, 1, 3, 4, 5, 6, 7, 8]), torch.arange(8)), r"top_k_ids: \d violation"),
 ])
 def test_bad_ids_are_named(ids, match) -> None:

@@ -112,7 +112,8 @@ def boundary_statistics(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.
     sampled = tokens[:, 1:].clamp(min=0).unsqueeze(-1)
     outside = ~recomputed.gather(-1, sampled).squeeze(-1)[trained]
     return {"tokens_where_sets_differ": int((differ > 0).sum()), "differing_ids": int(differ.sum()),
-            "sampled_outside_recomputed_filter": int(outside.sum()), "captured_ids": int(captured.sum(-1)[trained].sum()),
+            "sampled_outside_recomputed_filter": int(outside.sum()),
+            "captured_ids": int(captured.sum(-1)[trained].sum()),
             "tokens": int(trained.sum())}
 
 
@@ -133,31 +134,14 @@ def kept_mass_statistics(logits: torch.Tensor, full: torch.Tensor, engine: torch
 
 def run(setup: SupportReplaySetup = SupportReplaySetup()) -> dict:
     """One row per (engine dtype, filter, trainer mode); JSON-ready."""
-    from mp_grpo.config.job import EngineConfig, EngineDtype, load_job_config
+    from mp_grpo.config.job import EngineConfig, EngineDtype
     from mp_grpo.ops import SamplingFilter
-    from mp_grpo.train import loop
-    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
-    from mp_grpo.train.mismatch_lab.top_p_replay import mismatch_statistics
+    from mp_grpo.train.mismatch_lab.top_p_replay import job_policy, mismatch_statistics
     from mp_grpo.train.rollout import RolloutEngine
     from mp_grpo.train.task import make_prompts
 
     # --- 1. the job's config with a wider vocabulary, its initial policy, TP = 1 ---
-    config_path = Path(loop.__file__).resolve().parent / "configs" / "grpo_cpu.yaml"
-    cfg = load_job_config(config_path, ["parallel.tensor_model_parallel_size=1",
-                                        f"model.vocab_size={setup.vocab_size}", *setup.extra_overrides])
-    loop.setup_distributed()
-    import torch.distributed as dist
-
-    model_config = cpu_model_config(hidden_size=cfg.model.hidden_size)
-    weights = random_full_weights(model_config, vocab_size=cfg.model.vocab_size,
-                                  max_sequence_length=cfg.model.max_sequence_length, seed=cfg.model.init_seed)
-
-    def stand_in() -> CpuGPTStandIn:
-        m = CpuGPTStandIn(model_config, vocab_size=cfg.model.vocab_size,
-                          max_sequence_length=cfg.model.max_sequence_length, tp_group=dist.group.WORLD)
-        m.load_full_weights(weights)
-        return m
-
+    cfg, config_path, stand_in = job_policy([f"model.vocab_size={setup.vocab_size}", *setup.extra_overrides])
     policy = stand_in().eval()
     n = cfg.train.num_microbatches * cfg.train.micro_batch_size
     g, temperature = cfg.rollout.group_size, cfg.rollout.temperature
@@ -203,8 +187,9 @@ def run(setup: SupportReplaySetup = SupportReplaySetup()) -> dict:
                                                                        for m in mass)
                 elif mode == TRAINER_MODES[1]:
                     total = {k: sum(m[k] for m in boundary) for k in boundary[0]}
-                    row |= {"tokens_where_sets_differ": total["tokens_where_sets_differ"],
-                            "differing_ids_per_such_token": total["differing_ids"] / max(total["tokens_where_sets_differ"], 1),
+                    differ = total["tokens_where_sets_differ"]
+                    row |= {"tokens_where_sets_differ": differ,
+                            "differing_ids_per_such_token": total["differing_ids"] / max(differ, 1),
                             "sampled_outside_recomputed_filter": total["sampled_outside_recomputed_filter"],
                             "captured_ids_mean": total["captured_ids"] / total["tokens"]}
                 rows.append(row)
@@ -225,7 +210,8 @@ def report(result: dict) -> str:
                      f"| {r['token_is_mean']:.4g} | {r['token_is_min']:.3g} | {r['sequence_is_mean']:.4g} "
                      f"| {r['outside_trainer_filter']} |")
     lines += ["", "No replay: the mean log ratio against the mean log S (S: the trainer's mass of the captured set)",
-              "", "| engine | filter | mean kept mass S | mean log S | mean log ratio | largest \\|log ratio − log S\\| |",
+              "", "| engine | filter | mean kept mass S | mean log S | mean log ratio "
+              "| largest \\|log ratio − log S\\| |",
               "|" + "---|" * 6]
     for r in result["rows"]:
         if r["trainer"] == TRAINER_MODES[0]:
@@ -238,7 +224,8 @@ def report(result: dict) -> str:
     for r in result["rows"]:
         if r["trainer"] == TRAINER_MODES[1]:
             lines.append(f"| {r['engine_dtype']} | {r['filter']} | {r['captured_ids_mean']:.1f} "
-                         f"| {r['tokens_where_sets_differ']} of {r['tokens']} | {r['differing_ids_per_such_token']:.2f} "
+                         f"| {r['tokens_where_sets_differ']} of {r['tokens']} "
+                         f"| {r['differing_ids_per_such_token']:.2f} "
                          f"| {r['sampled_outside_recomputed_filter']} |")
     return "\n".join(lines)
 
