@@ -204,13 +204,18 @@ def test_the_target_gradient_is_exact_for_confident_tokens(path: str, dtype: tor
 
 
 def test_fp32_logits_of_bf16_operands_on_the_fused_ops() -> None:
-    """``LogitDtype.FP32`` on bf16 hidden states: fp32 logits, the gradient narrowed in place to bf16."""
+    """``LogitDtype.FP32`` on bf16 hidden states: fp32 logits, the gradient narrowed in place to bf16 (over a captured
+    support too: its gradient read from the fp32 logits before the row is narrowed, then scattered into it)."""
     logits, target = confident_logits(torch.bfloat16)
     g_lp, g_ent = upstream()
     ref, _ = reference_gradient(logits, target, g_lp, g_ent)
+    s_logits, s_target, support = confident_support_logits(torch.bfloat16)
+    s_ref, _ = reference_gradient(s_logits, s_target, g_lp, g_ent, support_mask(support))
     for name in ("fused_linear_logprobs", "fused_linear_loss"):
         grad = PATHS[name](logits, target, g_lp, g_ent, logit_dtype=LogitDtype.FP32)
         assert_target_gradient(grad, ref, target, f"{name}, bf16 operands, fp32 logits")
+        grad = PATHS[name](s_logits, s_target, g_lp, g_ent, logit_dtype=LogitDtype.FP32, captured_support=support)
+        assert_target_gradient(grad, s_ref, s_target, f"{name} over a support, bf16 operands, fp32 logits")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
