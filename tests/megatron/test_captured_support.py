@@ -12,6 +12,7 @@ the engine's top-K ids as ``loss_func`` takes them, against the float64 log-soft
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -129,7 +130,11 @@ def _step(groups, rollouts, weights, support, fmt, path, config_name, top=None):
     config = cpu_model_config(hidden_size=H.HIDDEN, context_parallel_size=groups.cp_size,
                               calculate_per_token_loss=False)
     config.finalize_model_grads_func = finalize_model_grads
-    model = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN, tp_group=groups.tp)
+    import torch.distributed as dist
+
+    # megatron-core's layers want a group object: one process's world when there is no TP group
+    model = CpuGPTStandIn(config, vocab_size=H.VOCAB, max_sequence_length=H.MAX_LEN,
+                          tp_group=groups.tp or dist.group.WORLD)
     model.load_full_weights(weights)
     ddp = CpuDistributedDataParallel(config, DistributedDataParallelConfig(), model, dp_cp_group=groups.dp_cp)
     mb = prepare_micro_batch(rollouts, sequence_format=SequenceFormat(fmt), cp_group=groups.cp)
@@ -144,13 +149,47 @@ def _step(groups, rollouts, weights, support, fmt, path, config_name, top=None):
     return mb, model, reduce_metrics(losses, groups.dp_cp), H.full_grads(model)
 
 
+@contextlib.contextmanager
+def recording_top_k():
+    """MegatronGRPO._share records the trainer's top-K log-probs it receives and computes the share without them (the
+    connection to a loss that reads them is not in this version)."""
+    from mp_grpo.megatron import MegatronGRPO
+
+    taken: list[torch.Tensor] = []
+    original = MegatronGRPO._share
+
+    def record(self, mb, batch, logprobs, entropy, top_k):
+        taken.append(top_k.clone())
+        return original(self, mb, batch, logprobs, entropy, None)
+
+    MegatronGRPO._share = record
+    try:
+        yield taken
+    finally:
+        MegatronGRPO._share = original
+
+
+def check_top_k(taken: list[torch.Tensor], model, mb, where: str) -> None:
+    """The recorded top-K log-probs against the float64 log-softmax of the model's logits over each position's
+    support, at the micro-batch's top-K ids."""
+    from tests.reference import logprobs_at_ids_reference, support_keep_reference
+
+    assert taken, f"no top-K log-probs reached MegatronGRPO._share {where}"
+    with torch.no_grad():
+        logits = model(mb.input_ids, mb.position_ids).reshape(-1, H.VOCAB) / H.TEMPERATURE
+    keep = support_keep_reference(mb.captured_support.indptr, mb.captured_support.ids, logits.shape)
+    want = logprobs_at_ids_reference(logits, mb.rollout_top_k.ids.indptr, mb.rollout_top_k.ids.ids, keep=keep)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isneginf(taken[-1]), torch.isneginf(want)), f"top-K -inf pattern {where}"
+    assert_close(taken[-1][finite], want[finite], torch.float32, f"top-K log-probs {where}")
+
+
 def case_context_parallel(cp: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from mp_grpo.config.job import OutputPath, SequenceFormat
-    from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
-    from tests.reference import logprobs_at_ids_reference, support_keep_reference
+    from mp_grpo.megatron import ParallelGroups, prepare_micro_batch
 
     ps.initialize_model_parallel(context_parallel_size=cp)
     try:
@@ -164,50 +203,69 @@ def case_context_parallel(cp: int) -> None:
             mb = prepare_micro_batch(rollouts, sequence_format=SequenceFormat(fmt), cp_group=groups.cp)
             check_layout(mb.with_captured_support(support).with_rollout_top_k(top, top_logprobs), rollouts, support,
                          top, top_logprobs)
-        # --- one step over the support equals the one-process batch ---
+        # --- one step over the support equals the one-process batch; the trainer's log-probs at the engine's top-K
+        #     ids as loss_func takes them (handed to MegatronGRPO._share, recorded here) ---
         for fmt, path, name in (("padded", OutputPath.LOGITS, "ppo_token_tis"),
                                 ("packed", OutputPath.FUSED, "sequence_level")):
-            ref_loss, ref_grads = _reference(H.loss_config(name), rollouts, weights, support, solo)
-            _, _, metrics, grads = _step(groups, rollouts, weights, support, fmt, path, name)
             where = f"[{fmt}, {path}, {name}, cp={cp}]"
+            ref_loss, ref_grads = _reference(H.loss_config(name), rollouts, weights, support, solo)
+            with recording_top_k() as taken:
+                mb, model, metrics, grads = _step(groups, rollouts, weights, support, fmt, path, name,
+                                                  top=(top, top_logprobs))
             assert math.isclose(metrics["loss"], ref_loss, rel_tol=2e-5, abs_tol=1e-6), f"loss {where}"
             for pname, g in ref_grads.items():
                 assert_close(grads[pname], g, torch.float32, msg=f"grad of {pname} {where}")
-        # --- the trainer's log-probs at the engine's top-K ids, as loss_func takes them (both output paths) ---
-        taken = []
-
-        def record(self, mb, batch, logprobs, entropy, top_k):
-            taken.append(top_k.clone())
-            return original(self, mb, batch, logprobs, entropy, None)
-
-        original = MegatronGRPO._share
-        MegatronGRPO._share = record
-        try:
-            for fmt, path in (("padded", OutputPath.LOGITS), ("packed", OutputPath.FUSED)):
-                mb, model, _, _ = _step(groups, rollouts, weights, support, fmt, path, "ppo_token_tis",
-                                        top=(top, top_logprobs))
-                with torch.no_grad():
-                    logits = model(mb.input_ids, mb.position_ids).reshape(-1, H.VOCAB) / H.TEMPERATURE
-                keep = support_keep_reference(mb.captured_support.indptr, mb.captured_support.ids, logits.shape)
-                want = logprobs_at_ids_reference(logits, mb.rollout_top_k.ids.indptr, mb.rollout_top_k.ids.ids,
-                                                 keep=keep)
-                assert_close(taken[-1], want, torch.float32, f"top-K log-probs [{fmt}, {path}, cp={cp}]")
-        finally:
-            MegatronGRPO._share = original
-        # without the connection the step refuses the engine's top-K (after taking the trainer's values)
-        try:
-            _step(groups, rollouts, weights, support, "padded", OutputPath.LOGITS, "ppo_token_tis",
-                  top=(top, top_logprobs))
-        except ValueError as err:
-            assert "no top-K divergence to use them" in str(err)
-        else:
-            raise AssertionError("a micro-batch with rollout_top_k was not refused")
+            check_top_k(taken, model, mb, where)
     finally:
         ps.destroy_model_parallel()
 
 
 def test_context_parallel() -> None:
     torchrun(__file__, "case_context_parallel", nproc=2, cp=2)
+
+
+def test_fused_loss_in_forward_and_the_refusal() -> None:
+    """One process (no parallelism): ``loss_func`` on the fused output path with a token-separable loss — the loss and
+    its gradient made in forward (``fused_linear_loss``) — with the support and the engine's top-K ids, against the
+    log-prob op over the support and GRPOLoss on the same hidden states; without the recording, a micro-batch carrying
+    the engine's top-K is refused after the trainer's values are taken."""
+    from mp_grpo import vocab_parallel_logprobs
+    from mp_grpo.config.job import OutputPath
+    from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
+    from mp_grpo.megatron.fused_output import OutputWeight
+
+    rollouts = H.make_rollouts(2, seed=17)
+    support, top, top_logprobs = engine_lists(rollouts, seed=2)
+    mb = prepare_micro_batch(rollouts).with_captured_support(support).with_rollout_top_k(top, top_logprobs)
+    grpo = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=1,
+                        calculate_per_token_loss=False, groups=ParallelGroups(), vocab_size=H.VOCAB,
+                        output_path=OutputPath.FUSED)
+    batch = grpo.global_batch([mb], step=0)
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(*mb.targets.shape, H.HIDDEN, generator=gen)
+    weight = torch.randn(H.VOCAB, H.HIDDEN, generator=gen) * H.HIDDEN**-0.5
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with recording_top_k() as taken:
+        loss, _ = grpo.loss_func(mb, batch, h, output_weight=OutputWeight(w, False))
+    loss.backward()
+    # the same over the logits: the log-prob op over the support, then GRPOLoss
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(h2 @ w2.t(), mb.targets, temperature=H.TEMPERATURE, with_entropy=True,
+                                      captured_support=mb.captured_support)
+    share, _ = grpo.loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, rollout_logprobs=mb.rollout_logprobs,
+                         ref_logprobs=mb.ref_logprobs, entropy=ent, batch=batch, layout=mb.sequences)
+    share.backward()
+    torch.testing.assert_close(loss, share, rtol=1e-5, atol=1e-7)
+    assert_close(h.grad, h2.grad, torch.float32, "hidden gradient [fused loss in forward over the support]")
+    assert_close(w.grad, w2.grad, torch.float32, "weight gradient [fused loss in forward over the support]")
+
+    class Logits(torch.nn.Module):  # check_top_k's model: the logits of these hidden states
+        def forward(self, input_ids, position_ids):
+            return hidden @ weight.t()
+
+    check_top_k(taken, Logits(), mb, "[fused loss in forward]")
+    with pytest.raises(ValueError, match="no top-K divergence to use them"):
+        grpo.loss_func(mb, batch, hidden.clone().requires_grad_(), output_weight=OutputWeight(weight, False))
 
 
 if __name__ == "__main__":
