@@ -4,7 +4,9 @@
   over tensor-parallel ranks, one Triton pass forward and one backward, one small collective.
 - :func:`fused_linear_logprobs`: the same from the hidden states and the output-layer weight shard,
   chunk by chunk, never holding the whole logits; :func:`fused_linear_loss`: a token-separable loss of
-  those log-probs with its gradient made in forward (no recompute).
+  those log-probs with its gradient made in forward (no recompute). Each takes the rollout engine's
+  :class:`CapturedSupport` (log-probs renormalized over the ids it sampled from); the ``*_with_top_k`` ops also
+  return the log-probs at the engine's top-K ids (:class:`TokenIds`).
 - :class:`GRPOLoss`, :class:`GlobalBatch`, :func:`reduce_metrics`, :class:`LossConfig`, :func:`load_config`:
   the GRPO-family loss with every correction, normalized by the step's explicit global account
   (``docs/loss.md``); :class:`PaddedSequences` / :class:`PackedSequences` for padded, packed and
@@ -20,7 +22,14 @@ __version__ = "0.1.0"
 # interpreter (see mp_grpo/kernels/__init__.py).
 import mp_grpo.kernels  # noqa: F401  isort: skip
 
-from mp_grpo.ops import fused_linear_logprobs, vocab_parallel_logprobs
+from mp_grpo.ops import (
+    CapturedSupport,
+    TokenIds,
+    fused_linear_logprobs,
+    fused_linear_logprobs_with_top_k,
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_with_top_k,
+)
 from mp_grpo.ops.checks import CheckInputs, check_errors
 from mp_grpo.ops.fused_linear_loss import fused_linear_loss
 
@@ -31,6 +40,7 @@ from mp_grpo.loss import (  # noqa: E402  isort: skip
 )
 
 __all__ = ["CheckInputs", "check_errors", "fused_linear_logprobs", "fused_linear_loss", "vocab_parallel_logprobs"]
+__all__ += ["CapturedSupport", "TokenIds", "fused_linear_logprobs_with_top_k", "vocab_parallel_logprobs_with_top_k"]
 __all__ += ["ConfigError", "GRPOLoss", "GlobalBatch", "LogitDtype", "LossBackend", "LossConfig", "PackedSequences",
             "PaddedSequences", "SequenceLayout", "load_config", "preset_names", "reduce_metrics"]
 __all__ += ["__version__"]

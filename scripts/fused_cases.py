@@ -11,6 +11,7 @@ import torch.distributed as dist
 import cce_anchor
 from fused_report import BARE, CCE, FP32, FUSED, GSPO, LIGER, WITH_LOSS
 from mp_grpo.config.precision import LogitDtype
+from mp_grpo.ops.token_ids import CapturedSupport, TokenIds
 from mp_grpo.ops.batch_major_linear import batch_major_linear
 from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs
 from mp_grpo.ops.fused_linear_loss import fused_linear_loss
@@ -23,6 +24,27 @@ CCE_IMPL_OVERRIDE: str | None = None
 """``--dry-run``: cut-cross-entropy's ``torch_compile`` impl in place of its Triton ones (which need CUDA)."""
 ROWS_PER_SEQUENCE = 2048
 """The loss rows see the N tokens as padded rows of this length (N = 16384: 8 sequences)."""
+SUPPORT_IDS = 512
+"""Ids of every token's captured support in the replay row (prime-rl's cap on the engine's support, #3431): the
+worst case of that cap on every token."""
+TOP_K_IDS = 20
+"""The engine's top-K ids a token in the top-K row (K = 20: TRL's DPPO default)."""
+
+
+def engine_ids(t: torch.Tensor, v: int, size: int, seed: int) -> torch.Tensor:
+    """``[N, size]`` int64: ``size`` distinct ids a token, its target among them, spread over the vocabulary (the target
+    plus one set of distinct offsets mod V), each row increasing."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    size = min(size, v)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                         torch.randperm(v - 1, device=DEVICE, generator=gen)[:size - 1] + 1])
+    return ((t.unsqueeze(1) + offsets.unsqueeze(0)) % v).sort(dim=1).values
+
+
+def csr_of(ids: torch.Tensor, kind=TokenIds):
+    """A dense ``[N, size]`` id table as a CSR (``size`` ids a token)."""
+    n, size = ids.shape
+    return kind(torch.arange(n + 1, device=ids.device) * size, ids.reshape(-1).contiguous())
 
 
 def make_inputs(n: int, hidden_size: int, v: int, seed: int = 0, weight_std: float = 0.02):
@@ -163,6 +185,23 @@ def cases(n: int, hidden_size: int, v: int):
 
         return build
 
+    def replay(kind: str):
+        """fused_linear_loss + GRPOLoss with each token's captured support (SUPPORT_IDS ids), or with the trainer's
+        log-probs at the engine's top-K ids taken in its forward (TOP_K_IDS a token; the loss reads no top-K term:
+        the row measures the ops' part)."""
+        def build():
+            h, w, t, _ = make_inputs(n, hidden_size, v)
+            grpo = grpo_loss_fn(n)
+            if kind == "support":
+                extra, loss_fn = dict(captured_support=csr_of(engine_ids(t, v, SUPPORT_IDS, 11), CapturedSupport)), grpo
+            else:
+                extra = dict(top_k_ids=csr_of(engine_ids(t, v, TOP_K_IDS, 12)))
+                loss_fn = lambda lp, ent, top_k: grpo(lp, ent)  # noqa: E731
+            f = lambda: fused_linear_loss(h, w, t, loss_fn, check_inputs=False, **extra)[0]  # noqa: E731
+            return _closures((h, w), f, torch.ones((), device=DEVICE), forward_without_grad=False)
+
+        return build
+
     def per_token_loss(objective: str):
         def build():
             h, w, t, _ = make_inputs(n, hidden_size, v)
@@ -222,6 +261,8 @@ def cases(n: int, hidden_size: int, v: int):
         "loss_main_grad": (f"{WITH_LOSS}, into fp32 main_grad", with_loss(True)),
         "loss_512": (f"{WITH_LOSS}, 512 MiB chunks",
                      with_loss(False, plan_chunks(n, hidden_size, v, torch.bfloat16).forward_rows)),
+        "loss_support": (f"{WITH_LOSS}, captured support of {SUPPORT_IDS} ids a token", replay("support")),
+        "loss_top_k": (f"{WITH_LOSS}, the trainer's log-probs at K = {TOP_K_IDS} top-K ids", replay("top_k")),
         "per_token": (FUSED, fused(False, False)),
         "per_token_fp32": (f"{FUSED}{FP32}", fused(False, False, LogitDtype.FP32)),
         "per_token_main_grad": (f"{FUSED} into fp32 main_grad", fused(False, True)),
@@ -235,6 +276,7 @@ def cases(n: int, hidden_size: int, v: int):
 
 
 CASE_KEYS = ("bare", "logits", "logits_fp32", "logits_loss", "loss", "loss_fp32", "loss_main_grad", "loss_512",
+             "loss_support", "loss_top_k",
              "per_token", "per_token_fp32", "per_token_main_grad", "per_token_loss", "gspo", "cce", "cce_repo",
              "cce_exact", "liger")
 """The rows' keys for ``--only`` / ``--skip``, in table order."""

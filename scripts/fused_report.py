@@ -22,6 +22,9 @@ TARGET_LIGER_SPEEDUP = 3.0
 TARGET_FP32_TIME_RATIO = 1.15
 """fp32 logits: fwd+bwd of fused_linear_loss + GRPOLoss vs. the bare bf16 matmuls (memory: TARGET_EXTRA_GiB); the
 per-token op at fp32 no slower than at bf16."""
+TARGET_REPLAY_RATIOS = {"loss_support": 1.10, "loss_top_k": 1.15}
+"""fwd+bwd of the replay rows vs. the same op without them (the ``loss`` row): the captured support (512 ids a token)
+and the log-probs at the engine's K = 20 top-K ids."""
 
 
 def _verdict(value: float, limit: float, unit: str, at_most: bool = True) -> str:
@@ -69,6 +72,7 @@ def _targets(result: dict) -> list[str]:
             why = liger.get("skipped") or liger.get("error") or "row not run"
             lines.append(f"- V = {v}, vs Liger: {NOT_MEASURED} ({why})")
         lines += _fp32_targets(v, rows)
+        lines += _replay_targets(v, rows)
         gspo = rows.get("gspo", {})
         if "fwd_bwd_vs_bare" in gspo:
             lines.append(
@@ -103,6 +107,25 @@ def _fp32_targets(v: int, rows: dict) -> list[str]:
             f"- V = {v}, fp32 logits, per-token op: {FUSED}{FP32} {op['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the bf16 op "
             f"({op16['fwd_bwd_ms']:.2f} ms){_interval(op, 'fwd_bwd_vs_bf16')}; target ≤ 1.00x: "
             f"{_verdict(ratio, 1.0, 'x')[:-1]} = {abs(ratio - 1.0) * op16['fwd_bwd_ms']:.2f} ms)")
+    return lines
+
+
+def _replay_targets(v: int, rows: dict) -> list[str]:
+    """The captured-support and top-K rows at one V, each against the op without them (the ``loss`` row)."""
+    lines = []
+    base = rows.get("loss", {})
+    for key, limit in TARGET_REPLAY_RATIOS.items():
+        row = rows.get(key)
+        if row is None:
+            continue
+        if "fwd_bwd_ms" not in row or "fwd_bwd_ms" not in base:
+            why = row.get("skipped") or row.get("error") or base.get("error") or "the loss row did not run"
+            lines.append(f"- V = {v}, {row['case']}: {NOT_MEASURED} ({why})")
+            continue
+        ratio = row["fwd_bwd_ms"] / base["fwd_bwd_ms"]
+        lines.append(f"- V = {v}, {row['case']}: fwd+bwd {row['fwd_bwd_ms']:.2f} ms = {ratio:.3f}x the op without it "
+                     f"({base['fwd_bwd_ms']:.2f} ms); target ≤ {limit:.2f}x: {_verdict(ratio, limit, 'x')}; "
+                     f"extra peak {row['extra_peak_GiB']:.2f} GiB")
     return lines
 
 

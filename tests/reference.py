@@ -1254,3 +1254,51 @@ def switch_load_balancing_reference(logits: torch.Tensor, topk: int) -> torch.Te
 def router_z_loss_reference(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss of logits ``[T, E]``, coefficient-free: mean over tokens of logsumexp(logits)²."""
     return torch.logsumexp(logits.double(), dim=-1).square().mean()
+
+
+# --------------------------------------------------------------------------------------------
+# A captured support replayed (mp_grpo.ops.captured_support), the log-probs at top-K ids (mp_grpo.ops.top_k_logprobs)
+# --------------------------------------------------------------------------------------------
+def csr_lists(indptr: torch.Tensor, ids: torch.Tensor) -> list[list[int]]:
+    """Each token's ids of a CSR (``indptr`` [T + 1], ``ids`` [nnz]) as a Python list."""
+    bounds = indptr.tolist()
+    values = ids.tolist()
+    return [values[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+
+
+def support_keep_reference(indptr: torch.Tensor, ids: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``shape`` (``[..., V]``) bool: token i keeps the ids of its support, every id where its support is empty."""
+    vocab = shape[-1]
+    rows = csr_lists(indptr, ids)
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row:
+            keep[i, row] = True
+        else:
+            keep[i] = True
+    return keep.reshape(shape)
+
+
+def support_logprobs_reference(
+    logits: torch.Tensor, target: torch.Tensor, indptr: torch.Tensor, ids: torch.Tensor, *,
+    temperature: float = 1.0, ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-prob, entropy)`` in float64 of each token's distribution renormalized over its captured support: the
+    log-softmax of ``logits / T`` over the support's ids (the whole vocabulary for a token with none); a target outside
+    its support gets -inf (no gradient). Differentiable w.r.t. ``logits``."""
+    keep = support_keep_reference(indptr, ids, logits.shape)
+    return filtered_logprobs_reference(logits, target, temperature=temperature, ignore_index=ignore_index, keep=keep)
+
+
+def logprobs_at_ids_reference(
+    logits: torch.Tensor, indptr: torch.Tensor, ids: torch.Tensor, *, temperature: float = 1.0,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[nnz]`` float64: each token's log-softmax of ``logits / T`` (``[..., V]``) at its ids (CSR ``indptr``,
+    ``ids``), normalized over ``keep`` (``logits.shape`` bool; None: the whole vocabulary) and -inf outside it."""
+    z = logits.detach().double().reshape(-1, logits.shape[-1]) / temperature
+    if keep is not None:
+        z = torch.where(keep.reshape(z.shape), z, torch.tensor(float("-inf"), dtype=torch.float64))
+    logp = torch.log_softmax(z, dim=-1)
+    out = [logp[i, row] for i, row in enumerate(csr_lists(indptr, ids))]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)

@@ -52,6 +52,15 @@ class LogprobLaunchConfig:
     """Warps of the per-row candidate kernel (its group maxima in registers)."""
     select_warps: int
     """Warps of the candidate select kernel (one program a row over ``TP x candidate_cap`` candidates)."""
+    support_block_k: int = 128
+    """Ids per loop step of the captured-support kernels (``kernels/logprob_support.py``; one program a row gathers
+    its support's logits: one id a thread at 4 warps)."""
+    support_warps: int = 4
+    ids_block_k: int = 32
+    """Ids per loop step of the kernels at the engine's top-K ids (``kernels/logprob_at_ids.py``; K = 20 fits one)."""
+    ids_block_s: int = 128
+    """Support ids per step of the top-K ids' membership test (a ``[ids_block_k, ids_block_s]`` compare)."""
+    ids_warps: int = 1
 
 
 LONG_ROW_V_LOCAL = 2**16
@@ -79,7 +88,8 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         # Tiny candidate sets (the 4 largest of 8-column groups, at most 16 candidates): the CPU tests' rows of
         # 40-300 columns run both the candidate path and the fallback (tests/ops/test_sampling_filter_paths.py).
         return LogprobLaunchConfig(block, 1, block, 1, 16, block, 1, block, 1, candidate_group=8, candidate_keep=4,
-                                   candidate_groups_cap=8, candidate_cap=16, candidates_warps=1, select_warps=1)
+                                   candidate_groups_cap=8, candidate_cap=16, candidates_warps=1, select_warps=1,
+                                   support_block_k=8, support_warps=1, ids_block_k=4, ids_block_s=8, ids_warps=1)
     # H200 sweep, N = 16384, bf16 (docs/benchmarks/logprob_sweep.json): 4096 columns with 4 warps
     # was fastest or within 1 % of it for both kernels at V_local = 151936 and 18992. Long shards take
     # 8192 x 8 (H100, fwd+bwd as CUDA-graph replays, docs/benchmarks/logprob_filter.md "Batch invariance"):
@@ -115,4 +125,11 @@ def logprob_launch_config(v_local: int) -> LogprobLaunchConfig:
         candidate_cap=512,
         candidates_warps=1,
         select_warps=1,
+        # Not swept: a support of up to 512 ids (prime-rl's cap) in 4 steps of one id a thread; the engine's top-K
+        # ids (K = 20) in one step of one warp. Their cost beside the unrestricted op: docs/benchmarks/fused.md.
+        support_block_k=128,
+        support_warps=4,
+        ids_block_k=32,
+        ids_block_s=128,
+        ids_warps=1,
     )

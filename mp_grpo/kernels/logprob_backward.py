@@ -77,32 +77,13 @@ def logprob_backward_kernel(
     row = tl.program_id(0).to(tl.int64)
 
     # --- 1. per-row scalars: log-partition terms, target, upstream gradients ---
-    row_max = tl.load(row_max_ptr + row)
-    log_sum = tl.load(log_sum_ptr + row)
-    complement = tl.load(complement_ptr + row)
-    target = tl.load(target_ptr + row)
-    # An ignored row's log-prob is the constant 0: no gradient flows from it.
-    g_logprob = tl.load(grad_logprob_ptr + row)
-    if HAS_GRAD_SCALE:
-        grad_scale = tl.load(grad_scale_ptr).to(tl.float32)
-        g_logprob = g_logprob * grad_scale
-    g_logprob = tl.where(target != ignore_index, g_logprob, 0.0)
-
-    g_entropy = 0.0
-    entropy = 0.0
-    centered = 0.0
-    if HAS_ENTROPY_GRAD:
-        entropy = tl.load(entropy_ptr + row)
-        centered = tl.load(centered_ptr + row)
-        g_entropy = tl.load(grad_entropy_ptr + row)
-        if HAS_GRAD_SCALE:
-            g_entropy = g_entropy * grad_scale
+    row_max, log_sum, complement, target, g_logprob, g_entropy, entropy, centered, row_ok = row_scalars(
+        row, target_ptr, row_max_ptr, log_sum_ptr, complement_ptr, centered_ptr, entropy_ptr, grad_logprob_ptr,
+        grad_entropy_ptr, grad_scale_ptr, ignore_index, HAS_ENTROPY_GRAD, HAS_GRAD_SCALE,
+    )
     threshold = 0.0
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row)
-    # A select per element: one uniform branch per program instead measured 11–17 % slower with the entropy
-    # gradient (more registers; docs/benchmarks/nonfinite_ab.md).
-    row_ok = (tl.abs(row_max) < float("inf")) & (tl.abs(log_sum) < float("inf"))
     x_row = x_ptr + row * stride_x_row
     grad_row = grad_x_ptr + row * stride_grad_x_row
     target_col = target - vocab_start
@@ -146,14 +127,58 @@ def _gradient_block(
         tl.debug_barrier()
     if HAS_THRESHOLD:
         z = tl.where(z >= threshold, z, float("-inf"))
+    grad = gradient_values(z, cols == target_col, row_max, log_sum, complement, centered, entropy, g_logprob, g_entropy,
+                           row_ok, inv_temperature, HAS_ENTROPY_GRAD)
+
+    # --- 3. write the gradient once, in the buffer's dtype (0 for a row with non-finite statistics) ---
+    tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def row_scalars(
+    row, target_ptr, row_max_ptr, log_sum_ptr, complement_ptr, centered_ptr, entropy_ptr, grad_logprob_ptr,
+    grad_entropy_ptr, grad_scale_ptr, ignore_index, HAS_ENTROPY_GRAD: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+):
+    """Step 1 of ``logprob_backward_kernel`` for ``row``: (M, log S, q_t = 1 - p_t, the target, g_lp — 0 for an
+    ignored row —, g_H, H, c_t = log p_t + H, whether the row's statistics are finite). Shared with the
+    captured-support backward (``logprob_support.py``)."""
+    row_max = tl.load(row_max_ptr + row)
+    log_sum = tl.load(log_sum_ptr + row)
+    complement = tl.load(complement_ptr + row)
+    target = tl.load(target_ptr + row)
+    # An ignored row's log-prob is the constant 0: no gradient flows from it.
+    g_logprob = tl.load(grad_logprob_ptr + row)
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr).to(tl.float32)
+        g_logprob = g_logprob * grad_scale
+    g_logprob = tl.where(target != ignore_index, g_logprob, 0.0)
+
+    g_entropy = 0.0
+    entropy = 0.0
+    centered = 0.0
+    if HAS_ENTROPY_GRAD:
+        entropy = tl.load(entropy_ptr + row)
+        centered = tl.load(centered_ptr + row)
+        g_entropy = tl.load(grad_entropy_ptr + row)
+        if HAS_GRAD_SCALE:
+            g_entropy = g_entropy * grad_scale
+    # A select per element: one uniform branch per program instead measured 11–17 % slower with the entropy
+    # gradient (more registers; docs/benchmarks/nonfinite_ab.md).
+    row_ok = (tl.abs(row_max) < float("inf")) & (tl.abs(log_sum) < float("inf"))
+    return row_max, log_sum, complement, target, g_logprob, g_entropy, entropy, centered, row_ok
+
+
+@triton.jit
+def gradient_values(
+    z, is_target, row_max, log_sum, complement, centered, entropy, g_logprob, g_entropy, row_ok, inv_temperature,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+):
+    """The fp32 gradient of the logits ``z`` (raw units; -inf: probability 0) of one row — the module docstring's
+    formula, the target's column (``is_target``) from q_t and c_t —; 0 where the row's statistics are not finite."""
     log_p = (z - row_max) * inv_temperature - log_sum
     p = tl.exp(log_p)
-    is_target = cols == target_col
     grad = tl.where(is_target, g_logprob * complement, -g_logprob * p)
     if HAS_ENTROPY_GRAD:
         # p = 0 (a -inf logit) contributes nothing; p * log_p would be 0 * -inf = NaN.
         grad -= g_entropy * tl.where(p > 0.0, p * tl.where(is_target, centered, log_p + entropy), 0.0)
-
-    # --- 3. write the gradient once, in the buffer's dtype (0 for a row with non-finite statistics) ---
-    grad = tl.where(row_ok, grad * inv_temperature, 0.0)
-    tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=col_mask)
+    return tl.where(row_ok, grad * inv_temperature, 0.0)

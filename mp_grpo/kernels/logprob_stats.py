@@ -45,6 +45,27 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def online_sums(m, s, u, x, is_target, scale, HAS_ENTROPY: tl.constexpr):
+    """One block of the online softmax: the running maximum ``m`` (raw units) and the sums ``s``, ``u`` (relative to
+    it, log2 units of z for ``u``) updated with the fp32 logits ``x`` of the block (-inf: not counted), the target's
+    column (``is_target``) counted in the maximum and left out of the sums. Shared with the captured-support kernel
+    (``logprob_support.py``), which reads a row's support instead of its columns."""
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    shift = (m - m_new) * scale  # <= 0: rescales what was summed so far
+    alpha = tl.exp2(shift)
+    t = (x - m_new) * scale
+    # The target's own column counts in the maximum, not in the sums (the merge adds its term back).
+    e = tl.where(is_target, 0.0, tl.exp2(t))
+    if HAS_ENTROPY:
+        # A -inf logit gives e = 0 and t = -inf: select, since 0 * -inf is NaN.
+        e_t = tl.where(e > 0.0, e * t, 0.0)
+        # s is still the old sum here; the sentinel start has s = 0, so shift * s stays 0.
+        u = alpha * (u + shift * s) + tl.sum(e_t, axis=0)
+    s = s * alpha + tl.sum(e, axis=0)
+    return m_new, s, u
+
+
+@triton.jit
 def logprob_stats_kernel(
     # pointers
     x_ptr,  # [N, V_local] logits shard; fp32 / bf16 / fp16; last dim contiguous
@@ -97,19 +118,7 @@ def logprob_stats_kernel(
         x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf")).to(tl.float32)
         if HAS_THRESHOLD:
             x = tl.where(x >= threshold, x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        shift = (m - m_new) * scale  # <= 0: rescales what was summed so far
-        alpha = tl.exp2(shift)
-        t = (x - m_new) * scale
-        # The target's own column counts in the maximum, not in the sums (the merge adds its term back).
-        e = tl.where(cols == local_target, 0.0, tl.exp2(t))
-        if HAS_ENTROPY:
-            # A -inf logit gives e = 0 and t = -inf: select, since 0 * -inf is NaN.
-            e_t = tl.where(e > 0.0, e * t, 0.0)
-            # s is still the old sum here; the sentinel start has s = 0, so shift * s stays 0.
-            u = alpha * (u + shift * s) + tl.sum(e_t, axis=0)
-        s = s * alpha + tl.sum(e, axis=0)
-        m = m_new
+        m, s, u = online_sums(m, s, u, x, cols == local_target, scale, HAS_ENTROPY)
 
     # --- 3. store m and x_t in raw units, s, u * ln 2 (natural units); program 0 also writes the shard size ---
     stats_row_ptr = stats_ptr + (row_start + row) * stride_stats_row

@@ -64,7 +64,9 @@ from mp_grpo.ops.checks import (
     check_temperature,
 )
 from mp_grpo.ops.logits_grpo_loss import LogitsSpec, logits_grpo_loss
-from mp_grpo.ops.sampling_filter import SamplingFilter, check_sampling_filter
+from mp_grpo.ops.captured_support import check_replay
+from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.ops.token_ids import CapturedSupport
 from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs_unchecked
 
 
@@ -337,6 +339,7 @@ class GRPOLoss:
         inplace_backward: bool = False,
         check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
         sampling_filter: SamplingFilter | None = None,
+        captured_support: CapturedSupport | None = None,
         rollout_logprobs: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
         batch: GlobalBatch | None = None,
@@ -353,14 +356,16 @@ class GRPOLoss:
         ``logits``.
 
         ``logits``, ``target``, ``tp_group``, ``temperature``, ``ignore_index``, ``inplace_backward``,
-        ``check_inputs`` and ``sampling_filter`` are those of :func:`mp_grpo.vocab_parallel_logprobs` (token
+        ``check_inputs``, ``sampling_filter`` and ``captured_support`` are those of
+        :func:`mp_grpo.vocab_parallel_logprobs` (token
         shape = ``target.shape``; ``check_inputs`` also as in :meth:`__call__`); the other arguments those of
         :meth:`__call__`.
 
         The fused path (:mod:`mp_grpo.ops.logits_grpo_loss`: one autograd Function, the loss's backward inside
         the log-prob backward kernel) runs when the call would take the fused loss (:class:`LossBackend`), a
         ``batch`` is given (a training step has one; without it the step's account is built from this call's
-        log-probs first), with or without a ``sampling_filter``; otherwise the two ops run one after the other. Both
+        log-probs first), with or without a ``sampling_filter`` or ``captured_support``; otherwise the two ops run one
+        after the other. Both
         give the same values, gradients and metrics, bit for bit (``tests/ops/test_logits_grpo_loss.py``,
         ``tests/ops/test_logits_grpo_loss_filter.py``).
         """
@@ -369,13 +374,12 @@ class GRPOLoss:
         check_logits_and_target(logits, target)
         check_runs_here(logits, "logits")
         check_mode = check_inputs_mode(check_inputs)
+        check_replay(sampling_filter, captured_support, target.shape, logits.device, check_mode)
         if sampling_filter is not None:
-            check_sampling_filter(sampling_filter, target.shape, logits.device,
-                                  check_tensors=check_mode is not CheckInputs.OFF)
             # Fields that keep everything (top_p = 1, top_k >= V, min_p = 0) cost nothing.
             sampling_filter = sampling_filter.without_noops(logits.shape[-1] * group_size(tp_group))
         spec = LogitsSpec(tp_group, check_temperature(temperature), int(ignore_index), bool(inplace_backward),
-                          check_mode, sampling_filter)
+                          check_mode, sampling_filter, captured_support)
         positive_mask = check_loss_call(
             cfg, layout, target.shape, logits.device, "target", old_logprobs, advantages, loss_mask, rollout_logprobs,
             ref_logprobs, None, entropy_computed=True, entropy_coef=entropy_coef, generator=generator,
@@ -421,6 +425,7 @@ class GRPOLoss:
                 logits, target, tp_group=spec.tp_group, inv_temperature=spec.inv_temperature,
                 with_entropy=with_entropy, ignore_index=spec.ignore_index, inplace_backward=spec.inplace_backward,
                 check_inputs=spec.check_inputs, sampling_filter=spec.sampling_filter,
+                captured_support=spec.captured_support,
             )
             logprobs, entropy = out if with_entropy else (out, None)
             return self.share_unchecked(

@@ -68,6 +68,7 @@ from mp_grpo.ops.checks import CheckInputs, check_main_grad
 from mp_grpo.ops.fused_linear_loss import LossFn, fused_linear_loss_unchecked
 from mp_grpo.ops.loss_rows import LossRows
 from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.ops.token_ids import CapturedSupport, TokenIds
 
 
 @dataclass(frozen=True)
@@ -218,11 +219,15 @@ def fused_output_loss(
     sampling_filter: SamplingFilter | None,
     check_inputs: CheckInputs,
     logit_dtype: LogitDtype,
+    captured_support: CapturedSupport | None = None,
+    top_k_ids: TokenIds | None = None,
 ):
     """``(share, metrics)`` of ``loss_fn`` on the fused output layer, its gradient made in forward.
 
     ``loss_fn(logprobs, entropy) -> (share, metrics)`` is GRPOLoss bound to the micro-batch and the step's
-    GlobalBatch. The weight gradient goes into ``main_grad`` when ``output_weight`` says so
+    GlobalBatch; with ``top_k_ids`` it is called ``loss_fn(logprobs, entropy, top_k_logprobs)`` (the trainer's
+    log-probs at the engine's top-K ids, :func:`mp_grpo.ops.fused_linear_loss.fused_linear_loss`). The weight
+    gradient goes into ``main_grad`` when ``output_weight`` says so
     (:mod:`mp_grpo.megatron.main_grad`; only when a weight gradient is computed).
     The arguments are checked already by the caller, ``MegatronGRPO.loss_func`` (the micro-batch's boundary;
     ``weight.main_grad`` here, where the accumulation is decided): this runs
@@ -235,4 +240,5 @@ def fused_output_loss(
         hidden, weight, targets, loss_fn, tp_group=tp_group, inv_temperature=inv_temperature,
         with_entropy=with_entropy, ignore_index=ignore_index, chunk_tokens=None, accumulate_into_main_grad=accumulate,
         sampling_filter=sampling_filter, check_inputs=check_inputs, logit_dtype=logit_dtype,
+        captured_support=captured_support, top_k_ids=top_k_ids,
     )

@@ -12,7 +12,10 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    when it was set on the MicroBatch.
 2. Log-probs (and entropy) of the targets on the TP group, at the rollout's sampling temperature and,
    when the micro-batch carries one (:meth:`MicroBatch.with_sampling_filter`), under the rollout's
-   sampling filter (top-k / top-p / min-p replayed: the filtered, renormalized distribution):
+   sampling filter (top-k / top-p / min-p replayed: the filtered, renormalized distribution), or over the
+   rollout engine's captured support (:meth:`MicroBatch.with_captured_support`: each token's distribution
+   renormalized over the ids it was sampled from), and with the engine's top-K ids
+   (:meth:`MicroBatch.with_rollout_top_k`) the trainer's log-probs at them, in the same forward:
    :func:`mp_grpo.vocab_parallel_logprobs` of the logits, or :func:`mp_grpo.fused_linear_logprobs` of
    the hidden states and the weight (the output layer's GEMM fused with the log-probs, chunk by chunk,
    never holding the logits; into ``weight.main_grad`` as :mod:`mp_grpo.megatron.main_grad` decides). This is
@@ -20,7 +23,8 @@ Schedule of :meth:`MegatronGRPO.loss_func` (called by Megatron's schedule on the
    fused path with a token-separable loss (:func:`~mp_grpo.megatron.fused_output.loss_in_forward`)
    steps 2–3 run together in :func:`~mp_grpo.megatron.fused_output.fused_output_loss`: the loss's
    gradient is produced chunk by chunk in forward (three GEMMs, no recompute), backward scales it. On
-   the logits path of every row without a sampling filter steps 2–3 run together in :meth:`GRPOLoss.on_logits`: one
+   the logits path of every row without a sampling filter, captured support or top-K ids steps 2–3 run together in
+   :meth:`GRPOLoss.on_logits`: one
    autograd Function, the loss's backward inside the log-prob backward kernel (same values, fewer host
    steps per micro-batch). With ``OutputRows.LOSS`` (the default) the model output is that of the micro-batch's loss
    rows alone (:meth:`call_model`; :mod:`mp_grpo.megatron.output_rows`): the ops run on those rows and their
@@ -54,6 +58,7 @@ from mp_grpo.collectives import is_last_rank
 from mp_grpo.loss.grpo_loss import GRPOLoss
 from mp_grpo.loss.input_checks import check_batch, check_loss_call
 from mp_grpo.loss.metrics import reduce_metrics, total_entry
+from mp_grpo.loss.trust_region import TOPK_MODES, TopKLogprobs
 from mp_grpo.megatron.fused_output import OutputWeight, call_for_hidden_states, fused_output_loss, loss_in_forward
 from mp_grpo.megatron.groups import ParallelGroups, resolve_groups
 from mp_grpo.megatron.logits_output import call_for_logits
@@ -67,6 +72,8 @@ from mp_grpo.ops.fused_linear_logprobs import fused_linear_logprobs_unchecked
 from mp_grpo.ops.logits_grpo_loss import LogitsSpec
 from mp_grpo.ops.loss_rows import LossRows
 from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.ops.token_ids import CapturedSupport, TokenIds
+from mp_grpo.ops.top_k_logprobs import TokenLogprobs
 from mp_grpo.ops.vocab_parallel_logprobs import vocab_parallel_logprobs_unchecked
 
 
@@ -433,27 +440,54 @@ class MegatronGRPO:
                            self.groups.tp_size, rows)
         selected = rows_output(x, mb, rows, self.output_path, self.check_inputs)
         # --- 2. log-probs and entropy over the whole (sharded) vocabulary ---
-        return self._logprobs_unchecked(x, mb, selected, output_weight, inplace_backward)
+        out = self._logprobs_unchecked(x, mb, selected, output_weight, inplace_backward, with_top_k=False)
+        return out.logprobs, out.entropy
+
+    def token_logprobs_with_top_k(
+        self,
+        output_tensor: torch.Tensor,
+        mb: MicroBatch,
+        *,
+        vocab_size: int | None = None,
+        output_weight: OutputWeight | None = None,
+    ) -> TokenLogprobs:
+        """:meth:`token_logprobs` and, in the same forward, the trainer's log-probs at the micro-batch's rollout top-K
+        ids (:attr:`MicroBatch.rollout_top_k`): ``TokenLogprobs(logprobs, entropy or None, top_k)``, ``top_k``
+        ``[nnz]`` fp32 aligned with ``mb.rollout_top_k.ids`` (not differentiable; 0 at the entries of positions outside
+        the loss rows under ``OutputRows.LOSS``). For passes outside the training step (a forward-only pass measuring
+        the top-K divergence); the training step takes them in :meth:`loss_func`."""
+        if mb.rollout_top_k is None:
+            raise ValueError("mb.rollout_top_k is None: set the engine's top-K ids with MicroBatch.with_rollout_top_k")
+        rows = self.loss_rows(mb)
+        x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
+                           self.groups.tp_size, rows)
+        selected = rows_output(x, mb, rows, self.output_path, self.check_inputs)
+        return self._logprobs_unchecked(x, mb, selected, output_weight, False, with_top_k=True)
 
     def _logprobs_unchecked(
         self, x: torch.Tensor, mb: MicroBatch, selected: RowsOutput | None, output_weight: OutputWeight | None,
-        inplace_backward: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        inplace_backward: bool, *, with_top_k: bool,
+    ) -> TokenLogprobs:
         """Step 2 on the output :func:`~mp_grpo.megatron.output_checks.checked_output` returned — or on the loss rows'
-        (``selected``, scattered back to ``[*targets]``): the ops' unchecked entries."""
+        (``selected``, the results scattered back to ``[*targets]`` and the micro-batch's top-K list): the ops'
+        unchecked entries; ``top_k`` (the log-probs at ``mb.rollout_top_k``'s ids) None unless ``with_top_k``."""
         if selected is not None:
-            lp, ent = self._op_logprobs(selected.x, selected.targets, selected.sampling_filter, output_weight,
-                                        inplace_backward)
-            return selected.scatter(lp), selected.scatter(ent)
-        return self._op_logprobs(x, mb.targets, mb.sampling_filter, output_weight, inplace_backward)
+            out = self._op_logprobs(selected.x, selected.targets, selected.sampling_filter, selected.captured_support,
+                                    selected.top_k_ids if with_top_k else None, output_weight, inplace_backward)
+            return TokenLogprobs(selected.scatter(out.logprobs), selected.scatter(out.entropy),
+                                 selected.scatter_top_k(out.top_k))
+        return self._op_logprobs(x, mb.targets, mb.sampling_filter, mb.captured_support,
+                                 mb.rollout_top_k.ids if with_top_k else None, output_weight, inplace_backward)
 
     def _op_logprobs(
         self, x: torch.Tensor, targets: torch.Tensor, sampling_filter: SamplingFilter | None,
-        output_weight: OutputWeight | None, inplace_backward: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        captured_support: CapturedSupport | None, top_k_ids: TokenIds | None, output_weight: OutputWeight | None,
+        inplace_backward: bool,
+    ) -> TokenLogprobs:
         """The log-prob op of this output path on ``x`` and ``targets`` (``[*targets, X]``, ``[*targets]``)."""
         common = dict(tp_group=self.groups.tp, inv_temperature=self._inv_temperature, with_entropy=self.with_entropy,
-                      ignore_index=IGNORE_INDEX, check_inputs=self.check_inputs, sampling_filter=sampling_filter)
+                      ignore_index=IGNORE_INDEX, check_inputs=self.check_inputs, sampling_filter=sampling_filter,
+                      captured_support=captured_support, top_k_ids=top_k_ids)
         if self.output_path == OutputPath.FUSED:
             weight = output_weight.weight  # type: ignore[union-attr]
             # Megatron's linear layer, too, accumulates only when a weight gradient is computed.
@@ -465,7 +499,9 @@ class MegatronGRPO:
                                                   **common)
         else:
             out = vocab_parallel_logprobs_unchecked(x, targets, inplace_backward=inplace_backward, **common)
-        return out if self.with_entropy else (out, None)
+        if top_k_ids is not None:
+            return out
+        return TokenLogprobs(*(out if self.with_entropy else (out, None)), None)
 
     def loss_func(
         self,
@@ -490,33 +526,44 @@ class MegatronGRPO:
         check_loss_call(self.config, mb.sequences, mb.targets.shape, x.device, "targets", mb.old_logprobs,
                         mb.advantages, mb.loss_mask, mb.rollout_logprobs, mb.ref_logprobs, None, entropy_computed=True)
         check_batch(self.config, batch, mb.loss_mask)
+        if (self.config.trust_region.mode in TOPK_MODES) != (mb.rollout_top_k is not None):
+            raise ValueError(f"mb.rollout_top_k: trust_region.mode={self.config.trust_region.mode.value} "
+                             + ("takes the divergence over the engine's top-K ids: set them with "
+                                "MicroBatch.with_rollout_top_k" if mb.rollout_top_k is None else
+                                "reads no top-K log-probs: leave MicroBatch.rollout_top_k unset, or pick topk_tv / topk_kl"))
         # OutputRows.LOSS: the model output of the loss rows (None: every row's); the ops run on the rows, their
         # results scattered back to the micro-batch's positions, so GRPOLoss below sees full-size log-probs.
         selected = rows_output(x, mb, rows, self.output_path, self.check_inputs)
 
-        def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-            share, metrics = self.loss.share_unchecked(
-                logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
-                rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-                batch=batch, layout=mb.sequences, check_inputs=self.check_inputs,
-            )
-            # Trained tokens outside the rollout's sampling filter (log-prob -inf; 0 without a filter or when
-            # checked, which raises instead): always present, so every micro-batch's dict has the same names.
+        def share_of(logprobs: torch.Tensor, entropy: torch.Tensor | None,
+                     top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+            share, metrics = self._share(mb, batch, logprobs, entropy, top_k)
+            # Trained tokens outside the rollout's sampling filter or captured support (log-prob -inf; 0 without
+            # either or when checked, which raises instead): always present, so every micro-batch's dict has the
+            # same names.
             outside = (torch.isneginf(logprobs.detach()) & mb.loss_mask).sum()
             metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
             return share, metrics
 
+        restricted = mb.sampling_filter is not None or mb.captured_support is not None or mb.rollout_top_k is not None
         if self.output_path == OutputPath.FUSED and loss_in_forward(self.config, mb.sequences):
-            # --- 2.–3. fused path, token-separable loss: log-probs and the share with its gradient in forward ---
-            hidden, targets, filt, loss_fn = x, mb.targets, mb.sampling_filter, share_of
-            if selected is not None:  # the loss of the rows' log-probs scattered to the micro-batch's positions
-                hidden, targets, filt, loss_fn = selected.x, selected.targets, selected.sampling_filter, selected.loss_fn(share_of)
+            # --- 2.–3. fused path, token-separable loss: log-probs (and the top-K ones) and the share with its
+            #          gradient in forward — of the loss rows, the loss reading them scattered to the micro-batch ---
+            if selected is not None:
+                hidden, targets, filt, support, top_k_ids = (selected.x, selected.targets, selected.sampling_filter,
+                                                             selected.captured_support, selected.top_k_ids)
+                loss_fn = selected.loss_fn(share_of)
+            else:
+                hidden, targets, filt, support = x, mb.targets, mb.sampling_filter, mb.captured_support
+                top_k_ids = None if mb.rollout_top_k is None else mb.rollout_top_k.ids
+                loss_fn = share_of
             share, metrics = fused_output_loss(
                 hidden, output_weight, targets, loss_fn, tp_group=self.groups.tp,  # type: ignore[arg-type]
                 inv_temperature=self._inv_temperature, with_entropy=self.with_entropy, ignore_index=IGNORE_INDEX,
                 sampling_filter=filt, check_inputs=self.check_inputs, logit_dtype=self.logit_dtype,
+                captured_support=support, top_k_ids=top_k_ids,
             )
-        elif self.output_path == OutputPath.LOGITS and mb.sampling_filter is None and (selected is None or selected.every_row):
+        elif self.output_path == OutputPath.LOGITS and not restricted and (selected is None or selected.every_row):
             # --- 2.–3. logits path: log-probs and the share in one autograd Function (GRPOLoss.on_logits) ---
             spec = LogitsSpec(self.groups.tp, self._inv_temperature, IGNORE_INDEX, True, self.check_inputs)
             share, metrics = self.loss.on_logits_unchecked(
@@ -527,10 +574,11 @@ class MegatronGRPO:
             outside = torch.zeros((), dtype=torch.int64, device=share.device)
             metrics["sampling_filter/outside_tokens"] = total_entry(outside, batch.num_micro_batches)
         else:
-            # --- 2. log-probs (and entropy) ---
-            logprobs, entropy = self._logprobs_unchecked(x, mb, selected, output_weight, inplace_backward=True)
+            # --- 2. log-probs (and entropy; the top-K ones) ---
+            out = self._logprobs_unchecked(x, mb, selected, output_weight, inplace_backward=True,
+                                           with_top_k=mb.rollout_top_k is not None)
             # --- 3. this micro-batch's share of the step objective ---
-            share, metrics = share_of(logprobs, entropy)
+            share, metrics = share_of(*out)
         # --- 4. what Megatron's schedule, DDP and finalize_model_grads turn back into ∇J ---
         scaling = MegatronScaling(calculate_per_token_loss=self.calculate_per_token_loss,
                                   num_microbatches=len(batch.micro_batch_shapes), dp_size=self.groups.dp_size)
@@ -544,6 +592,18 @@ class MegatronGRPO:
             num_tokens = mb.sequences.valid_tokens(mb.loss_mask).sum().to(device=loss.device, dtype=torch.int)
             return loss, num_tokens, metrics
         return loss, metrics
+
+    def _share(self, mb: MicroBatch, batch: GlobalBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None,
+               top_k: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """Step 3: GRPOLoss's share of the micro-batch from its log-probs (and entropy). ``top_k``: the trainer's
+        log-probs at ``mb.rollout_top_k.ids`` ([nnz] fp32, aligned), taken in step 2's forward — with the engine's
+        ``mb.rollout_top_k.logprobs`` the loss's top-K divergence input (``trust_region.mode`` topk_tv / topk_kl)."""
+        topk = None if top_k is None else TopKLogprobs(mb.rollout_top_k.ids.indptr, mb.rollout_top_k.logprobs, top_k)
+        return self.loss.share_unchecked(
+            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
+            rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+            batch=batch, layout=mb.sequences, check_inputs=self.check_inputs, topk_logprobs=topk,
+        )
 
     def _vocab_size(self, vocab_size: int | None) -> int | None:
         """The model's vocabulary size: ``vocab_size`` if given, else the one this object was built with."""

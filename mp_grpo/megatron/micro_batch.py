@@ -13,7 +13,8 @@ Schedule of :func:`prepare_micro_batch` (every rank of a DP replica starts from 
    target of position s is ``tokens[s+1]``; a sequence's last position has no target) — on whole
    sequences, before the CP cut, so that a chunk's last target, the first token of the next chunk and
    usually on another CP rank, is right. Positions not trained on get target ``ignore_index``: the
-   log-prob kernel gives them 0 with no gradient.
+   log-prob kernel gives them 0 with no gradient. The rollout engine's per-token id lists — its captured support,
+   its top-K ids and log-probs (CSR) — are cut alike (:mod:`mp_grpo.megatron.token_csr`).
 5. The loss rows (:attr:`MicroBatch.loss_rows`): the flat positions of this rank's loss mask, found on the host
    (where the rollouts are), so that the output layer can run on them alone (``OutputRows.LOSS``) without a host
    read in the micro-batch loop. Under CP each rank holds the rows of its own chunks.
@@ -31,8 +32,11 @@ from mp_grpo.loss.sequence import PackedSequences, PaddedSequences, SequenceLayo
 from mp_grpo.megatron.context_parallel import cp_positions, select_positions, thd_cp_positions
 from mp_grpo.megatron.packed import PackedLayout, packed_seq_params, round_up
 from mp_grpo.megatron.rollouts import Rollouts
+from mp_grpo.megatron.token_csr import lay_out_csr
+from mp_grpo.ops.captured_support import check_captured_support
 from mp_grpo.ops.loss_rows import loss_rows
 from mp_grpo.ops.sampling_filter import SamplingFilter, check_sampling_filter
+from mp_grpo.ops.token_ids import CapturedSupport, TokenIds, check_token_ids
 
 IGNORE_INDEX = -100
 """Target of positions that are not trained on (the log-prob kernel's default ``ignore_index``)."""
@@ -67,6 +71,31 @@ class TokenLayout:
         """A token-aligned ``[B, S, ...]`` field moved to the logit that predicts it (shifted, laid out, CP-cut)."""
         shifted = torch.cat([x[:, 1:], x.new_full((x.shape[0], 1, *x.shape[2:]), fill)], dim=1)
         return self.input_field(shifted, fill)
+
+
+@dataclass(frozen=True)
+class RolloutTopK:
+    """The rollout engine's top-K ids of every token and its log-probs at them (what a top-K divergence between the
+    trainer's policy and the engine's compares; DPPO's top-K TV / KL), CSR over the tokens (vLLM's layout)."""
+
+    ids: TokenIds
+    """Each token's top-K ids (any order)."""
+    logprobs: torch.Tensor
+    """``[nnz]`` float: the engine's log-probs at ``ids.ids``, aligned with them."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ids, TokenIds):
+            raise TypeError(f"rollout_top_k.ids must be a mp_grpo.TokenIds, got {type(self.ids).__name__}")
+        x = self.logprobs
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.shape != self.ids.ids.shape:
+            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"rollout_top_k.logprobs must be a float tensor aligned with the ids, "
+                             f"[{self.ids.nnz}], got {got}")
+        if x.device != self.ids.ids.device:
+            raise ValueError(f"rollout_top_k.logprobs is on {x.device} but its ids are on {self.ids.ids.device}")
+
+    def to(self, device: torch.device | str) -> RolloutTopK:
+        return RolloutTopK(self.ids.to(device), self.logprobs.to(device))
 
 
 @dataclass(frozen=True)
@@ -115,6 +144,18 @@ class MicroBatch:
     smaller afterwards (the main job's boundary rule) leaves rows without a target, which cost their share of the
     GEMMs and change nothing; a trained position outside the rows is an error (``MegatronGRPO`` reports it, and its
     log-prob is NaN meanwhile)."""
+    captured_support: CapturedSupport | None = None
+    """The rollout engine's captured support of every token (vLLM's ``SamplingMask``): the log-prob ops replay it —
+    each token's log-prob, entropy and gradient of its distribution renormalized over the ids it was sampled from
+    (``mp_grpo/ops/captured_support.py``). CSR over the flattened local :attr:`targets`; set with
+    :meth:`with_captured_support`, which takes it over the rollout's tokens and cuts it as every token field. Not
+    with :attr:`sampling_filter` (the support is what the engine's filter kept). Its values are checked by the ops
+    (``check_inputs``)."""
+    rollout_top_k: RolloutTopK | None = None
+    """The rollout engine's top-K ids and log-probs of every token, CSR over the flattened local :attr:`targets`; set
+    with :meth:`with_rollout_top_k`. ``MegatronGRPO.loss_func`` then takes the trainer's log-probs at the same ids in
+    the forward of its log-prob op (``[nnz]`` fp32 aligned with ``rollout_top_k.ids``) for the loss's top-K
+    divergence."""
 
     def __post_init__(self) -> None:
         if self.sampling_filter is not None:
@@ -127,6 +168,12 @@ class MicroBatch:
                    if isinstance(self.loss_rows, torch.Tensor) else type(self.loss_rows).__name__)
             raise ValueError(f"loss_rows must be a [K] int64 tensor on the loss mask's device ({self.loss_mask.device}), "
                              f"got {got}")
+        if self.captured_support is not None:
+            check_captured_support(self.captured_support, self.targets.shape, self.targets.device, self.sampling_filter)
+        if self.rollout_top_k is not None:
+            if not isinstance(self.rollout_top_k, RolloutTopK):
+                raise TypeError(f"rollout_top_k must be a RolloutTopK, got {type(self.rollout_top_k).__name__}")
+            check_token_ids(self.rollout_top_k.ids, "rollout_top_k.ids", self.targets.shape, self.targets.device)
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on ``device``: ``packed_seq_params``' boundaries and the loss layout's
@@ -146,8 +193,10 @@ class MicroBatch:
         if filt is not None:
             filt = SamplingFilter(**{name: getattr(filt, name).to(device) if isinstance(getattr(filt, name), torch.Tensor)
                                      else getattr(filt, name) for name in ("top_k", "top_p", "min_p")})
+        support = None if self.captured_support is None else self.captured_support.to(device)
+        top_k = None if self.rollout_top_k is None else self.rollout_top_k.to(device)
         return replace(self, packed_seq_params=params, sequences=sequences, routing=routing, sampling_filter=filt,
-                       **moved)
+                       captured_support=support, rollout_top_k=top_k, **moved)
 
     def with_sampling_filter(
         self,
@@ -182,6 +231,34 @@ class MicroBatch:
                                      f"{self.targets.shape[0]} sequences")
             values[name] = value
         return replace(self, sampling_filter=SamplingFilter(**values))  # checked by __post_init__
+
+    def with_captured_support(self, support: CapturedSupport) -> MicroBatch:
+        """A copy that replays the rollout engine's captured support (see :attr:`captured_support`).
+
+        ``support``: CSR over the micro-batch's rollout tokens, token-aligned like :class:`Rollouts`' fields —
+        row-major over ``[num_sequences, S]`` (``S`` any width that holds every sequence; vLLM returns one support per
+        generated token: prompt and padding tokens have none) —, token s's ids the set the engine drew token s from.
+        Each token's support moves to the logit that predicts it and is laid out, packed and CP-cut as every token
+        field (:func:`~mp_grpo.megatron.token_csr.lay_out_csr`; its local size read once on the host)."""
+        if not isinstance(support, CapturedSupport):
+            raise TypeError(f"support must be a mp_grpo.CapturedSupport, got {type(support).__name__}")
+        indptr, ids = lay_out_csr(self.layout, support.indptr, self._num_sequences(), "captured_support", support.ids)
+        return replace(self, captured_support=CapturedSupport(indptr, ids))  # checked by __post_init__
+
+    def with_rollout_top_k(self, ids: TokenIds, logprobs: torch.Tensor) -> MicroBatch:
+        """A copy carrying the rollout engine's top-K ids and log-probs (see :attr:`rollout_top_k`): ``ids`` CSR over
+        the micro-batch's rollout tokens, token-aligned as in :meth:`with_captured_support`, ``logprobs`` ``[nnz]``
+        the engine's log-probs at them (token s's top-K of the distribution it was drawn from); laid out and cut
+        alike."""
+        if not isinstance(ids, TokenIds):
+            raise TypeError(f"ids must be a mp_grpo.TokenIds, got {type(ids).__name__}")
+        RolloutTopK(ids, logprobs)  # the types and the alignment, named
+        indptr, local_ids, local_logprobs = lay_out_csr(self.layout, ids.indptr, self._num_sequences(),
+                                                        "rollout_top_k.ids", ids.ids, logprobs)
+        return replace(self, rollout_top_k=RolloutTopK(TokenIds(indptr, local_ids), local_logprobs))
+
+    def _num_sequences(self) -> int:
+        return self.layout.packed.num_sequences if self.layout.packed is not None else self.targets.shape[0]
 
     def with_routing(self, routing) -> MicroBatch:
         """A copy that replays ``routing`` (recorded top-k indices, one tensor per MoE layer; see :attr:`routing`).

@@ -19,7 +19,9 @@ Schedule of :func:`rows_output`
    the rows do not cover — a MicroBatch whose loss mask was replaced by a larger one after its rows were made —,
    whose count goes to the error ledger (:func:`mp_grpo.ops.checks.record_errors`: raised at once on the CPU, at the
    next ``mp_grpo.check_errors()`` on a GPU; no host read).
-3. The rows' targets and sampling filter (per-row values cut to the rows): one ``index_select`` each.
+3. The rows' targets and sampling filter (per-row values cut to the rows): one ``index_select`` each; the rollout
+   engine's captured support and top-K ids (CSR) cut to the rows too (:meth:`LossRows.token_ids`: one host read of
+   the kept entries' count on a GPU), the trainer's top-K log-probs scattered back to the micro-batch's whole list.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from mp_grpo.megatron.micro_batch import MicroBatch
 from mp_grpo.ops.checks import CheckInputs, record_errors
 from mp_grpo.ops.loss_rows import LossFn, LossRows
 from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.ops.token_ids import CapturedSupport, TokenIds
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,14 @@ class RowsOutput:
     every_row: bool = False
     """:attr:`x` holds every row's logits (step 1): the ops' results are of every row, and :meth:`scatter` keeps
     the rows'."""
+    captured_support: CapturedSupport | None = None
+    """The micro-batch's captured support at the rows (CSR over the K rows; with :attr:`every_row` as it is)."""
+    top_k_ids: TokenIds | None = None
+    """The micro-batch's rollout top-K ids at the rows (CSR over the K rows; with :attr:`every_row` as they are)."""
+    top_k_positions: torch.Tensor | None = None
+    """``[nnz_rows]``: where :attr:`top_k_ids`' entries stand in the micro-batch's list (None: the same list)."""
+    top_k_nnz: int = 0
+    """The micro-batch's top-K entries (its list's length)."""
 
     def scatter(self, values: torch.Tensor | None) -> torch.Tensor | None:
         """The ops' results on :attr:`x` as the micro-batch's ``[*targets]``: the rows' values, ``fill`` elsewhere
@@ -62,9 +73,20 @@ class RowsOutput:
             return None
         return self.rows.scatter(self.rows.select(values) if self.every_row else values, self.fill)
 
+    def scatter_top_k(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """The ops' top-K log-probs on :attr:`top_k_ids` as the micro-batch's ``[nnz]`` list (0 at the entries of the
+        positions outside the rows, which carry no loss)."""
+        if values is None or self.top_k_positions is None:
+            return values
+        return LossRows.scatter_entries(values, self.top_k_positions, self.top_k_nnz)
+
     def loss_fn(self, loss_fn: LossFn) -> LossFn:
-        """``loss_fn`` of full-size log-probs as a loss of the rows' log-probs (the fused op's ``loss_fn``)."""
-        return self.rows.loss_fn(loss_fn, self.fill)
+        """``loss_fn`` of full-size log-probs (and top-K log-probs) as a loss of the rows' (the fused op's ``loss_fn``)."""
+
+        def with_top_k(logprobs: torch.Tensor, entropy: torch.Tensor | None, *top_k: torch.Tensor):
+            return loss_fn(logprobs, entropy, *(self.scatter_top_k(t) for t in top_k))
+
+        return self.rows.loss_fn(with_top_k, self.fill)
 
 
 def rows_output(
@@ -83,10 +105,18 @@ def rows_output(
     # --- 2. the other positions: 0, NaN at a trained position the rows miss (counted) ---
     fill, missing = rows.fill_outside(mb.loss_mask)
     record_errors("loss_mask outside loss_rows", missing, _missing_message(mb), mode=check_inputs)
-    # --- 3. the rows' targets and sampling filter ---
+    # --- 3. the rows' targets, sampling filter, captured support and top-K ids ---
+    top_k_ids = None if mb.rollout_top_k is None else mb.rollout_top_k.ids
     if every_row:
-        return RowsOutput(x, rows, mb.targets, mb.sampling_filter, fill, every_row=True)
-    return RowsOutput(x, rows, rows.select(mb.targets), rows.sampling_filter(mb.sampling_filter), fill)
+        return RowsOutput(x, rows, mb.targets, mb.sampling_filter, fill, every_row=True,
+                          captured_support=mb.captured_support, top_k_ids=top_k_ids)
+    support = None if mb.captured_support is None else rows.token_ids(mb.captured_support)[0]
+    positions, nnz = None, 0
+    if top_k_ids is not None:
+        nnz = top_k_ids.nnz
+        top_k_ids, positions = rows.token_ids(top_k_ids)
+    return RowsOutput(x, rows, rows.select(mb.targets), rows.sampling_filter(mb.sampling_filter), fill,
+                      captured_support=support, top_k_ids=top_k_ids, top_k_positions=positions, top_k_nnz=nnz)
 
 
 def _missing_message(mb: MicroBatch):

@@ -63,6 +63,10 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _slot_views: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
 _discard: dict[torch.device, torch.Tensor] = {}
 _messages: dict[tuple[str, torch.device], tuple[Callable[[int], str], type[Exception]]] = {}
+_index_messages: dict[tuple[str, torch.device], Callable[[int, int], str]] = {}
+_index_slots: dict[str, int] = {}
+"""Kinds recorded with :func:`record_flagged`: the slot that holds 1 + the first flagged index (0: none yet)."""
+INDEX_SLOT_SUFFIX = " (first index)"
 _defer_on_cpu = False
 
 
@@ -155,20 +159,54 @@ def record_errors(
     _messages[(kind, device)] = (message, error)  # the latest call's message (its shapes) describes the error
 
 
+def record_flagged(
+    kind: str,
+    flags: torch.Tensor,
+    message: Callable[[int, int], str],
+    mode: CheckInputs = CheckInputs.DEFERRED,
+) -> None:
+    """:func:`record_errors` of the count of the bool ``flags`` (one per token, say), with the index of the first one:
+    ``ValueError(message(count, first_index))`` — at once on the CPU or with SYNC; otherwise the count and
+    1 + the first index are kept on the device (a second slot, set by the first call that flags any since the last
+    :func:`check_errors`; no host read) and :func:`check_errors` raises with the index of that call's token."""
+    if mode is CheckInputs.OFF or flags.numel() == 0:
+        return
+    device = flags.device
+    count = flags.sum()
+    first = flags.to(torch.int32).argmax()
+    if mode is CheckInputs.SYNC or (device.type == "cpu" and not _defer_on_cpu):
+        n = int(count)
+        if n:
+            raise ValueError(message(n, int(first)))
+        return
+    slot = _reserve_slots((kind, kind + INDEX_SLOT_SUFFIX))
+    _index_slots[kind] = slot + 1
+    counter = _counter_vector(device)
+    counter[slot].add_(count)
+    index = counter[slot + 1]
+    index.copy_(torch.where((index == 0) & (count > 0), first.to(torch.int64) + 1, index))
+    _index_messages[(kind, device)] = message
+
+
 def check_errors() -> None:
-    """Raise the first error recorded by :func:`record_errors` since the last check (one host read per device
-    that ever recorded one; the counters are zeroed when read nonzero)."""
+    """Raise the first error recorded by :func:`record_errors` (or :func:`record_flagged`) since the last check (one
+    host read per device that ever recorded one; the counters are zeroed when read nonzero)."""
     names = {slot: kind for kind, slot in _slots.items()}
+    index_slots = set(_index_slots.values())
     for device, counter in _counters.items():
         counts = counter.tolist()
         if not any(counts):
             continue
         counter.zero_()
         for slot, n in enumerate(counts):
-            if n:
+            if n and slot not in index_slots:
                 kind = names[slot]
-                message, error = _messages[(kind, device)]
-                raise error(f"{message(n)} [recorded on the device since the last mp_grpo.check_errors(): {kind}]")
+                if kind in _index_slots:
+                    text, error = _index_messages[(kind, device)](n, counts[_index_slots[kind]] - 1), ValueError
+                else:
+                    message, error = _messages[(kind, device)]
+                    text = message(n)
+                raise error(f"{text} [recorded on the device since the last mp_grpo.check_errors(): {kind}]")
 
 
 @contextlib.contextmanager

@@ -27,6 +27,12 @@ Forward — chunks of whole rows, ``[rows, V_local]``
     thresholds (``ops/sampling_filter.py``, ``filtered_statistics``: its collectives once per chunk); the thresholds (4 bytes a row) are saved for backward, whose
     kernel gives the columns below them no gradient. Backward's blocks are then forward's chunks (whole
     rows), so that the recomputed logits are bitwise forward's (see ``sampling_filter`` below).
+    With a ``captured_support``, step 1's statistics are each row's support's (``ops/captured_support.py``: a gather
+    of the chunk's logits at the support's ids, no collective); backward's step 2 is ``support_backward`` (the
+    support is a set of ids: any backward chunk shape is exact). With ``top_k_ids``
+    (:func:`fused_linear_logprobs_with_top_k`), step 1 also gathers each chunk's logits at the engine's top-K ids
+    into a payload that step 2's all-gather carries, and step 3 turns them into log-probs (``ops/top_k_logprobs.py``):
+    during the forward, no second pass over the logits.
 
 Backward — token blocks of ``backward_rows`` rows, each cut into ``[rows, cols]`` vocabulary chunks
     1. Recompute the chunk's logits ``hidden[block] @ weight[cols]ᵀ`` into one reused buffer, in forward's
@@ -109,12 +115,18 @@ from mp_grpo.ops.checks import (
     check_runs_here,
     check_temperature,
 )
+from mp_grpo.ops.captured_support import (
+    check_replay,
+    support_backward,
+    support_statistics,
+    targets_outside_support,
+)
 from mp_grpo.ops.logprob_launch import (
     flat_upstream_grads,
-    gather_and_merge,
+    gather_and_merge_with,
     logprob_backward,
     narrowed_in_place,
-    new_stats_buffer,
+    new_stats_buffer_with,
     shard_statistics,
 )
 from mp_grpo.ops.output_chunks import (
@@ -125,12 +137,9 @@ from mp_grpo.ops.output_chunks import (
     matmul_into,
     plan_chunks,
 )
-from mp_grpo.ops.sampling_filter import (
-    SamplingFilter,
-    check_sampling_filter,
-    filtered_statistics,
-    targets_outside_filter,
-)
+from mp_grpo.ops.sampling_filter import SamplingFilter, filtered_statistics, targets_outside_filter
+from mp_grpo.ops.token_ids import CapturedSupport, TokenIds, check_token_ids, record_token_ids_errors
+from mp_grpo.ops.top_k_logprobs import TokenLogprobs, gather_logits_at_ids, top_k_outputs
 
 
 def _forward_statistics(
@@ -144,20 +153,27 @@ def _forward_statistics(
     inv_temperature: float,
     with_entropy: bool,
     sampling_filter: SamplingFilter | None = None,
+    captured_support: CapturedSupport | None = None,
+    top_k_ids: TokenIds | None = None,
+    payload: torch.Tensor | None = None,  # [nnz] fp32 out (with top_k_ids)
     tp_group: ProcessGroup | None = None,
     chunk_dtype: torch.dtype,
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Forward step 1: logits of ``plan.forward_rows`` rows at a time, into one reused buffer.
 
     With no rows there is still one (empty) launch: the statistics kernel writes the shard-size row.
     With a ``sampling_filter``, each chunk's statistics are those of its kept set (``filtered_statistics`` on
-    the chunk: the threshold search's collectives once per chunk); returns the ``[N]`` fp32 thresholds (else None)."""
+    the chunk: the threshold search's collectives once per chunk); with a ``captured_support``, of each row's
+    support (``support_statistics``). With ``top_k_ids``, each chunk's logits at the ids its rows list (this
+    shard's) into ``payload``. Returns ``(the [N] fp32 thresholds or None, the [N] int8 support flags or None)``."""
     n, v_local = h.shape[0], w.shape[0]
     chunk = torch.empty(plan.forward_rows * v_local, dtype=chunk_dtype, device=h.device)
-    threshold = None
+    threshold = has_support = None
     if sampling_filter is not None:
         threshold = torch.empty(n, dtype=torch.float32, device=h.device)
         per_row = sampling_filter.flattened()
+    if captured_support is not None:
+        has_support = torch.empty(n, dtype=torch.int8, device=h.device)
     for r0 in range(0, max(n, 1), plan.forward_rows):
         r1 = min(r0 + plan.forward_rows, n)
         logits = chunk_view(chunk, r1 - r0, v_local)
@@ -167,12 +183,21 @@ def _forward_statistics(
                 logits, t[r0:r1], stats, per_row.rows(r0, r1), torch.Size([r1 - r0]), row_start=r0, tp_group=tp_group,
                 inv_temperature=inv_temperature, with_entropy=with_entropy,
             )
+        elif has_support is not None:
+            has_support[r0:r1] = support_statistics(
+                logits, t[r0:r1], stats, captured_support, row_start=r0, csr_row_start=r0, vocab_start=vocab_start,
+                inv_temperature=inv_temperature, with_entropy=with_entropy,
+            )
         else:
             shard_statistics(
                 logits, t[r0:r1], stats, row_start=r0,
                 vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
             )
-    return threshold
+        if top_k_ids is not None:
+            gather_logits_at_ids(logits, payload, top_k_ids, csr_row_start=r0, vocab_start=vocab_start,
+                                 threshold=threshold[r0:r1] if threshold is not None else None,
+                                 support=captured_support)
+    return threshold, has_support
 
 
 def _backward_chunks(
@@ -195,6 +220,8 @@ def _backward_chunks(
     ignore_index: int,
     inv_temperature: float,
     threshold: torch.Tensor | None = None,  # [N] fp32 sampling-filter thresholds
+    support: CapturedSupport | None = None,
+    has_support: torch.Tensor | None = None,  # [N] int8 (with support)
     chunk_dtype: torch.dtype,
 ) -> None:
     """Backward steps 1-4 over token blocks x vocabulary chunks (see the module docstring)."""
@@ -222,14 +249,15 @@ def _backward_chunks(
 
             # --- 2. their gradient, in place (narrowed to hidden's dtype for fp32 logits) ---
             g = x if x.dtype == h.dtype else narrowed_in_place(x, h.dtype)
-            logprob_backward(
-                x, g, t[b0:b1], row_max[b0:b1], log_sum[b0:b1], complement[b0:b1],
-                entropy[b0:b1], centered[b0:b1],
-                grad_logprobs[b0:b1],
-                grad_entropy[b0:b1] if grad_entropy is not None else None,
-                vocab_start=vocab_start + c0, ignore_index=ignore_index, inv_temperature=inv_temperature,
-                threshold=threshold[b0:b1] if threshold is not None else None,
-            )
+            block = (x, g, t[b0:b1], row_max[b0:b1], log_sum[b0:b1], complement[b0:b1], entropy[b0:b1],
+                     centered[b0:b1], grad_logprobs[b0:b1], grad_entropy[b0:b1] if grad_entropy is not None else None)
+            if support is not None:  # the support's columns of this chunk (ids c0 .. c1 of the shard)
+                support_backward(*block, support, has_support[b0:b1], csr_row_start=b0, vocab_start=vocab_start + c0,
+                                 ignore_index=ignore_index, inv_temperature=inv_temperature)
+            else:
+                logprob_backward(*block, vocab_start=vocab_start + c0, ignore_index=ignore_index,
+                                 inv_temperature=inv_temperature,
+                                 threshold=threshold[b0:b1] if threshold is not None else None)
 
             # --- 3. hidden gradient of the block, summed over vocabulary chunks in fp32 ---
             if acc_block is not None:
@@ -260,6 +288,8 @@ class FusedLinearLogProbs(torch.autograd.Function):
         check_inputs: CheckInputs,
         sampling_filter: SamplingFilter | None,
         chunk_dtype: torch.dtype,
+        captured_support: CapturedSupport | None = None,
+        top_k_ids: TokenIds | None = None,
     ):
         ctx.set_materialize_grads(False)
         v_local, hidden_size = weight.shape
@@ -268,27 +298,38 @@ class FusedLinearLogProbs(torch.autograd.Function):
         t = target.reshape(-1).to(torch.int64).contiguous()
         n = h.shape[0]
         vocab_start = group_rank(tp_group) * v_local
+        v_global = v_local * group_size(tp_group)
+        if captured_support is not None:
+            record_token_ids_errors(captured_support, "captured_support", v_global, check_inputs,
+                                    strictly_increasing=True)
+        if top_k_ids is not None:
+            record_token_ids_errors(top_k_ids, "top_k_ids", v_global, check_inputs, strictly_increasing=False)
 
-        # --- 1. per token chunk: logits (one GEMM) -> this chunk's rows of ONE stats buffer ---
-        stats = new_stats_buffer(n, h.device)
-        threshold = _forward_statistics(
-            h, w, t, stats, plan, vocab_start=vocab_start, inv_temperature=inv_temperature, with_entropy=with_entropy,
-            sampling_filter=sampling_filter, tp_group=tp_group, chunk_dtype=chunk_dtype,
+        # --- 1. per token chunk: logits (one GEMM) -> this chunk's rows of ONE stats buffer (and payload) ---
+        buffer = new_stats_buffer_with(n, top_k_ids.nnz if top_k_ids is not None else 0, h.device)
+        threshold, has_support = _forward_statistics(
+            h, w, t, buffer.stats, plan, vocab_start=vocab_start, inv_temperature=inv_temperature,
+            with_entropy=with_entropy, sampling_filter=sampling_filter, captured_support=captured_support,
+            top_k_ids=top_k_ids, payload=buffer.payload, tp_group=tp_group, chunk_dtype=chunk_dtype,
         )
 
-        # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics) and the merge into
-        #          log-prob, entropy, logZ = M + log S; raise on bad input ---
-        merged = gather_and_merge(
-            stats, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index, inv_temperature=inv_temperature,
-            with_entropy=with_entropy, check_inputs=check_inputs,
+        # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics, the payload with them) and the
+        #          merge into log-prob, entropy, logZ = M + log S; raise on bad input ---
+        merged, gathered = gather_and_merge_with(
+            buffer.buffer, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
+            inv_temperature=inv_temperature, with_entropy=with_entropy, check_inputs=check_inputs,
+            payload_rows=buffer.payload_rows,
         )
 
         outside = None
         if threshold is not None:
             # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
             outside = targets_outside_filter(merged.logprobs, t, ignore_index, check_inputs)
+        elif has_support is not None:
+            outside = targets_outside_support(merged.logprobs, t, ignore_index, check_inputs)
         ctx.save_for_backward(h, w, t, merged.row_max, merged.log_sum, merged.complement, merged.entropy,
                               merged.centered, threshold, outside)
+        ctx.support, ctx.has_support = captured_support, has_support
         # Like Megatron's linear layer: main_grad is kept on ctx, not saved (no version-counter checks,
         # since DDP writes into it between forward and backward).
         ctx.main_grad = weight.main_grad if accumulate_into_main_grad else None
@@ -300,17 +341,23 @@ class FusedLinearLogProbs(torch.autograd.Function):
         ctx.plan = plan
         ctx.chunk_dtype = chunk_dtype
         logprobs = merged.logprobs.view(target.shape)
+        if top_k_ids is not None:
+            # --- 4. the log-probs at the engine's top-K ids (not differentiable) ---
+            return top_k_outputs(ctx, merged, gathered, t, top_k_ids, target.shape, v_local=v_local,
+                                 ignore_index=ignore_index, inv_temperature=inv_temperature, with_entropy=with_entropy)
         if with_entropy:
             return logprobs, merged.entropy.view(target.shape)
         return logprobs
 
     @staticmethod
-    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None, _grad_top_k=None):
         h, w, t, row_max, log_sum, complement, entropy, centered, threshold, outside = ctx.saved_tensors
-        not_differentiable = (None,) * 10
+        not_differentiable = (None,) * 12
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return (None, None, *not_differentiable)
+        if entropy.numel() == 0:  # the entropy was not asked for (with top-K its output is an empty placeholder)
+            grad_entropy = None
         grad_logprobs, grad_entropy = flat_upstream_grads(grad_logprobs, grad_entropy, row_max.shape[0], row_max.device)
         if outside is not None:
             grad_logprobs = torch.where(outside, 0.0, grad_logprobs)
@@ -328,7 +375,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
             grad_h, grad_w, ctx.plan,
             weight_grad_accumulates=main_grad is not None, vocab_start=ctx.vocab_start,
             ignore_index=ctx.ignore_index, inv_temperature=ctx.inv_temperature, threshold=threshold,
-            chunk_dtype=ctx.chunk_dtype,
+            support=ctx.support, has_support=ctx.has_support, chunk_dtype=ctx.chunk_dtype,
         )
 
         grad_hidden = grad_h.view(ctx.hidden_shape) if need_hidden else None
@@ -344,7 +391,7 @@ def fused_linear_logprobs(
     temperature: float = ..., with_entropy: Literal[False] = ..., ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
     check_inputs: CheckInputs | bool = ..., sampling_filter: SamplingFilter | None = ...,
-    logit_dtype: LogitDtype = ...,
+    logit_dtype: LogitDtype = ..., captured_support: CapturedSupport | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def fused_linear_logprobs(
@@ -352,7 +399,7 @@ def fused_linear_logprobs(
     temperature: float = ..., with_entropy: Literal[True], ignore_index: int = ...,
     chunk_tokens: int | None = ..., chunk_vocab: int | None = ..., accumulate_into_main_grad: bool = ...,
     check_inputs: CheckInputs | bool = ..., sampling_filter: SamplingFilter | None = ...,
-    logit_dtype: LogitDtype = ...,
+    logit_dtype: LogitDtype = ..., captured_support: CapturedSupport | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -371,6 +418,7 @@ def fused_linear_logprobs(
     check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     sampling_filter: SamplingFilter | None = None,
     logit_dtype: LogitDtype = LogitDtype.BF16,
+    captured_support: CapturedSupport | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What ``vocab_parallel_logprobs(hidden @ weight.T, target, ...)`` returns, without the logits.
 
@@ -411,12 +459,65 @@ def fused_linear_logprobs(
             ``LogitDtype.FP32``: kept as the GEMM's fp32 accumulator (bf16 GEMMs, fp32 output; refused where
             the torch has no such GEMM) — log-probs and entropy free of the logits' bf16 rounding, at the
             cost of twice the bytes per chunk (see the module docstring, "Precision").
+        captured_support: as in :func:`~mp_grpo.vocab_parallel_logprobs` — each token's distribution renormalized
+            over the rollout engine's captured support (:class:`mp_grpo.CapturedSupport`): each forward chunk's
+            statistics gather the chunk's logits at the support's ids; backward writes the gradient at them (any
+            chunk shape). Not with ``sampling_filter``.
 
     Returns:
         fp32 log-probs ``[...]``; with ``with_entropy=True`` the pair ``(logprobs, entropy)``.
 
     One all-gather of a ``[N + 1, 4]`` fp32 tensor per call. No collective in backward.
     """
+    inv_temperature, chunk_tokens, chunk_vocab, check_inputs = _checked(
+        hidden, weight, target, temperature, chunk_tokens, chunk_vocab, accumulate_into_main_grad, check_inputs,
+        sampling_filter, captured_support, logit_dtype)
+    return fused_linear_logprobs_unchecked(
+        hidden, weight, target, tp_group=tp_group, inv_temperature=inv_temperature, with_entropy=bool(with_entropy),
+        ignore_index=int(ignore_index), chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+        accumulate_into_main_grad=bool(accumulate_into_main_grad), check_inputs=check_inputs,
+        sampling_filter=sampling_filter, logit_dtype=logit_dtype, captured_support=captured_support,
+    )
+
+
+def fused_linear_logprobs_with_top_k(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    top_k_ids: TokenIds,
+    *,
+    tp_group: ProcessGroup | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    chunk_vocab: int | None = None,
+    accumulate_into_main_grad: bool = False,
+    check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
+    sampling_filter: SamplingFilter | None = None,
+    logit_dtype: LogitDtype = LogitDtype.BF16,
+    captured_support: CapturedSupport | None = None,
+) -> TokenLogprobs:
+    """:func:`fused_linear_logprobs`, and during its forward the log-probs at ``top_k_ids`` (the rollout engine's
+    top-K ids of every token: :class:`mp_grpo.TokenIds`, CSR over the flattened targets) — each forward chunk's
+    logits gathered at its rows' ids before the chunk is overwritten, no second pass over the logits. Arguments and
+    result as :func:`mp_grpo.vocab_parallel_logprobs_with_top_k`'s (``ops/top_k_logprobs.py``)."""
+    inv_temperature, chunk_tokens, chunk_vocab, check_inputs = _checked(
+        hidden, weight, target, temperature, chunk_tokens, chunk_vocab, accumulate_into_main_grad, check_inputs,
+        sampling_filter, captured_support, logit_dtype)
+    check_token_ids(top_k_ids, "top_k_ids", target.shape, hidden.device)
+    return fused_linear_logprobs_unchecked(
+        hidden, weight, target, tp_group=tp_group, inv_temperature=inv_temperature, with_entropy=bool(with_entropy),
+        ignore_index=int(ignore_index), chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+        accumulate_into_main_grad=bool(accumulate_into_main_grad), check_inputs=check_inputs,
+        sampling_filter=sampling_filter, logit_dtype=logit_dtype, captured_support=captured_support,
+        top_k_ids=top_k_ids,
+    )
+
+
+def _checked(hidden, weight, target, temperature, chunk_tokens, chunk_vocab, accumulate_into_main_grad, check_inputs,
+             sampling_filter, captured_support, logit_dtype) -> tuple[float, int | None, int | None, CheckInputs]:
+    """The public entries' argument checks: ``(1 / temperature, chunk_tokens, chunk_vocab, check_inputs)``."""
     check_hidden_weight_and_target(hidden, weight, target)
     check_runs_here(hidden, "hidden")
     inv_temperature = check_temperature(temperature)
@@ -425,16 +526,9 @@ def fused_linear_logprobs(
     if accumulate_into_main_grad:
         check_main_grad(weight)
     check_inputs = check_inputs_mode(check_inputs)
-    if sampling_filter is not None:
-        check_sampling_filter(sampling_filter, target.shape, hidden.device,
-                              check_tensors=check_inputs is not CheckInputs.OFF)
+    check_replay(sampling_filter, captured_support, target.shape, hidden.device, check_inputs)
     logits_dtype(logit_dtype, hidden)  # refused here, before any work, where it cannot be honoured
-    return fused_linear_logprobs_unchecked(
-        hidden, weight, target, tp_group=tp_group, inv_temperature=inv_temperature, with_entropy=bool(with_entropy),
-        ignore_index=int(ignore_index), chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
-        accumulate_into_main_grad=bool(accumulate_into_main_grad), check_inputs=check_inputs,
-        sampling_filter=sampling_filter, logit_dtype=logit_dtype,
-    )
+    return inv_temperature, chunk_tokens, chunk_vocab, check_inputs
 
 
 def fused_linear_logprobs_unchecked(
@@ -452,13 +546,17 @@ def fused_linear_logprobs_unchecked(
     check_inputs: CheckInputs,
     sampling_filter: SamplingFilter | None,
     logit_dtype: LogitDtype = LogitDtype.BF16,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fused_linear_logprobs` without its argument checks, for a caller that made them once at its own
-    boundary (``MegatronGRPO.loss_func``): ``hidden``, ``weight`` and ``target`` as
-    :func:`~mp_grpo.ops.checks.check_hidden_weight_and_target` and :func:`~mp_grpo.ops.checks.check_runs_here`
-    accept them, ``weight.main_grad`` checked when accumulating into it, ``inv_temperature`` from
-    :func:`~mp_grpo.ops.checks.check_temperature`, chunk sizes None or positive ints, ``check_inputs`` a
-    :class:`CheckInputs`, ``sampling_filter`` passed by :func:`check_sampling_filter` for ``target``."""
+    captured_support: CapturedSupport | None = None,
+    top_k_ids: TokenIds | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | TokenLogprobs:
+    """:func:`fused_linear_logprobs` (with ``top_k_ids``: :func:`fused_linear_logprobs_with_top_k`) without its
+    argument checks, for a caller that made them once at its own boundary (``MegatronGRPO.loss_func``): ``hidden``,
+    ``weight`` and ``target`` as :func:`~mp_grpo.ops.checks.check_hidden_weight_and_target` and
+    :func:`~mp_grpo.ops.checks.check_runs_here` accept them, ``weight.main_grad`` checked when accumulating into it,
+    ``inv_temperature`` from :func:`~mp_grpo.ops.checks.check_temperature`, chunk sizes None or positive ints,
+    ``check_inputs`` a :class:`CheckInputs`, ``sampling_filter`` and ``captured_support`` passed by
+    :func:`~mp_grpo.ops.captured_support.check_replay` for ``target``, ``top_k_ids`` by
+    :func:`~mp_grpo.ops.token_ids.check_token_ids`."""
     chunk_dtype = logits_dtype(logit_dtype, hidden)
     plan = plan_chunks(
         target.numel(), weight.shape[1], weight.shape[0], chunk_dtype,
@@ -470,7 +568,11 @@ def fused_linear_logprobs_unchecked(
         # Backward recomputes exactly forward's logits (the same GEMMs: whole-row chunks of the same rows), so
         # every column falls on the same side of its row's threshold — the k-th largest logit IS the threshold.
         plan = replace(plan, backward_rows=plan.forward_rows, backward_cols=weight.shape[0])
-    return FusedLinearLogProbs.apply(
+    out = FusedLinearLogProbs.apply(
         hidden, weight, target, tp_group, inv_temperature, with_entropy, ignore_index, plan,
-        accumulate_into_main_grad, check_inputs, sampling_filter, chunk_dtype,
+        accumulate_into_main_grad, check_inputs, sampling_filter, chunk_dtype, captured_support, top_k_ids,
     )
+    if top_k_ids is None:
+        return out
+    logprobs, entropy, top_k = out
+    return TokenLogprobs(logprobs, entropy if with_entropy else None, top_k)

@@ -37,7 +37,14 @@ Forward — chunks of whole rows, ``[rows, V_local]`` (the plan of :func:`~mp_gr
     Saved for backward: the two gradients (no logits, no inputs).
     With a ``sampling_filter``: step 1's statistics are those of the chunk's kept set and give its per-row
     thresholds (``ops/sampling_filter.py``, ``filtered_statistics``: its collectives once per chunk); step 4
-    then counts only the kept columns, and targets outside the kept set get no coefficient.
+    then counts only the kept columns, and targets outside the kept set get no coefficient. With a
+    ``captured_support``: step 1's statistics are each row's support's (``ops/captured_support.py``: a gather, no
+    collective) and step 4 is ``support_backward`` (the gradient at the support's columns, 0 elsewhere).
+    With ``top_k_ids``: step 1 also gathers the chunk's logits at the engine's top-K ids of its rows into a payload
+    that travels in step 2's all-gather (the whole ``[nnz]`` payload each chunk: the chunk's range of it is known on
+    the device only), step 2 turns them into log-probs (``ops/top_k_logprobs.py``), and step 3 calls
+    ``loss_fn(logprobs, entropy, top_k_logprobs)`` — the ``[nnz]`` fp32 log-probs at the ids, the entries of rows
+    not yet computed 0, as their log-probs.
 
 Backward (``g`` = the upstream gradient of the loss, a 0-dim device tensor; no host read) — one pass of
 :func:`~mp_grpo.ops.scale.scale_into` (``kernels/scale.py``, ``g`` read from its device pointer) per gradient:
@@ -82,11 +89,18 @@ from mp_grpo.ops.checks import (
     check_runs_here,
     check_temperature,
 )
+from mp_grpo.ops.captured_support import (
+    check_replay,
+    support_backward,
+    support_statistics,
+    targets_outside_support,
+)
 from mp_grpo.ops.logprob_launch import (
-    gather_and_merge,
+    gather_and_merge_with,
     logprob_backward,
     narrowed_in_place,
     new_stats_buffer,
+    new_stats_buffer_with,
     shard_statistics,
 )
 from mp_grpo.ops.output_chunks import (
@@ -97,12 +111,9 @@ from mp_grpo.ops.output_chunks import (
     matmul_into,
     plan_chunks,
 )
-from mp_grpo.ops.sampling_filter import (
-    SamplingFilter,
-    check_sampling_filter,
-    filtered_statistics,
-    targets_outside_filter,
-)
+from mp_grpo.ops.sampling_filter import SamplingFilter, filtered_statistics, targets_outside_filter
+from mp_grpo.ops.token_ids import CapturedSupport, TokenIds, check_token_ids, record_token_ids_errors
+from mp_grpo.ops.top_k_logprobs import gather_logits_at_ids, logprobs_at_ids
 from mp_grpo.ops.scale import scale_into_unchecked
 
 LOSS_LOGITS_CHUNK_BYTES = 768 * 2**20
@@ -123,7 +134,9 @@ this (V_local·H ≤ 128 Mi: V = 18992 at H = 4096 does, V = 151936 does not); e
 single chunk (V = 18992 at N = 16384) goes straight into weight's dtype: cuBLAS rounds its fp32 sum once
 either way, and the bf16 buffer is half the memory and half the bytes for backward's scaling pass."""
 
-LossFn = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, Any]"]
+LossFn = Callable[..., "tuple[torch.Tensor, Any]"]
+"""``loss_fn(logprobs, entropy or None) -> (0-dim loss, aux)``; with ``top_k_ids``
+``loss_fn(logprobs, entropy or None, top_k_logprobs)``."""
 
 
 class _Aux:
@@ -137,12 +150,14 @@ def _coefficients(
     logprobs: torch.Tensor,  # [N] fp32, rows so far filled in
     entropy: torch.Tensor | None,  # [N] fp32, or None
     token_shape: torch.Size,
+    top_k: torch.Tensor | None = None,  # [nnz] fp32 the log-probs at the top-K ids, rows so far filled in
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Any]:
     """Forward step 3: ``(d loss/d logp [N], d loss/d entropy [N] or None, loss, aux)`` of ``loss_fn`` here."""
     with torch.enable_grad():
         lp = logprobs.detach().requires_grad_()
         ent = entropy.detach().requires_grad_() if entropy is not None else None
-        loss, aux = loss_fn(lp.view(token_shape), ent.view(token_shape) if ent is not None else None)
+        args = (lp.view(token_shape), ent.view(token_shape) if ent is not None else None)
+        loss, aux = loss_fn(*args) if top_k is None else loss_fn(*args, top_k)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(f"loss_fn must return (a 0-dim loss tensor, aux), got {type(loss).__name__} as the loss")
         inputs = [lp] if ent is None else [lp, ent]
@@ -175,6 +190,8 @@ class FusedLinearLoss(torch.autograd.Function):
         check_inputs: CheckInputs,
         sampling_filter: SamplingFilter | None,
         chunk_dtype: torch.dtype,
+        captured_support: CapturedSupport | None = None,
+        top_k_ids: TokenIds | None = None,
     ):
         v_local, hidden_size = weight.shape
         h = hidden.reshape(-1, hidden_size).contiguous()
@@ -195,6 +212,14 @@ class FusedLinearLoss(torch.autograd.Function):
             grad_w = alloc(w.shape, dtype=torch.float32 if fp32_sum else w.dtype, device=w.device)
         chunk = torch.empty(plan.forward_rows * v_local, dtype=chunk_dtype, device=h.device)
         stats_buffer = new_stats_buffer(min(plan.forward_rows, max(n, 1)), h.device)
+        v_global = v_local * group_size(tp_group)
+        if captured_support is not None:
+            record_token_ids_errors(captured_support, "captured_support", v_global, check_inputs,
+                                    strictly_increasing=True)
+        top_k = None
+        if top_k_ids is not None:
+            record_token_ids_errors(top_k_ids, "top_k_ids", v_global, check_inputs, strictly_increasing=False)
+            top_k = torch.zeros(top_k_ids.nnz, dtype=torch.float32, device=h.device)
 
         per_row = sampling_filter.flattened() if sampling_filter is not None else None
         loss = aux = None
@@ -202,33 +227,50 @@ class FusedLinearLoss(torch.autograd.Function):
             r1 = min(r0 + plan.forward_rows, n)
             rows = r1 - r0
             x = chunk_view(chunk, rows, v_local)
-            stats = stats_buffer[: rows + 1]  # row `rows` carries V_local (see new_stats_buffer)
+            if top_k is None:
+                stats, payload, payload_rows = stats_buffer[: rows + 1], None, 0  # row `rows` carries V_local
+            else:  # the statistics and the whole payload, one buffer for the all-gather
+                buffer = new_stats_buffer_with(rows, top_k.numel(), h.device)
+                stats, payload, payload_rows = buffer.stats, buffer.payload, buffer.payload_rows
 
-            # --- 1. the chunk's logits and their shard statistics ---
+            # --- 1. the chunk's logits and their shard statistics (and its rows' logits at the top-K ids) ---
             matmul_into(x, h[r0:r1], w.t(), accumulate=False)
-            threshold = None
+            threshold = has_support = None
             if per_row is not None:  # the statistics of the chunk's kept set, and its per-row thresholds
                 threshold = filtered_statistics(x, t[r0:r1], stats, per_row.rows(r0, r1), torch.Size([rows]),
                                                 tp_group=tp_group, inv_temperature=inv_temperature,
                                                 with_entropy=with_entropy)
+            elif captured_support is not None:  # the statistics of each row's support
+                has_support = support_statistics(x, t[r0:r1], stats, captured_support, csr_row_start=r0,
+                                                 vocab_start=vocab_start, inv_temperature=inv_temperature,
+                                                 with_entropy=with_entropy)
             else:
                 shard_statistics(x, t[r0:r1], stats, vocab_start=vocab_start, inv_temperature=inv_temperature,
                                  with_entropy=with_entropy)
-            # --- 2. the TP merge (one all-gather of the chunk's statistics) ---
-            merged = gather_and_merge(
-                stats, t[r0:r1], tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
-                inv_temperature=inv_temperature, with_entropy=with_entropy, check_inputs=check_inputs,
+            if payload is not None:
+                gather_logits_at_ids(x, payload, top_k_ids, csr_row_start=r0, vocab_start=vocab_start,
+                                     threshold=threshold, support=captured_support)
+            # --- 2. the TP merge (one all-gather of the chunk's statistics, the payload with them) ---
+            merged, gathered = gather_and_merge_with(
+                stats if payload is None else buffer.buffer, t[r0:r1], tp_group=tp_group, v_local=v_local,
+                ignore_index=ignore_index, inv_temperature=inv_temperature, with_entropy=with_entropy,
+                check_inputs=check_inputs, payload_rows=payload_rows,
             )
             logprobs[r0:r1] = merged.logprobs
             if entropy is not None:
                 entropy[r0:r1] = merged.entropy
+            if top_k is not None:
+                logprobs_at_ids(gathered, t[r0:r1], top_k_ids, top_k, csr_row_start=r0, v_local=v_local,
+                                ignore_index=ignore_index, inv_temperature=inv_temperature)
             outside = None
             if threshold is not None:
                 # As vocab_parallel_logprobs: a target outside the kept set has log-prob -inf, no gradient.
                 outside = targets_outside_filter(merged.logprobs, t[r0:r1], ignore_index, check_inputs)
+            elif has_support is not None:
+                outside = targets_outside_support(merged.logprobs, t[r0:r1], ignore_index, check_inputs)
 
             # --- 3. the coefficients d loss / d logp, d loss / d entropy of the chunk's rows ---
-            grad_lp, grad_ent, loss, aux = _coefficients(loss_fn, logprobs, entropy, target.shape)
+            grad_lp, grad_ent, loss, aux = _coefficients(loss_fn, logprobs, entropy, target.shape, top_k)
             if outside is not None:
                 grad_lp[r0:r1] = torch.where(outside, 0.0, grad_lp[r0:r1])
             if rows == 0 or not (need_hidden or need_weight):
@@ -236,13 +278,14 @@ class FusedLinearLoss(torch.autograd.Function):
 
             # --- 4. the chunk's logits gradient, in place (narrowed to hidden's dtype for fp32 logits) ---
             g = x if x.dtype == h.dtype else narrowed_in_place(x, h.dtype)
-            logprob_backward(
-                x, g, t[r0:r1], merged.row_max, merged.log_sum, merged.complement,
-                merged.entropy, merged.centered,
-                grad_lp[r0:r1], grad_ent[r0:r1] if grad_ent is not None else None,
-                vocab_start=vocab_start, ignore_index=ignore_index, inv_temperature=inv_temperature,
-                threshold=threshold,
-            )
+            chunk_rows = (x, g, t[r0:r1], merged.row_max, merged.log_sum, merged.complement, merged.entropy,
+                          merged.centered, grad_lp[r0:r1], grad_ent[r0:r1] if grad_ent is not None else None)
+            if has_support is not None:
+                support_backward(*chunk_rows, captured_support, has_support, csr_row_start=r0, vocab_start=vocab_start,
+                                 ignore_index=ignore_index, inv_temperature=inv_temperature)
+            else:
+                logprob_backward(*chunk_rows, vocab_start=vocab_start, ignore_index=ignore_index,
+                                 inv_temperature=inv_temperature, threshold=threshold)
             # --- 5. hidden gradient of the chunk's rows (whole local vocabulary: written once) ---
             if grad_h is not None:
                 matmul_into(grad_h[r0:r1], g, w, accumulate=False)
@@ -262,7 +305,7 @@ class FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        not_differentiable = (None,) * 12
+        not_differentiable = (None,) * 14
         grad_hidden = grad_weight = None
         g = grad_loss.float()  # 0-dim on the device; a no-op for the fp32 loss
         # One pass of kernels/scale.py per gradient; it reads g from the device (no host read, nothing zero-filled).
@@ -298,6 +341,8 @@ def fused_linear_loss(
     check_inputs: CheckInputs | bool = CheckInputs.DEFERRED,
     sampling_filter: SamplingFilter | None = None,
     logit_dtype: LogitDtype = LogitDtype.BF16,
+    captured_support: CapturedSupport | None = None,
+    top_k_ids: TokenIds | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """``loss_fn(log-probs, entropy)`` of ``log softmax(hidden @ weightᵀ / T)[target]``, its gradient made in forward.
 
@@ -313,6 +358,14 @@ def fused_linear_loss(
             logits the thresholds were found on (no recompute), so the kept set is the same in both.
         logit_dtype: as in :func:`~mp_grpo.fused_linear_logprobs`; with ``FP32`` the chunks are the fp32 logits
             (``LOSS_LOGITS_CHUNK_BYTES_FP32``).
+        captured_support: as in :func:`~mp_grpo.vocab_parallel_logprobs` — each token's distribution renormalized
+            over the rollout engine's captured support (:class:`mp_grpo.CapturedSupport`); the gradient is written
+            at the support's columns of each chunk. Not with ``sampling_filter``.
+        top_k_ids: the rollout engine's top-K ids of every token (:class:`mp_grpo.TokenIds`, CSR over the flattened
+            targets): ``loss_fn`` is then called as ``loss_fn(logprobs, entropy, top_k_logprobs)`` with the
+            trainer's log-probs at those ids, ``[nnz]`` fp32 aligned with ``top_k_ids.ids`` (normalized as the
+            targets' log-probs; not differentiable; the entries of rows not yet computed 0), gathered from each
+            chunk's logits (module docstring).
 
     Returns:
         ``(loss, aux)``: the loss (0-dim, differentiable w.r.t. ``hidden`` and ``weight``) and ``loss_fn``'s
@@ -327,15 +380,16 @@ def fused_linear_loss(
     if accumulate_into_main_grad:
         check_main_grad(weight)
     check_inputs = check_inputs_mode(check_inputs)
-    if sampling_filter is not None:
-        check_sampling_filter(sampling_filter, target.shape, hidden.device,
-                              check_tensors=check_inputs is not CheckInputs.OFF)
+    check_replay(sampling_filter, captured_support, target.shape, hidden.device, check_inputs)
+    if top_k_ids is not None:
+        check_token_ids(top_k_ids, "top_k_ids", target.shape, hidden.device)
     logits_dtype(logit_dtype, hidden)  # refused here, before any work, where it cannot be honoured
     return fused_linear_loss_unchecked(
         hidden, weight, target, loss_fn, tp_group=tp_group, inv_temperature=inv_temperature,
         with_entropy=bool(with_entropy), ignore_index=int(ignore_index), chunk_tokens=chunk_tokens,
         accumulate_into_main_grad=bool(accumulate_into_main_grad), check_inputs=check_inputs,
-        sampling_filter=sampling_filter, logit_dtype=logit_dtype,
+        sampling_filter=sampling_filter, logit_dtype=logit_dtype, captured_support=captured_support,
+        top_k_ids=top_k_ids,
     )
 
 
@@ -354,6 +408,8 @@ def fused_linear_loss_unchecked(
     check_inputs: CheckInputs,
     sampling_filter: SamplingFilter | None,
     logit_dtype: LogitDtype = LogitDtype.BF16,
+    captured_support: CapturedSupport | None = None,
+    top_k_ids: TokenIds | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """:func:`fused_linear_loss` without its argument checks, for a caller that made them once at its own boundary
     (``MegatronGRPO.loss_func``, through :func:`mp_grpo.megatron.fused_output.fused_output_loss`): the arguments
@@ -370,6 +426,6 @@ def fused_linear_loss_unchecked(
     aux = _Aux()
     loss = FusedLinearLoss.apply(
         hidden, weight, target, loss_fn, aux, tp_group, inv_temperature, with_entropy, ignore_index, plan,
-        accumulate_into_main_grad, check_inputs, sampling_filter, chunk_dtype,
+        accumulate_into_main_grad, check_inputs, sampling_filter, chunk_dtype, captured_support, top_k_ids,
     )
     return loss, aux.value

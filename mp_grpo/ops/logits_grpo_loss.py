@@ -13,7 +13,8 @@ Schedule of :class:`LogitsGRPOLossFunction` (N rows, V_local columns on each of 
 Forward
     1. ``logprob_stats_kernel``: per-row statistics of this rank's shard (the logits read once). With a
        ``sampling_filter``: ``filtered_statistics`` (``ops/sampling_filter.py``), the statistics of the kept set
-       and the per-row thresholds — what ``vocab_parallel_logprobs`` runs, with its collectives.
+       and the per-row thresholds — what ``vocab_parallel_logprobs`` runs, with its collectives. With a
+       ``captured_support``: ``support_statistics`` (``ops/captured_support.py``), each row's support's (a gather).
     2. The one collective of the log-prob op: all-gather of the ``[N + 1, 4]`` statistics over ``tp_group``
        (skipped for a group of size 1).
     3. The fused loss's forward (:func:`mp_grpo.ops.grpo_loss.loss_forward`, its steps 1–5) on the statistics
@@ -22,8 +23,8 @@ Forward
        (``logprob_merge.merge_rows``), a few loads a position — instead of reading a log-prob tensor; the
        combine kernel also stores M, log S, the entropy and 1 - p_t for backward and adds the merge's error counts
        into the deferred ledger (no host read). Then the finalize kernel: the loss and the metric entries.
-    4. With a filter: the targets outside the kept set (log-prob -inf) are recorded through the deferred ledger
-       (``check_inputs``), as ``vocab_parallel_logprobs`` records them.
+    4. With a filter or a support: the targets outside the kept set or the support (log-prob -inf) are recorded
+       through the deferred ledger (``check_inputs``), as ``vocab_parallel_logprobs`` records them.
 Backward
     1. gspo / gmpo under context parallelism only (without, the finalize kernel folded it in forward): the
        fused loss's backward kernel adds the path through the sequence mean (after the CP all-reduce of its
@@ -32,7 +33,8 @@ Backward
        g · d share / d log π and g · d share / d H — g read on the device (``HAS_GRAD_SCALE``); gspo / gmpo:
        step 1's, unscaled. No collective: logZ and H describe the whole vocabulary already. With a filter the
        columns below the threshold get no gradient, and neither do targets outside the kept set (d share / d log π
-       set to 0 first, as the log-prob op's backward does).
+       set to 0 first, as the log-prob op's backward does). With a support: ``support_backward`` (the gradient at
+       the support's columns, 0 elsewhere; three launches).
 
 Launches: forward 3 (stats, combine, finalize; + memset and token kernel with per-sequence sums; a sampling filter
 adds its own: group maxima, candidates, select, the fallback's passes and a statistics pass, ops/sampling_filter.py),
@@ -46,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, group_rank
+from mp_grpo.collectives import ProcessGroup, group_rank, group_size
 from mp_grpo.ops.checks import CheckInputs
 from mp_grpo.ops.grpo_loss import FromStats, FusedGRPOLoss, LossSaved, _Call, loss_backward, loss_forward
 from mp_grpo.ops.logprob_launch import (
@@ -56,7 +58,9 @@ from mp_grpo.ops.logprob_launch import (
     raise_on_merge_errors,
     shard_statistics,
 )
+from mp_grpo.ops.captured_support import support_backward, support_statistics, targets_outside_support
 from mp_grpo.ops.sampling_filter import SamplingFilter, filtered_statistics, targets_outside_filter
+from mp_grpo.ops.token_ids import CapturedSupport, record_token_ids_errors
 
 
 class LogitsSpec(NamedTuple):
@@ -69,6 +73,8 @@ class LogitsSpec(NamedTuple):
     check_inputs: CheckInputs
     sampling_filter: SamplingFilter | None = None
     """Checked, its no-op fields dropped (``SamplingFilter.without_noops``)."""
+    captured_support: CapturedSupport | None = None
+    """Checked on the host (``captured_support.check_replay``); its values are counted by the op."""
 
 
 class LogitsGRPOLossFunction(torch.autograd.Function):
@@ -90,24 +96,30 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
 
         # --- 1. statistics of this rank's shard (one read of the logits); with a filter, of its kept set ---
         stats = new_stats_buffer(n, x.device)
-        threshold = None
-        if spec.sampling_filter is None:
-            shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=spec.inv_temperature,
-                             with_entropy=with_entropy)
-        else:
+        threshold = has_support = None
+        if spec.sampling_filter is not None:
             threshold = filtered_statistics(x, t, stats, spec.sampling_filter, target.shape, tp_group=spec.tp_group,
                                             inv_temperature=spec.inv_temperature, with_entropy=with_entropy)
+        elif spec.captured_support is not None:
+            record_token_ids_errors(spec.captured_support, "captured_support", v_local * group_size(spec.tp_group),
+                                    spec.check_inputs, strictly_increasing=True)
+            has_support = support_statistics(x, t, stats, spec.captured_support, vocab_start=vocab_start,
+                                             inv_temperature=spec.inv_temperature, with_entropy=with_entropy)
+        else:
+            shard_statistics(x, t, stats, vocab_start=vocab_start, inv_temperature=spec.inv_temperature,
+                             with_entropy=with_entropy)
         # --- 2. the one collective: all-gather of the statistics ---
         gathered = gather_statistics(stats, tp_group=spec.tp_group, v_local=v_local, ignore_index=spec.ignore_index,
                                      check_inputs=spec.check_inputs)
         # --- 3. the fused loss on the merged log-probs: shares, per-token gradient coefficients, loss, metrics ---
         outside = None
-        if threshold is not None:
-            # --- 4. targets outside the kept set: their logit summed over the shards is -inf (the statistics' marker;
-            #        the merge's log-prob is -inf exactly there), recorded as vocab_parallel_logprobs records them —
-            #        before the loss, whose non-finite guard would otherwise report them first; no gradient from
-            #        their log-prob in backward ---
-            outside = targets_outside_filter(gathered.stats[:, :n, 3].sum(0), t, spec.ignore_index, spec.check_inputs)
+        if threshold is not None or has_support is not None:
+            # --- 4. targets outside the kept set (or support): their logit summed over the shards is -inf (the
+            #        statistics' marker; the merge's log-prob is -inf exactly there), recorded as
+            #        vocab_parallel_logprobs records them — before the loss, whose non-finite guard would otherwise
+            #        report them first; no gradient from their log-prob in backward ---
+            outside_of = targets_outside_filter if threshold is not None else targets_outside_support
+            outside = outside_of(gathered.stats[:, :n, 3].sum(0), t, spec.ignore_index, spec.check_inputs)
         from_stats = FromStats(gathered.stats, t, gathered.errors, gathered.stats.shape[0] * v_local,
                                spec.ignore_index, spec.inv_temperature)
         loss, pairs, extremes, saved = loss_forward(None, None, call, from_stats)
@@ -115,7 +127,7 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
 
         ctx.mark_non_differentiable(pairs, extremes)
         ctx.save_for_backward(x, t)  # the inputs; the forward's own buffers are kept on ctx (as autograd allows)
-        ctx.threshold, ctx.outside = threshold, outside
+        ctx.threshold, ctx.outside, ctx.has_support = threshold, outside, has_support
         ctx.saved = saved
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
@@ -140,14 +152,18 @@ class LogitsGRPOLossFunction(torch.autograd.Function):
             grad_scale = None
         if ctx.outside is not None:
             # A target outside the kept set: its log-prob is the constant -inf, no gradient flows from it.
-            grad_lp = torch.where(ctx.outside, 0.0, grad_lp)
+            # (grad_lp may be longer than the rows: a workspace slice rounded up to 16 bytes)
+            grad_lp = torch.where(ctx.outside, 0.0, grad_lp[: ctx.outside.numel()])
         # --- 2. one pass over the shard: recompute p (over the kept set with a filter), write the gradient ---
         grad_x = x if spec.inplace_backward else torch.empty_like(x)
-        logprob_backward(
-            x, grad_x, t, row_max, log_sum, complement, entropy, centered, grad_lp, grad_ent,
-            vocab_start=ctx.vocab_start, ignore_index=spec.ignore_index, inv_temperature=spec.inv_temperature,
-            threshold=ctx.threshold, grad_scale=grad_scale,
-        )
+        rows = (x, grad_x, t, row_max, log_sum, complement, entropy, centered, grad_lp, grad_ent)
+        if ctx.has_support is not None:
+            support_backward(*rows, spec.captured_support, ctx.has_support, vocab_start=ctx.vocab_start,
+                             ignore_index=spec.ignore_index, inv_temperature=spec.inv_temperature,
+                             grad_scale=grad_scale)
+        else:
+            logprob_backward(*rows, vocab_start=ctx.vocab_start, ignore_index=spec.ignore_index,
+                             inv_temperature=spec.inv_temperature, threshold=ctx.threshold, grad_scale=grad_scale)
         return grad_x.view(ctx.logits_shape), None, None, None
 
 

@@ -52,6 +52,25 @@ def new_stats_buffer(rows: int, device: torch.device) -> torch.Tensor:
     return torch.empty(rows + 1, STATS_WIDTH, dtype=torch.float32, device=device)
 
 
+class StatsBuffer(NamedTuple):
+    """A statistics buffer with a payload after its rows, sent by one all-gather (:func:`new_stats_buffer_with`)."""
+
+    buffer: torch.Tensor
+    """``[rows + 1 + payload_rows, 4]`` fp32: what :func:`gather_statistics` sends (``payload_rows=``)."""
+    stats: torch.Tensor
+    """``[rows + 1, 4]``: the statistics and the size row, as :func:`new_stats_buffer` makes them."""
+    payload: torch.Tensor
+    """``[payload]`` fp32 over the rows after them (the raw logits at the engine's top-K ids)."""
+    payload_rows: int
+
+
+def new_stats_buffer_with(rows: int, payload: int, device: torch.device) -> StatsBuffer:
+    """:func:`new_stats_buffer` followed by ``payload`` fp32 values in rows of its own: one buffer, one all-gather."""
+    payload_rows = ceil_div(payload, STATS_WIDTH)
+    buffer = torch.empty(rows + 1 + payload_rows, STATS_WIDTH, dtype=torch.float32, device=device)
+    return StatsBuffer(buffer, buffer[: rows + 1], buffer[rows + 1:].view(-1)[:payload], payload_rows)
+
+
 def shard_statistics(
     logits: torch.Tensor,  # [n, V_local], last dim contiguous
     target: torch.Tensor,  # [n] int64
@@ -144,23 +163,30 @@ class Gathered(NamedTuple):
     """The three error kinds of ``errors`` (``merge_error_kinds``)."""
     deferred: bool
     """The counters are the ledger's: nothing to read at the call."""
+    payload: torch.Tensor | None = None
+    """[TP, payload_rows * 4] fp32: every rank's payload rows (:class:`StatsBuffer`), when sent."""
 
 
 def gather_statistics(
-    stats: torch.Tensor,  # [N + 1, 4] fp32, filled by shard_statistics
+    stats: torch.Tensor,  # [N + 1, 4] fp32, filled by shard_statistics (+ payload_rows: a StatsBuffer's buffer)
     *,
     tp_group: ProcessGroup | None,
     v_local: int,
     ignore_index: int,
     check_inputs: CheckInputs,
+    payload_rows: int = 0,
 ) -> Gathered:
-    """Forward step 2 of both log-prob ops: the one all-gather of the statistics over ``tp_group``, and the error
+    """Forward step 2 of both log-prob ops: the one all-gather of the statistics over ``tp_group`` (with the last
+    ``payload_rows`` rows of ``stats`` a payload that travels with them: :class:`StatsBuffer`), and the error
     counters the merge will add into."""
-    gathered = all_gather_stacked(stats, tp_group)
+    everything = all_gather_stacked(stats, tp_group)
+    rows = everything.shape[1] - payload_rows
+    gathered = everything[:, :rows]
+    payload = everything[:, rows:].reshape(everything.shape[0], -1) if payload_rows else None
     kinds = merge_error_kinds(v_global=gathered.shape[0] * v_local, ignore_index=ignore_index, gathered_stats=gathered)
     # Deferred (GPU): the kernel adds into the ledger's own counters — nothing else to launch or read.
     errors, deferred = kernel_counters(kinds, stats.device, check_inputs)
-    return Gathered(gathered, errors, kinds, deferred)
+    return Gathered(gathered, errors, kinds, deferred, payload)
 
 
 def raise_on_merge_errors(gathered: Gathered, check_inputs: CheckInputs) -> None:
@@ -182,12 +208,31 @@ def gather_and_merge(
 ) -> Merged:
     """Forward steps 2–3 of both log-prob ops: the one all-gather of the statistics over ``tp_group``,
     the merge, and the merge's error counts to the ledger (``check_inputs``; no host read unless SYNC)."""
+    return gather_and_merge_with(stats, target, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
+                                 inv_temperature=inv_temperature, with_entropy=with_entropy,
+                                 check_inputs=check_inputs)[0]
+
+
+def gather_and_merge_with(
+    stats: torch.Tensor,  # [N + 1, 4] fp32, filled by shard_statistics (+ payload_rows: a StatsBuffer's buffer)
+    target: torch.Tensor,  # [N] int64
+    *,
+    tp_group: ProcessGroup | None,
+    v_local: int,
+    ignore_index: int,
+    inv_temperature: float,
+    with_entropy: bool,
+    check_inputs: CheckInputs,
+    payload_rows: int = 0,
+) -> tuple[Merged, Gathered]:
+    """:func:`gather_and_merge` that also returns what was gathered (the statistics of every rank and, with
+    ``payload_rows``, the payloads that travelled with them)."""
     gathered = gather_statistics(stats, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
-                                 check_inputs=check_inputs)
+                                 check_inputs=check_inputs, payload_rows=payload_rows)
     merged = merge_statistics(gathered.stats, target, v_local=v_local, ignore_index=ignore_index,
                               inv_temperature=inv_temperature, with_entropy=with_entropy, errors=gathered.errors)
     raise_on_merge_errors(gathered, check_inputs)
-    return merged
+    return merged, gathered
 
 
 def flat_upstream_grads(

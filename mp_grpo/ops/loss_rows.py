@@ -17,6 +17,10 @@ the K loss rows only, and hand back full-size results:
   into ``fill``: 0 where ``ignore_index`` rows get 0, see :meth:`LossRows.fill_outside`); backward reads the K
   rows' gradients (one ``index_select``).
 - :meth:`LossRows.sampling_filter`: a sampling filter's per-row values at the rows.
+- :meth:`LossRows.token_ids`: a per-token id list in CSR form (the rollout engine's captured support, its top-K ids)
+  cut to the rows, with the positions of the kept entries, so that values computed per entry (the trainer's top-K
+  log-probs) go back to the whole list (:meth:`LossRows.scatter_entries`). The kept entries' count sizes the cut
+  list: on a GPU one host read per call (only micro-batches carrying such lists pay it).
 - :meth:`LossRows.loss_fn`: a ``loss_fn`` for :func:`~mp_grpo.ops.fused_linear_loss.fused_linear_loss` run on the
   K rows that calls the caller's loss on the full-size log-probs (the loss maths stays defined once, on the
   micro-batch's own layout).
@@ -40,6 +44,7 @@ import torch
 
 from mp_grpo.ops.fused_linear_loss import LossFn
 from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.ops.token_ids import TokenIds
 
 
 def loss_rows(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -142,12 +147,30 @@ class LossRows:
         values = {f.name: getattr(filt, f.name) for f in fields(filt)}
         return SamplingFilter(**{name: self.select(v) if isinstance(v, torch.Tensor) else v for name, v in values.items()})
 
+    def token_ids(self, ids: TokenIds) -> tuple[TokenIds, torch.Tensor]:
+        """``ids`` (CSR over the :attr:`shape`'s flat positions) cut to the rows — the same type, CSR over the K rows —
+        and the ``[nnz_rows]`` int64 positions of its entries in ``ids.ids`` (for :meth:`scatter_entries`)."""
+        counts = (ids.indptr[1:] - ids.indptr[:-1]).index_select(0, self.index)
+        starts = ids.indptr[:-1].index_select(0, self.index)
+        indptr = torch.cat([ids.indptr.new_zeros(1), counts.cumsum(0)])
+        entry = torch.arange(int(indptr[-1]), device=indptr.device)  # the rows' entries' count: a host read on a GPU
+        row = torch.searchsorted(indptr[1:], entry, right=True)
+        positions = starts.index_select(0, row) + entry - indptr.index_select(0, row)
+        return type(ids)(indptr, ids.ids.index_select(0, positions)), positions
+
+    @staticmethod
+    def scatter_entries(values: torch.Tensor, positions: torch.Tensor, nnz: int) -> torch.Tensor:
+        """``[nnz]`` of the rows' per-entry ``values`` at ``positions`` (:meth:`token_ids`), 0 at the other rows'
+        entries (positions that carry no loss; no gradient flows)."""
+        return values.new_zeros(nnz).index_copy(0, positions, values)
+
     def loss_fn(self, loss_fn: LossFn, fill: torch.Tensor) -> LossFn:
         """A ``loss_fn`` of the rows' ``[1, K]`` log-probs and entropy that calls ``loss_fn`` on them scattered to
         :attr:`shape` (``fill`` elsewhere): :func:`~mp_grpo.ops.fused_linear_loss.fused_linear_loss` on the rows
         then differentiates the caller's loss through the scatter, i.e. reads its gradient at the rows."""
 
-        def on_rows(logprobs: torch.Tensor, entropy: torch.Tensor | None):
-            return loss_fn(self.scatter(logprobs, fill), None if entropy is None else self.scatter(entropy, fill))
+        def on_rows(logprobs: torch.Tensor, entropy: torch.Tensor | None, *top_k: torch.Tensor):
+            return loss_fn(self.scatter(logprobs, fill), None if entropy is None else self.scatter(entropy, fill),
+                           *top_k)
 
         return on_rows

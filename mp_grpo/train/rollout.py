@@ -21,7 +21,9 @@ Schedule of :meth:`RolloutEngine.generate` (every TP rank of a replica calls it 
 3. With ``top_k > 0`` or ``top_p < 1``: z = −inf outside each row's kept set (top-k, then top-p on what is
    left: :func:`~mp_grpo.train.sampler.sampling_filter_keep`, vLLM's convention and order, found without
    gathering the logits). Sample from softmax(z) with
-   :func:`~mp_grpo.train.sampler.gumbel_max_sample` (one all-reduce over TP), write the token.
+   :func:`~mp_grpo.train.sampler.gumbel_max_sample` (one all-reduce over TP), write the token. With
+   ``capture_support`` the kept set is recorded as vLLM's ``SamplingMask`` returns it (each shard's kept ids,
+   all-gathered: every rank holds the same :class:`~mp_grpo.ops.token_ids.CapturedSupport`).
 4. Its log-prob log softmax(z)[token] over the sharded vocabulary — with a filter, of the filtered,
    renormalized distribution, as vLLM reports it: all-reduce MAX of the shard maxima, all-reduce SUM of
    the shards' sums of exp, all-reduce SUM of the owning shard's z[token].
@@ -36,10 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mp_grpo.collectives import ProcessGroup, all_reduce_max, all_reduce_sum, group_rank
+from mp_grpo.collectives import ProcessGroup, all_gather_stacked, all_reduce_max, all_reduce_sum, group_rank
 from mp_grpo.config.job import EngineConfig, EngineDtype
 from mp_grpo.config.precision import LogitDtype
 from mp_grpo.ops.sampling_filter import SamplingFilter
+from mp_grpo.ops.token_ids import CapturedSupport
 from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, sampling_filter_keep
 
 _DTYPES = {EngineDtype.BF16: torch.bfloat16, EngineDtype.FP32: torch.float32}
@@ -58,6 +61,9 @@ class Generation:
     rollout_logprobs: torch.Tensor
     """``[N, S]`` float32: the engine's log-prob of each sampled token (0 elsewhere); with a sampling filter
     (``top_k`` / ``top_p``) that of the filtered, renormalized distribution."""
+    support: CapturedSupport | None = None
+    """With ``generate(capture_support=True)`` and a sampling filter: the kept set each sampled token was drawn from,
+    CSR over the ``[N, S]`` positions (row-major; no ids for prompt and padding positions), ids increasing."""
 
 
 class RolloutEngine:
@@ -116,9 +122,12 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(
         self, prompts: torch.Tensor, prompt_lengths: torch.Tensor, *, completion_length: int, step: int,
-        sequence_ids: torch.Tensor,
+        sequence_ids: torch.Tensor, capture_support: bool = False,
     ) -> Generation:
-        """``completion_length`` tokens after each prompt; ``sequence_ids`` key the sampling noise per row."""
+        """``completion_length`` tokens after each prompt; ``sequence_ids`` key the sampling noise per row. With
+        ``capture_support`` (and a sampling filter) also the kept set of each sampled token
+        (:attr:`Generation.support`)."""
+        captured: list[torch.Tensor] = []  # per completion token: [kept entries, 3] (row, position, id)
         n, p_max = prompts.shape
         device = prompts.device
         # --- 1. the buffer ---
@@ -150,6 +159,10 @@ class RolloutEngine:
             if self.sampling_filter is not None:
                 keep = sampling_filter_keep(z, top_k=self.config.top_k, top_p=self.config.top_p, tp_group=self.tp_group)
                 z = torch.where(keep, z, torch.full_like(z, float("-inf")))
+                if capture_support:  # the whole vocabulary's kept ids, in increasing order per row
+                    whole = all_gather_stacked(keep.to(torch.uint8), self.tp_group).permute(1, 0, 2).reshape(n, -1)
+                    row, ids = whole.nonzero(as_tuple=True)
+                    captured.append(torch.stack([row, pos[row], ids], dim=1))
             token = gumbel_max_sample(z, vocab_start=vocab_start, seed=self.seed, step=step, sequence=sequence_ids,
                                       position=pos, tp_group=self.tp_group)
             tokens[rows, pos] = token
@@ -164,7 +177,19 @@ class RolloutEngine:
         lengths = prompt_lengths + completion_length
         col = torch.arange(width, device=device).unsqueeze(0)
         mask = (col >= prompt_lengths.unsqueeze(1)) & (col < lengths.unsqueeze(1))
-        return Generation(tokens=tokens, lengths=lengths, completion_mask=mask, rollout_logprobs=logprobs)
+        support = _support_of(captured, n, width) if captured else None
+        return Generation(tokens=tokens, lengths=lengths, completion_mask=mask, rollout_logprobs=logprobs,
+                          support=support)
+
+
+def _support_of(captured: list[torch.Tensor], n: int, width: int) -> CapturedSupport:
+    """The recorded (row, position, id) entries as a CSR over the ``[n, width]`` positions, row-major."""
+    entries = torch.cat(captured)
+    position = entries[:, 0] * width + entries[:, 1]
+    order = torch.sort(position, stable=True).indices  # each step's entries are in increasing id order already
+    counts = torch.bincount(position, minlength=n * width)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=counts.device), counts.cumsum(0)])
+    return CapturedSupport(indptr, entries[order, 2].contiguous())
 
 
 @contextlib.contextmanager

@@ -13,6 +13,10 @@ fused output layer (``fused_linear_logprobs``, ``fused_linear_loss``; an identit
 state's gradient the logits' gradient), TP = 1 and TP = 2 under torchrun. The target's gradient is within
 ``TARGET_RTOL`` of float64 in fp32 and within one bf16 spacing in bf16; a mutant whose backward forms 1 - p_t and
 log p_t + H from the recomputed p_t (what the kernels did) fails at p_t >= 1 - 1e-5.
+
+The same over a captured support (``captured_support=``): rows whose 1 - p_t *over the support* runs from 0.7 down to
+1e-7, with the logits outside the support above the target's (so that over the whole vocabulary it would not be
+confident at all): every path, both checks, the mutant (the support's backward given the naive 1 - p_t) failing.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import math
 import pytest
 import torch
 
-from mp_grpo import LogitDtype, fused_linear_logprobs, fused_linear_loss, vocab_parallel_logprobs
+from mp_grpo import CapturedSupport, LogitDtype, fused_linear_logprobs, fused_linear_loss, vocab_parallel_logprobs
 from mp_grpo.config import load_config
 from mp_grpo.loss import GlobalBatch, GRPOLoss, LossBackend
 from tests.distributed import torchrun, worker_main
+from tests.reference import support_keep_reference
 from tests.tolerances import assert_close
 
 TARGET_RTOL = 1e-5
@@ -39,6 +44,8 @@ COMPLEMENTS = [0.7, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7]
 MUTANT_FAILS_FROM = 1e-5
 """The naive mutant's relative error exceeds both bounds from this 1 - p_t down (6e-8 / 1e-5 = 6e-3 > 2**-7)."""
 V, TEMPERATURE, OFFSET = 48, 0.7, -30.0
+SUPPORT = 12
+"""Ids of each row's captured support (the target among them; every fourth id, so both TP = 2 shards hold some)."""
 ENTROPY_COEF = 0.05
 OP_MODULES = [importlib.import_module(f"mp_grpo.ops.{name}") for name in
               ("vocab_parallel_logprobs", "fused_linear_logprobs", "fused_linear_loss", "logits_grpo_loss")]
@@ -58,12 +65,36 @@ def confident_logits(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, t
     return torch.stack(rows).to(dtype), target
 
 
-def reference_gradient(logits: torch.Tensor, target: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor):
-    """d/dlogits of Σ g_lp · log p_t + g_ent · H in float64 of the same logits, and p_t."""
+def confident_support_logits(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, CapturedSupport]:
+    """``[len(COMPLEMENTS), V]`` logits, targets and a captured support of SUPPORT ids a row, whose rows have
+    1 - p_t ≈ COMPLEMENTS over the support at TEMPERATURE; the logits outside the support lie 3 above the target's."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, supports = [], []
+    target = torch.randint(0, V, (len(COMPLEMENTS),), generator=gen)
+    for i, q in enumerate(COMPLEMENTS):
+        ids = sorted({int(target[i])} | set(((int(target[i]) + 4 * torch.arange(1, SUPPORT)) % V).tolist()))
+        gap = TEMPERATURE * math.log((SUPPORT - 1) * (1 - q) / q)
+        row = OFFSET + 3.0 + 0.01 * torch.randn(V, generator=gen, dtype=torch.float64)
+        row[ids] = OFFSET - gap + 0.01 * torch.randn(len(ids), generator=gen, dtype=torch.float64)
+        row[target[i]] = OFFSET
+        rows.append(row)
+        supports.append(ids)
+    return torch.stack(rows).to(dtype), target, CapturedSupport.from_lists(supports)
+
+
+def support_mask(support: CapturedSupport) -> torch.Tensor:
+    return support_keep_reference(support.indptr, support.ids, torch.Size([support.num_tokens, V]))
+
+
+def reference_gradient(logits: torch.Tensor, target: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor,
+                       keep: torch.Tensor | None = None):
+    """d/dlogits of Σ g_lp · log p_t + g_ent · H in float64 of the same logits (renormalized over ``keep``); p_t."""
     x = logits.detach().double().requires_grad_()
-    logp = torch.log_softmax(x / TEMPERATURE, -1)
+    z = x / TEMPERATURE if keep is None else torch.where(keep, x / TEMPERATURE, float("-inf"))
+    logp = torch.log_softmax(z, -1)
     lp = logp.gather(-1, target[:, None])[:, 0]
-    entropy = -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    entropy = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)  # 0 · (-inf) selected away, in value and gradient
     (lp * g_lp.double() + entropy * g_ent.double()).sum().backward()
     return x.grad, lp.detach().exp()
 
@@ -74,6 +105,7 @@ def assert_target_gradient(grad: torch.Tensor, ref: torch.Tensor, target: torch.
     rtol = BF16_RTOL if grad.dtype == torch.bfloat16 else TARGET_RTOL
     rows = torch.arange(target.shape[0])
     got, want = grad.double()[rows, target], ref[rows, target]
+    assert (want != 0).all(), "the reference target gradients must not vanish"
     rel = ((got - want).abs() / want.abs())
     bad = rel > rtol
     assert not bad.any(), (f"{what}: the target's logit gradient is off by {rel.max():.3g} relative (bound {rtol:g}) "
@@ -127,17 +159,17 @@ def _on_logits(backend: LossBackend):
     """On-policy ppo_clip, token_mean, an entropy bonus: d J / d log p_t = -A_t / N and d J / d H_t = -c / N, so
     that the same float64 reference applies with g_lp = -A / N, g_ent = -c / N."""
 
-    def run(logits, target, g_lp, g_ent):
+    def run(logits, target, g_lp, g_ent, **kwargs):
         n = target.shape[0]
         cfg = load_config(None, [f"entropy.bonus_coef={ENTROPY_COEF}"])
         mask = torch.ones(1, n, dtype=torch.bool)
         x = logits.clone().requires_grad_()
         adv = -g_lp * n  # per-token advantages: A_t = -N g_lp
         with torch.no_grad():
-            lp, ent = vocab_parallel_logprobs(logits, target, temperature=TEMPERATURE, with_entropy=True)
+            lp, ent = vocab_parallel_logprobs(logits, target, temperature=TEMPERATURE, with_entropy=True, **kwargs)
         batch = GlobalBatch.from_rollouts(cfg, [mask], old_logprobs=[lp[None]], entropies=[ent[None]])
         loss, _ = GRPOLoss(cfg, backend=backend).on_logits(
-            x[None], target[None], None, adv[None], mask, temperature=TEMPERATURE, batch=batch)
+            x[None], target[None], None, adv[None], mask, temperature=TEMPERATURE, batch=batch, **kwargs)
         loss.backward()
         return x.grad
 
@@ -172,18 +204,35 @@ def test_the_target_gradient_is_exact_for_confident_tokens(path: str, dtype: tor
 
 
 def test_fp32_logits_of_bf16_operands_on_the_fused_ops() -> None:
-    """``LogitDtype.FP32`` on bf16 hidden states: fp32 logits, the gradient narrowed in place to bf16."""
+    """``LogitDtype.FP32`` on bf16 hidden states: fp32 logits, the gradient narrowed in place to bf16 (over a captured
+    support too: its gradient read from the fp32 logits before the row is narrowed, then scattered into it)."""
     logits, target = confident_logits(torch.bfloat16)
     g_lp, g_ent = upstream()
     ref, _ = reference_gradient(logits, target, g_lp, g_ent)
+    s_logits, s_target, support = confident_support_logits(torch.bfloat16)
+    s_ref, _ = reference_gradient(s_logits, s_target, g_lp, g_ent, support_mask(support))
     for name in ("fused_linear_logprobs", "fused_linear_loss"):
         grad = PATHS[name](logits, target, g_lp, g_ent, logit_dtype=LogitDtype.FP32)
         assert_target_gradient(grad, ref, target, f"{name}, bf16 operands, fp32 logits")
+        grad = PATHS[name](s_logits, s_target, g_lp, g_ent, logit_dtype=LogitDtype.FP32, captured_support=support)
+        assert_target_gradient(grad, s_ref, s_target, f"{name} over a support, bf16 operands, fp32 logits")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_target_gradient_is_exact_over_a_captured_support(path: str, dtype: torch.dtype) -> None:
+    logits, target, support = confident_support_logits(dtype)
+    g_lp, g_ent = _upstream_for(path)
+    ref, p_t = reference_gradient(logits, target, g_lp, g_ent, support_mask(support))
+    assert float(1 - p_t.min()) > 0.5 and float(1 - p_t.max()) < 2e-7, (1 - p_t).tolist()
+    grad = PATHS[path](logits, target, g_lp, g_ent, captured_support=support)
+    assert_target_gradient(grad, ref, target, f"{path} over a support, {dtype}")
 
 
 def _naive_backward(real):
     """The mutant: the backward kernel given 1 - p_t and log p_t + H formed from the recomputed fp32 p_t (what the
-    kernels did) instead of the merge's sums of the other tokens."""
+    kernels did) instead of the merge's sums of the other tokens (the arguments of ``logprob_backward`` and
+    ``support_backward`` alike: the logits, the gradient, the targets, M, log S, 1 - p_t, H, log p_t + H first)."""
 
     def naive(logits, grad_logits, target, row_max, log_sum, complement, entropy, centered, *args, vocab_start,
               inv_temperature, **kwargs):
@@ -202,14 +251,20 @@ def _naive_backward(real):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_a_mutant_forming_one_minus_p_from_p_fails(path: str, dtype: torch.dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("support", [False, True], ids=["vocabulary", "support"])
+def test_a_mutant_forming_one_minus_p_from_p_fails(path: str, dtype: torch.dtype, support: bool, monkeypatch) -> None:
     for module in OP_MODULES:
-        monkeypatch.setattr(module, "logprob_backward", _naive_backward(module.logprob_backward))
-    logits, target = confident_logits(dtype)
+        for name in ("logprob_backward", "support_backward"):
+            monkeypatch.setattr(module, name, _naive_backward(getattr(module, name)))
+    if support:
+        logits, target, captured = confident_support_logits(dtype)
+        kwargs, keep = {"captured_support": captured}, support_mask(captured)
+    else:
+        (logits, target), kwargs, keep = confident_logits(dtype), {}, None
     g_lp, g_ent = _upstream_for(path)
-    ref, _ = reference_gradient(logits, target, g_lp, g_ent)
+    ref, _ = reference_gradient(logits, target, g_lp, g_ent, keep)
     with pytest.raises(AssertionError, match="target's logit gradient is off") as failure:
-        assert_target_gradient(PATHS[path](logits, target, g_lp, g_ent), ref, target, path)
+        assert_target_gradient(PATHS[path](logits, target, g_lp, g_ent, **kwargs), ref, target, path)
     failed_at = eval(str(failure.value).split("1 - p_t = ")[1].split("]")[0] + "]")  # noqa: S307 (our own message)
     assert min(failed_at) <= MUTANT_FAILS_FROM, failed_at
 
@@ -241,6 +296,17 @@ def case_tensor_parallel() -> None:
             grad_h = fn(logits, target, g_lp, g_ent, rank=rank, size=size, **tp)
             dist.all_reduce(grad_h)
             assert_target_gradient(grad_h, ref, target, f"TP {size} {name}, {dtype}")
+        # over a captured support whose ids lie on both shards
+        logits, target, support = confident_support_logits(dtype, seed=4)
+        ref, _ = reference_gradient(logits, target, g_lp, g_ent, support_mask(support))
+        grad = _logits_path(logits[:, rank * v_local:(rank + 1) * v_local].contiguous(), target, g_lp, g_ent,
+                            captured_support=support, **tp)
+        shards = [torch.empty_like(grad) for _ in range(size)]
+        dist.all_gather(shards, grad.contiguous())
+        assert_target_gradient(torch.cat(shards, dim=1), ref, target, f"TP {size} logits path over a support, {dtype}")
+        grad_h = _fused_loss(logits, target, g_lp, g_ent, rank=rank, size=size, captured_support=support, **tp)
+        dist.all_reduce(grad_h)
+        assert_target_gradient(grad_h, ref, target, f"TP {size} fused_linear_loss over a support, {dtype}")
 
 
 if __name__ == "__main__":

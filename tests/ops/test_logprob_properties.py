@@ -3,7 +3,8 @@
 Drawn: the rows' leading shape (``[N]`` or ``[A, B]``), the vocabulary size, the logits' dtype (fp32 / bf16 / fp16),
 scale and shape (Gaussian, one peaked token, flat rows of ties), the temperature, ignored rows, entropy or not,
 ``inplace_backward``, and a sampling filter (top-k / top-p / min-p, per call or per row) with targets drawn from
-its kept set as a rollout engine samples them. Log-probs, entropy and the logits' gradient under a random upstream
+its kept set as a rollout engine samples them; in a second property a captured support per row instead (empty, one
+id, half or all of the vocabulary). Log-probs, entropy and the logits' gradient under a random upstream
 gradient must equal the float64 reference (``tests/reference.py``) within the float32 rounding of the kernels:
 ``eps32`` times the row's logit range (what a log-prob or an entropy of those logits is accurate to), plus the
 output dtype's relative tolerance (tests/tolerances.py).
@@ -24,11 +25,11 @@ import torch
 from hypothesis import assume, event, given, note, settings
 from hypothesis import strategies as st
 
-from mp_grpo import check_errors, vocab_parallel_logprobs
+from mp_grpo import CapturedSupport, check_errors, vocab_parallel_logprobs
 from mp_grpo.kernels.launch_config import INTERPRETER
 from mp_grpo.ops import SamplingFilter
 from tests.hypothesis_profiles import examples, needs_property_device, on_gpu, property_device
-from tests.reference import filtered_logprobs_reference, sampling_filter_keep_reference
+from tests.reference import filtered_logprobs_reference, sampling_filter_keep_reference, support_keep_reference
 from tests.tolerances import tolerance
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -228,3 +229,62 @@ def test_large_logits_at_a_low_temperature_are_exact_to_their_range() -> None:
     atol = _grad_atol(z, keep, target, g_lp, None, row_range, 0.3, torch.float32)
     err = (x.grad.double() - r.grad).abs()
     assert bool((err <= atol).all()), (err, atol)
+
+
+@st.composite
+def _supports(draw, vocab: int, rows: int, gen: torch.Generator) -> CapturedSupport:
+    """A captured support per row: empty (the whole vocabulary), one id, or a random set of 2 … V ids, increasing."""
+    lists = []
+    for _ in range(rows):
+        size = draw(st.sampled_from([0, 1, 2, vocab // 2, vocab]))
+        lists.append(sorted(torch.randperm(vocab, generator=gen)[:max(size, 0)].tolist()))
+    return CapturedSupport.from_lists(lists)
+
+
+@needs_property_device()
+@settings(max_examples=examples(0.5))
+@given(data=st.data())
+def test_logprobs_over_a_captured_support_match_float64_reference(data) -> None:
+    """The property above with a captured support instead of a filter (``captured_support=``): each row's log-prob,
+    entropy and logits gradient of its distribution renormalized over its support (rows without one: the whole
+    vocabulary), targets drawn from the support, within the same float32 rounding."""
+    device = property_device()
+    vocab = data.draw(st.integers(2, 300) if not on_gpu() else st.one_of(st.integers(2, 300),
+                                                                         st.sampled_from(WIDE_VOCABS)))
+    rows_shape = (data.draw(st.integers(1, 8)),)
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    scale = data.draw(st.sampled_from([0.1, 1.0, 5.0, 30.0]))
+    temperature = data.draw(st.sampled_from([1.0, 0.7, 2.0, 0.3]))
+    with_entropy = data.draw(st.booleans())
+    inplace = data.draw(st.booleans())
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    support = data.draw(_supports(vocab, rows_shape[0], gen))
+    note(f"rows {rows_shape}, vocab {vocab}, {dtype}, scale {scale}, temperature {temperature}, "
+         f"entropy {with_entropy}, inplace {inplace}, support sizes {support.indptr.diff().tolist()}, seed {seed}")
+    logits = (torch.randn(*rows_shape, vocab, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    keep = support_keep_reference(support.indptr, support.ids, logits.shape)
+    target = torch.multinomial(keep.double(), 1, generator=gen).reshape(rows_shape)
+    target = torch.where(torch.rand(rows_shape, generator=gen) < 0.2, -100, target)
+
+    x = logits.detach().clone().to(device).requires_grad_()
+    out = vocab_parallel_logprobs(x if not inplace else x.clone(), target.to(device), temperature=temperature,
+                                  with_entropy=with_entropy, inplace_backward=inplace,
+                                  captured_support=support.to(device))
+    lp, ent = out if with_entropy else (out, None)
+    g_lp = torch.randn(rows_shape, generator=gen, dtype=torch.float64)
+    g_ent = torch.randn(rows_shape, generator=gen, dtype=torch.float64)
+    total = (lp.double() * g_lp.to(device)).sum() + ((ent.double() * g_ent.to(device)).sum() if with_entropy else 0.0)
+    total.backward()
+    r = logits.double().requires_grad_()
+    lp_r, ent_r = filtered_logprobs_reference(r, target, temperature=temperature, keep=keep)
+    ((lp_r * g_lp).sum() + ((ent_r * g_ent).sum() if with_entropy else 0.0)).backward()
+    z = logits.double() / temperature
+    row_range = _row_range(z)
+    _close(lp, lp_r, ROUNDING * EPS32 * row_range, torch.float32, "log-probs")
+    if with_entropy:
+        _close(ent, ent_r, ROUNDING * EPS32 * row_range, torch.float32, "entropy")
+    grad_atol = _grad_atol(z, keep, target, g_lp, g_ent if with_entropy else None, row_range, temperature, dtype)
+    _close(x.grad, r.grad, grad_atol, dtype, "d/dlogits")
+    assert bool((x.grad.cpu()[~keep] == 0).all()), "a gradient outside the support"
+    check_errors()

@@ -10,7 +10,16 @@ import torch
 
 from mp_grpo.train.mismatch_lab import __main__ as lab_cli
 from mp_grpo.config import load_config
-from mp_grpo.train.mismatch_lab import is_correction, nan_guard, normalizer, pairing, top_p_loop, top_p_replay, training
+from mp_grpo.train.mismatch_lab import (
+    is_correction,
+    nan_guard,
+    normalizer,
+    pairing,
+    support_replay,
+    top_p_loop,
+    top_p_replay,
+    training,
+)
 from mp_grpo.train.mismatch_lab.policy import PolicyShape, RolloutEngine, TinyPolicy, make_rollouts
 from tests.tolerances import tolerance
 
@@ -227,3 +236,48 @@ def test_pairing_statistics_match_explicit_formulas():
     seq = [math.exp(sum(float(old[i, j] - rollout[i, j]) for j in range(5) if mask[i, j])) for i in range(4)]
     mean = sum(seq) / 4
     assert s["sequence_is_std"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in seq) / 4), rel=1e-9)
+
+
+def test_support_replay_removes_the_filter_mismatch(world_of_one):
+    """(h) at test size, fp32 engine, top-k 50 of 64 ids: no replay's log ratio is log S token by token (TRL #6789's
+    closed form); the captured support gives the engine's distribution to fp32 rounding on every token; the tables."""
+    setup = support_replay.SupportReplaySetup(filters=("top_k 50",), engine_dtypes=("fp32",), batches=1, vocab_size=64,
+                                              extra_overrides=TINY_JOB)
+    result = support_replay.run(setup)
+    rows = {r["trainer"]: r for r in result["rows"]}
+    full, recomputed, captured = (rows[m] for m in support_replay.TRAINER_MODES)
+    assert full["tokens"] == captured["tokens"] == 24
+    assert full["token_is_mean"] < 0.99 and full["max_abs_log_ratio_minus_log_kept_mass"] < 1e-5
+    assert full["mean_log_ratio"] == pytest.approx(full["mean_log_kept_mass"], abs=1e-5)
+    assert captured["outside_trainer_filter"] == 0 and captured["vllm_kl_k3"] < 1e-9
+    assert abs(captured["token_is_mean"] - 1) < 1e-5 and abs(captured["sequence_is_mean"] - 1) < 1e-5
+    assert recomputed["captured_ids_mean"] == pytest.approx(50.0, abs=1.0)  # k = 50 (ties kept)
+    report = support_replay.report(result)
+    assert "| fp32 | top_k 50 | captured support (CapturedSupport) | 24 |" in report
+    assert "Recomputed filter against the captured set" in report
+
+
+def test_captured_support_of_the_engine_is_its_kept_set(world_of_one):
+    """The engine's captured support holds, for each sampled token, exactly its kept set (the sampler's own
+    threshold search on the engine's z) — the sampled token among the ids — and no ids elsewhere."""
+    import torch.distributed as dist
+
+    from mp_grpo.config.job import EngineConfig, EngineDtype
+    from mp_grpo.train import loop
+    from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
+    from mp_grpo.train.rollout import RolloutEngine
+
+    loop.setup_distributed()  # a world of one (megatron-core's layers want a process group)
+
+    config = cpu_model_config(hidden_size=8)
+    model = CpuGPTStandIn(config, vocab_size=40, max_sequence_length=8, tp_group=dist.group.WORLD)
+    model.load_full_weights(random_full_weights(config, vocab_size=40, max_sequence_length=8, seed=3))
+    engine = RolloutEngine(model, EngineConfig(dtype=EngineDtype.FP32, top_k=7), temperature=1.0, seed=0, tp_group=None)
+    gen = engine.generate(torch.tensor([[3, 4], [5, 0]]), torch.tensor([2, 1]), completion_length=3, step=0,
+                          sequence_ids=torch.arange(2), capture_support=True)
+    counts = gen.support.indptr.diff().view(2, -1)
+    assert torch.equal(counts > 0, gen.completion_mask) and bool((counts[gen.completion_mask] == 7).all())
+    for i, j in gen.completion_mask.nonzero().tolist():
+        k = i * gen.tokens.shape[1] + j
+        ids = gen.support.ids[gen.support.indptr[k]:gen.support.indptr[k + 1]]
+        assert int(gen.tokens[i, j]) in ids.tolist() and bool((ids.diff() > 0).all())

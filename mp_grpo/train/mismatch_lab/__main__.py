@@ -3,7 +3,7 @@
 Schedule
     1. Parse the experiments to run and the output folder.
     2. For each experiment: run it, print its markdown table, write ``<out>/<name>.json``, ``<out>/<name>.md``
-       and (a, b, d, f, g) ``<out>/<name>.png``. (d)–(g) run quick sizes unless ``--full``.
+       and (a, b, d, f, g, h) ``<out>/<name>.png``. (d)–(h) run quick sizes unless ``--full``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,17 @@ def _run_g(args: argparse.Namespace) -> tuple[dict, str]:
     return result, pairing.report(result)
 
 
+def _run_h(args: argparse.Namespace) -> tuple[dict, str]:
+    from mp_grpo.train.mismatch_lab import support_replay
+    result = support_replay.run(support_replay.SupportReplaySetup() if args.full else support_replay.QUICK)
+    return result, support_replay.report(result)
+
+
+def _plot_h(result: dict, path: Path) -> None:
+    from mp_grpo.train.mismatch_lab import support_replay
+    support_replay.plot(result, path)
+
+
 def _plot_g(result: dict, path: Path) -> None:
     from mp_grpo.train.mismatch_lab import pairing
     pairing.plot(result, path)
@@ -85,7 +96,8 @@ EXPERIMENTS = {"a": ("is_correction", _run_a, report.plot_is_correction),
                "d": ("training", _run_d, _plot_d),
                "e": ("top_p_replay", _run_e, None),
                "f": ("top_p_loop", _run_f, _plot_f),
-               "g": ("pairing", _run_g, _plot_g)}
+               "g": ("pairing", _run_g, _plot_g),
+               "h": ("support_replay", _run_h, _plot_h)}
 """Letter → (output name, runner, plotter or None)."""
 
 
@@ -96,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which experiments to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("docs/mismatch"), help="output folder")
     parser.add_argument("--full", action="store_true",
-                        help="(d)–(g): the documented sizes (default: quick runs of a few minutes)")
+                        help="(d)–(h): the documented sizes (default: quick runs of a few minutes)")
     parser.add_argument("--training-steps", type=int, default=None, help="(d): optimizer steps per run")
     parser.add_argument("--training-variants", nargs="+", default=None, help="(d): variant names (default: all)")
     args = parser.parse_args(argv)

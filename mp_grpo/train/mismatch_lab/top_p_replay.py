@@ -28,8 +28,10 @@ Schedule of :func:`run`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -93,17 +95,23 @@ def mismatch_statistics(trainer: torch.Tensor, engine: torch.Tensor, mask: torch
             "vllm_kl_k3_inside": float(torch.where(inside, k3(d), torch.zeros_like(d)).sum() / max(int(inside.sum()), 1))}
 
 
-def run(setup: TopPReplaySetup = TopPReplaySetup()) -> dict:
-    """One row per (engine dtype, top_p, trainer mode); JSON-ready."""
-    from mp_grpo.config.job import EngineConfig, EngineDtype, load_job_config
+class JobPolicy(NamedTuple):
+    """The learning job's config, its path and a factory of its initial policy (the CPU stand-in, fp32, TP = 1)."""
+
+    cfg: object
+    config_path: Path
+    stand_in: Callable[[], torch.nn.Module]
+
+
+def job_policy(overrides: tuple[str, ...] | list[str]) -> JobPolicy:
+    """The job's CPU config (``grpo_cpu.yaml``) at TP = 1 with ``overrides``, in a world of one, and its initial
+    policy's factory (the experiments' step 1)."""
+    from mp_grpo.config.job import load_job_config
     from mp_grpo.train import loop
     from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config, random_full_weights
-    from mp_grpo.train.rollout import RolloutEngine
-    from mp_grpo.train.task import make_prompts
 
-    # --- 1. the job's config and initial policy, TP = 1 ---
     config_path = Path(loop.__file__).resolve().parent / "configs" / "grpo_cpu.yaml"
-    cfg = load_job_config(config_path, ["parallel.tensor_model_parallel_size=1", *setup.extra_overrides])
+    cfg = load_job_config(config_path, ["parallel.tensor_model_parallel_size=1", *overrides])
     loop.setup_distributed()  # a world of one (megatron-core's layers want a process group)
     import torch.distributed as dist
 
@@ -117,6 +125,17 @@ def run(setup: TopPReplaySetup = TopPReplaySetup()) -> dict:
         m.load_full_weights(weights)
         return m
 
+    return JobPolicy(cfg, config_path, stand_in)
+
+
+def run(setup: TopPReplaySetup = TopPReplaySetup()) -> dict:
+    """One row per (engine dtype, top_p, trainer mode); JSON-ready."""
+    from mp_grpo.config.job import EngineConfig, EngineDtype
+    from mp_grpo.train.rollout import RolloutEngine
+    from mp_grpo.train.task import make_prompts
+
+    # --- 1. the job's config and initial policy, TP = 1 ---
+    cfg, config_path, stand_in = job_policy(setup.extra_overrides)
     policy = stand_in().eval()
     n = cfg.train.num_microbatches * cfg.train.micro_batch_size
     g, temperature = cfg.rollout.group_size, cfg.rollout.temperature
