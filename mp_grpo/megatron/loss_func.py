@@ -523,14 +523,18 @@ class MegatronGRPO:
         rows = self.loss_rows(mb)
         x = checked_output(self.output_path, output_tensor, mb, output_weight, self._vocab_size(vocab_size),
                            self.groups.tp_size, rows)
-        check_loss_call(self.config, mb.sequences, mb.targets.shape, x.device, "targets", mb.old_logprobs,
-                        mb.advantages, mb.loss_mask, mb.rollout_logprobs, mb.ref_logprobs, None, entropy_computed=True)
-        check_batch(self.config, batch, mb.loss_mask)
         if (self.config.trust_region.mode in TOPK_MODES) != (mb.rollout_top_k is not None):
             raise ValueError(f"mb.rollout_top_k: trust_region.mode={self.config.trust_region.mode.value} "
                              + ("takes the divergence over the engine's top-K ids: set them with "
                                 "MicroBatch.with_rollout_top_k" if mb.rollout_top_k is None else
                                 "reads no top-K log-probs: leave MicroBatch.rollout_top_k unset, or pick topk_tv / topk_kl"))
+        # the top-K input as the loss will get it, the trainer's side (taken in step 2) in the engine's shape
+        topk = None if mb.rollout_top_k is None else TopKLogprobs(mb.rollout_top_k.ids.indptr, mb.rollout_top_k.logprobs,
+                                                                  mb.rollout_top_k.logprobs)
+        check_loss_call(self.config, mb.sequences, mb.targets.shape, x.device, "targets", mb.old_logprobs,
+                        mb.advantages, mb.loss_mask, mb.rollout_logprobs, mb.ref_logprobs, None, entropy_computed=True,
+                        topk_logprobs=topk)
+        check_batch(self.config, batch, mb.loss_mask)
         # OutputRows.LOSS: the model output of the loss rows (None: every row's); the ops run on the rows, their
         # results scattered back to the micro-batch's positions, so GRPOLoss below sees full-size log-probs.
         selected = rows_output(x, mb, rows, self.output_path, self.check_inputs)

@@ -14,20 +14,31 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+from mp_grpo.config import load_config
+from mp_grpo.ops.token_ids import TokenIds
 from tests.distributed import torchrun, worker_main
 from tests.megatron import helpers as H
 from tests.tolerances import assert_close
 
 TOP_K = 3
+TOP_K_TRUST_REGION = ["trust_region.mode=topk_tv", "trust_region.direction=symmetric", "trust_region.delta_high=0.2"]
+"""The loss's top-K TV trust region: what reads the trainer's log-probs at the engine's top-K ids."""
+
+
+def top_k_config(name: str):
+    """The helpers' loss config ``name`` with the top-K TV trust region."""
+    return load_config(None, H.LOSS_CONFIGS[name] + TOP_K_TRUST_REGION)
 
 
 def engine_lists(rollouts, seed: int = 0):
     """Per rollout token (row-major over [B, S]): a support holding the token (empty outside its sequence and for a
-    few tokens), its top-K ids (the support's first K) and made-up engine log-probs at them."""
+    few tokens), its top-K ids (the support's first K; for a token without a support K ids of the whole vocabulary,
+    the token among them; none outside its sequence) and made-up engine log-probs at them."""
     from mp_grpo import CapturedSupport, TokenIds
 
     gen = torch.Generator().manual_seed(seed)
@@ -35,9 +46,14 @@ def engine_lists(rollouts, seed: int = 0):
     supports, top_ids = [], []
     for i in range(b):
         for j in range(s):
-            if j >= int(rollouts.lengths[i]) or torch.rand((), generator=gen) < 0.15:
+            if j >= int(rollouts.lengths[i]):
                 supports.append([])
                 top_ids.append([])
+                continue
+            if torch.rand((), generator=gen) < 0.15:
+                supports.append([])
+                others = [v for v in torch.randperm(H.VOCAB, generator=gen).tolist() if v != int(rollouts.tokens[i, j])]
+                top_ids.append(sorted([int(rollouts.tokens[i, j])] + others[:TOP_K - 1], reverse=True))
                 continue
             size = int(torch.randint(1, H.VOCAB // 3, (), generator=gen))
             ids = set(torch.randperm(H.VOCAB, generator=gen)[:size].tolist()) | {int(rollouts.tokens[i, j])}
@@ -96,10 +112,11 @@ def test_lists_follow_the_layout(fmt: str) -> None:
         mb.with_sampling_filter(top_k=3)
 
 
-def _reference(config, rollouts, weights, support, solo):
-    """(J, ∇J) of the whole batch in one call on one process, each token over its support."""
-    from mp_grpo import vocab_parallel_logprobs
-    from mp_grpo.loss import GRPOLoss
+def _reference(config, rollouts, weights, support, solo, top=None):
+    """(J, ∇J) of the whole batch in one call on one process, each token over its support; with ``top`` the loss's
+    top-K divergence from the engine's top-K and the trainer's log-probs at the same ids."""
+    from mp_grpo import vocab_parallel_logprobs_with_top_k
+    from mp_grpo.loss import GRPOLoss, TopKLogprobs
     from mp_grpo.megatron import prepare_micro_batch
     from mp_grpo.train.cpu_model import CpuGPTStandIn, cpu_model_config
 
@@ -107,17 +124,20 @@ def _reference(config, rollouts, weights, support, solo):
                           tp_group=solo)
     model.load_full_weights(weights)
     mb = prepare_micro_batch(rollouts).with_captured_support(support)
+    mb = mb if top is None else mb.with_rollout_top_k(*top)
     logits = model(mb.input_ids, mb.position_ids)
-    logprobs, entropy = vocab_parallel_logprobs(logits, mb.targets, temperature=H.TEMPERATURE, with_entropy=True,
-                                                captured_support=mb.captured_support)
+    ids = mb.rollout_top_k.ids if top is not None else TokenIds.from_lists([[]] * mb.targets.numel())
+    logprobs, entropy, trainer = vocab_parallel_logprobs_with_top_k(
+        logits, mb.targets, ids, temperature=H.TEMPERATURE, with_entropy=True, captured_support=mb.captured_support)
+    topk = None if top is None else TopKLogprobs(ids.indptr, mb.rollout_top_k.logprobs, trainer)
     loss, _ = GRPOLoss(config)(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                                rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-                               layout=mb.sequences)
+                               layout=mb.sequences, topk_logprobs=topk)
     loss.backward()
     return float(loss), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _step(groups, rollouts, weights, support, fmt, path, config_name, top=None):
+def _step(groups, rollouts, weights, support, fmt, path, loss_config, top=None):
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
     from mp_grpo.config.job import SequenceFormat
@@ -141,7 +161,7 @@ def _step(groups, rollouts, weights, support, fmt, path, config_name, top=None):
     mb = mb.with_captured_support(support)
     if top is not None:
         mb = mb.with_rollout_top_k(*top)
-    grpo = MegatronGRPO(H.loss_config(config_name), temperature=H.TEMPERATURE, num_microbatches=1,
+    grpo = MegatronGRPO(loss_config, temperature=H.TEMPERATURE, num_microbatches=1,
                         calculate_per_token_loss=False, groups=groups, output_path=path)
     batch = grpo.global_batch([mb], step=1)
     losses = forward_backward_cpu(forward_step_func=grpo.forward_step_func(batch, step=1), data_iterator=iter([mb]),
@@ -151,8 +171,7 @@ def _step(groups, rollouts, weights, support, fmt, path, config_name, top=None):
 
 @contextlib.contextmanager
 def recording_top_k():
-    """MegatronGRPO._share records the trainer's top-K log-probs it receives and computes the share without them (the
-    connection to a loss that reads them is not in this version)."""
+    """MegatronGRPO._share records the trainer's top-K log-probs it receives (and hands them on to the loss)."""
     from mp_grpo.megatron import MegatronGRPO
 
     taken: list[torch.Tensor] = []
@@ -160,7 +179,7 @@ def recording_top_k():
 
     def record(self, mb, batch, logprobs, entropy, top_k):
         taken.append(top_k.clone())
-        return original(self, mb, batch, logprobs, entropy, None)
+        return original(self, mb, batch, logprobs, entropy, top_k)
 
     MegatronGRPO._share = record
     try:
@@ -171,7 +190,7 @@ def recording_top_k():
 
 def check_top_k(taken: list[torch.Tensor], model, mb, where: str) -> None:
     """The recorded top-K log-probs against the float64 log-softmax of the model's logits over each position's
-    support, at the micro-batch's top-K ids."""
+    support, at the micro-batch's top-K ids of its trained positions (0 at the others': their rows are not computed)."""
     from tests.reference import logprobs_at_ids_reference, support_keep_reference
 
     assert taken, f"no top-K log-probs reached MegatronGRPO._share {where}"
@@ -179,9 +198,15 @@ def check_top_k(taken: list[torch.Tensor], model, mb, where: str) -> None:
         logits = model(mb.input_ids, mb.position_ids).reshape(-1, H.VOCAB) / H.TEMPERATURE
     keep = support_keep_reference(mb.captured_support.indptr, mb.captured_support.ids, logits.shape)
     want = logprobs_at_ids_reference(logits, mb.rollout_top_k.ids.indptr, mb.rollout_top_k.ids.ids, keep=keep)
+    # MegatronGRPO's output layer runs on the loss rows (OutputRows.LOSS): the entries of the other positions are 0
+    indptr = mb.rollout_top_k.ids.indptr
+    trained = mb.loss_mask.reshape(-1).repeat_interleave(indptr[1:] - indptr[:-1])
+    got = taken[-1]
+    assert bool((got[~trained] == 0).all()), f"top-K entries outside the loss rows {where}"
+    got, want = got[trained], want[trained]
     finite = torch.isfinite(want)
-    assert torch.equal(torch.isneginf(taken[-1]), torch.isneginf(want)), f"top-K -inf pattern {where}"
-    assert_close(taken[-1][finite], want[finite], torch.float32, f"top-K log-probs {where}")
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), f"top-K -inf pattern {where}"
+    assert_close(got[finite], want[finite], torch.float32, f"top-K log-probs {where}")
 
 
 def case_context_parallel(cp: int) -> None:
@@ -203,14 +228,15 @@ def case_context_parallel(cp: int) -> None:
             mb = prepare_micro_batch(rollouts, sequence_format=SequenceFormat(fmt), cp_group=groups.cp)
             check_layout(mb.with_captured_support(support).with_rollout_top_k(top, top_logprobs), rollouts, support,
                          top, top_logprobs)
-        # --- one step over the support equals the one-process batch; the trainer's log-probs at the engine's top-K
-        #     ids as loss_func takes them (handed to MegatronGRPO._share, recorded here) ---
+        # --- one step over the support with the loss's top-K trust region equals the one-process batch; the
+        #     trainer's log-probs at the engine's top-K ids as loss_func takes them (recorded in MegatronGRPO._share) ---
         for fmt, path, name in (("padded", OutputPath.LOGITS, "ppo_token_tis"),
                                 ("packed", OutputPath.FUSED, "sequence_level")):
-            where = f"[{fmt}, {path}, {name}, cp={cp}]"
-            ref_loss, ref_grads = _reference(H.loss_config(name), rollouts, weights, support, solo)
+            where = f"[{fmt}, {path}, {name} + top-K TV, cp={cp}]"
+            config = top_k_config(name)
+            ref_loss, ref_grads = _reference(config, rollouts, weights, support, solo, top=(top, top_logprobs))
             with recording_top_k() as taken:
-                mb, model, metrics, grads = _step(groups, rollouts, weights, support, fmt, path, name,
+                mb, model, metrics, grads = _step(groups, rollouts, weights, support, fmt, path, config,
                                                   top=(top, top_logprobs))
             assert math.isclose(metrics["loss"], ref_loss, rel_tol=2e-5, abs_tol=1e-6), f"loss {where}"
             for pname, g in ref_grads.items():
@@ -226,18 +252,19 @@ def test_context_parallel() -> None:
 
 def test_fused_loss_in_forward_and_the_refusal() -> None:
     """One process (no parallelism): ``loss_func`` on the fused output path with a token-separable loss — the loss and
-    its gradient made in forward (``fused_linear_loss``) — with the support and the engine's top-K ids, against the
-    log-prob op over the support and GRPOLoss on the same hidden states; without the recording, a micro-batch carrying
-    the engine's top-K is refused after the trainer's values are taken."""
-    from mp_grpo import vocab_parallel_logprobs
+    its gradient made in forward (``fused_linear_loss``) — with the support and the engine's top-K ids under a top-K
+    trust region, against the log-prob op over the support and GRPOLoss on the same hidden states; the engine's top-K
+    under another mode, or none under a top-K mode, refused naming ``mb.rollout_top_k``."""
+    from mp_grpo import vocab_parallel_logprobs_with_top_k
     from mp_grpo.config.job import OutputPath
+    from mp_grpo.loss import TopKLogprobs
     from mp_grpo.megatron import MegatronGRPO, ParallelGroups, prepare_micro_batch
     from mp_grpo.megatron.fused_output import OutputWeight
 
     rollouts = H.make_rollouts(2, seed=17)
     support, top, top_logprobs = engine_lists(rollouts, seed=2)
     mb = prepare_micro_batch(rollouts).with_captured_support(support).with_rollout_top_k(top, top_logprobs)
-    grpo = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=1,
+    grpo = MegatronGRPO(top_k_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=1,
                         calculate_per_token_loss=False, groups=ParallelGroups(), vocab_size=H.VOCAB,
                         output_path=OutputPath.FUSED)
     batch = grpo.global_batch([mb], step=0)
@@ -250,10 +277,13 @@ def test_fused_loss_in_forward_and_the_refusal() -> None:
     loss.backward()
     # the same over the logits: the log-prob op over the support, then GRPOLoss
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = vocab_parallel_logprobs(h2 @ w2.t(), mb.targets, temperature=H.TEMPERATURE, with_entropy=True,
-                                      captured_support=mb.captured_support)
+    lp, ent, trainer = vocab_parallel_logprobs_with_top_k(
+        h2 @ w2.t(), mb.targets, mb.rollout_top_k.ids, temperature=H.TEMPERATURE, with_entropy=True,
+        captured_support=mb.captured_support)
+    topk = TopKLogprobs(mb.rollout_top_k.ids.indptr, mb.rollout_top_k.logprobs, trainer)
     share, _ = grpo.loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, rollout_logprobs=mb.rollout_logprobs,
-                         ref_logprobs=mb.ref_logprobs, entropy=ent, batch=batch, layout=mb.sequences)
+                         ref_logprobs=mb.ref_logprobs, entropy=ent, batch=batch, layout=mb.sequences,
+                         topk_logprobs=topk)
     share.backward()
     torch.testing.assert_close(loss, share, rtol=1e-5, atol=1e-7)
     assert_close(h.grad, h2.grad, torch.float32, "hidden gradient [fused loss in forward over the support]")
@@ -264,8 +294,16 @@ def test_fused_loss_in_forward_and_the_refusal() -> None:
             return hidden @ weight.t()
 
     check_top_k(taken, Logits(), mb, "[fused loss in forward]")
-    with pytest.raises(ValueError, match="no top-K divergence to use them"):
-        grpo.loss_func(mb, batch, hidden.clone().requires_grad_(), output_weight=OutputWeight(weight, False))
+    other = MegatronGRPO(H.loss_config("ppo_token_tis"), temperature=H.TEMPERATURE, num_microbatches=1,
+                         calculate_per_token_loss=False, groups=ParallelGroups(), vocab_size=H.VOCAB,
+                         output_path=OutputPath.FUSED)
+    with pytest.raises(ValueError, match="mb.rollout_top_k: trust_region.mode=none reads no top-K log-probs"):
+        other.loss_func(mb, other.global_batch([mb], step=0), hidden.clone().requires_grad_(),
+                        output_weight=OutputWeight(weight, False))
+    without = replace(mb, rollout_top_k=None)
+    with pytest.raises(ValueError, match="mb.rollout_top_k: trust_region.mode=topk_tv takes the divergence"):
+        grpo.loss_func(without, grpo.global_batch([without], step=0), hidden.clone().requires_grad_(),
+                       output_weight=OutputWeight(weight, False))
 
 
 if __name__ == "__main__":

@@ -183,3 +183,28 @@ def test_no_rows_and_bad_rows():
         LossRows(torch.arange(7), mask.shape)
     with pytest.raises(ValueError, match="output layer's input"):
         rows.gather_sequence_major(torch.randn(2, 3, 8))
+
+
+def test_token_id_lists_cut_to_the_rows_and_values_scattered_back():
+    """A per-token id list (CSR: a captured support, top-K ids) cut to the rows keeps each row's ids in order and its
+    type; per-entry values of the cut list go back to the whole list's entries, 0 at the other rows'."""
+    from mp_grpo.ops.token_ids import CapturedSupport, TokenIds
+
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(3, 5, generator=gen) < 0.5
+    lists = [sorted(torch.randperm(11, generator=gen)[: int(torch.randint(0, 4, (), generator=gen))].tolist())
+             for _ in range(mask.numel())]
+    rows = LossRows(loss_rows(mask), mask.shape)
+    for kind in (TokenIds, CapturedSupport):
+        whole = kind.from_lists(lists)
+        cut, positions = rows.token_ids(whole)
+        assert type(cut) is kind
+        want = [lists[i] for i in rows.index.tolist()]
+        assert cut.indptr.tolist() == [0, *torch.tensor([len(x) for x in want]).cumsum(0).tolist()]
+        assert cut.ids.tolist() == [i for x in want for i in x]
+        assert torch.equal(whole.ids[positions], cut.ids)
+        values = torch.randn(cut.nnz, generator=gen)
+        back = LossRows.scatter_entries(values, positions, whole.nnz)
+        entry_row = torch.arange(mask.numel()).repeat_interleave(whole.indptr.diff())
+        kept = mask.reshape(-1)[entry_row]
+        assert torch.equal(back[kept], values) and bool((back[~kept] == 0).all())
