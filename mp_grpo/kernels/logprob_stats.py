@@ -28,7 +28,8 @@ read and write nothing (the sampling filter's candidate kernel wrote their stati
 
 The loop is an online softmax over BLOCK_V-column chunks with a scalar running maximum: per element
 one max, one subtract, one multiply, one exp2 and one add (two more for the entropy), which keeps
-the kernel under the memory roofline rather than the FP32 pipe. Two details keep it exact for
+the kernel under the memory roofline rather than the FP32 pipe; only the chunk holding the target
+compares its columns with the target's (a uniform branch per chunk). Two details keep it exact for
 extreme logits: the maximum is tracked on the raw logits (so z_t - m is exact when the target is
 the maximum), and each exponent is formed as (x - m) * log2(e) / T, subtracting before scaling.
 """
@@ -45,17 +46,20 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def online_sums(m, s, u, x, is_target, scale, HAS_ENTROPY: tl.constexpr):
+def online_sums(m, s, u, x, is_target, scale, HAS_ENTROPY: tl.constexpr, HAS_TARGET: tl.constexpr = True):
     """One block of the online softmax: the running maximum ``m`` (raw units) and the sums ``s``, ``u`` (relative to
     it, log2 units of z for ``u``) updated with the fp32 logits ``x`` of the block (-inf: not counted), the target's
-    column (``is_target``) counted in the maximum and left out of the sums. Shared with the captured-support kernel
-    (``logprob_support.py``), which reads a row's support instead of its columns."""
+    column (``is_target``; only with HAS_TARGET, a block that may hold it) counted in the maximum and left out of the
+    sums. Shared with the captured-support kernel (``logprob_support.py``), which reads a row's support instead of its
+    columns."""
     m_new = tl.maximum(m, tl.max(x, axis=0))
     shift = (m - m_new) * scale  # <= 0: rescales what was summed so far
     alpha = tl.exp2(shift)
     t = (x - m_new) * scale
-    # The target's own column counts in the maximum, not in the sums (the merge adds its term back).
-    e = tl.where(is_target, 0.0, tl.exp2(t))
+    e = tl.exp2(t)
+    if HAS_TARGET:
+        # The target's own column counts in the maximum, not in the sums (the merge adds its term back).
+        e = tl.where(is_target, 0.0, e)
     if HAS_ENTROPY:
         # A -inf logit gives e = 0 and t = -inf: select, since 0 * -inf is NaN.
         e_t = tl.where(e > 0.0, e * t, 0.0)
@@ -118,7 +122,12 @@ def logprob_stats_kernel(
         x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf")).to(tl.float32)
         if HAS_THRESHOLD:
             x = tl.where(x >= threshold, x, float("-inf"))
-        m, s, u = online_sums(m, s, u, x, cols == local_target, scale, HAS_ENTROPY)
+        # Only the block holding the target compares columns with it (a uniform branch, once a block): a compare and
+        # a select per element in every block cost the loop 24 % at V_local = 151936 (docs/benchmarks/logprob_exact_ab.md).
+        if (local_target >= start) & (local_target < start + BLOCK_V):
+            m, s, u = online_sums(m, s, u, x, cols == local_target, scale, HAS_ENTROPY, True)
+        else:
+            m, s, u = online_sums(m, s, u, x, cols, scale, HAS_ENTROPY, False)
 
     # --- 3. store m and x_t in raw units, s, u * ln 2 (natural units); program 0 also writes the shard size ---
     stats_row_ptr = stats_ptr + (row_start + row) * stride_stats_row
