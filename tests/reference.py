@@ -615,7 +615,11 @@ def grpo_metrics_reference(
         mean("mismatch/chi2_token", torch.expm1(2.0 * d))
         seq_d = torch.stack([_clamp_abs(row.d.sum(), cfg.policy.log_ratio_clamp) for row in rows]) if rows \
             else torch.zeros(0, dtype=torch.float64)
-        mean("mismatch/chi2_seq", torch.expm1(2.0 * seq_d))
+        # Its size: 2 e^{2x} times the summed |d| — a sum of d's that cancels keeps their float32 rounding, which the
+        # value's own (tiny) magnitude would not cover (the loss computes each d = log π − log μ in its dtype).
+        seq_size = torch.stack([row.d.abs().sum() for row in rows]) if rows else torch.zeros(0, dtype=torch.float64)
+        chi2_seq = torch.expm1(2.0 * seq_d)
+        mean("mismatch/chi2_seq", chi2_seq, chi2_seq.abs() + 2.0 * (1.0 + chi2_seq) * seq_size)
     if cfg.mismatch.skip_threshold is not None:
         out["mismatch/skipped"] = (float(bool(step.skip)), 1.0)
     if ref_logprobs is not None:
