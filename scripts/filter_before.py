@@ -96,8 +96,8 @@ class LogProbsBefore(VocabParallelLogProbs):
         x = logits.reshape(-1, logits.shape[-1])
         t = target.reshape(-1).to(torch.int64).contiguous()
         stats, threshold = _statistics_before(x, t, filt, target.shape, 1.0, with_entropy)
-        merged = gather_and_merge(stats, t, tp_group=None, v_local=x.shape[1], ignore_index=-100, inv_temperature=1.0,
-                                  with_entropy=with_entropy, check_inputs=CheckInputs.OFF)
+        merged, _ = gather_and_merge(stats, t, tp_group=None, v_local=x.shape[1], ignore_index=-100,
+                                     inv_temperature=1.0, with_entropy=with_entropy, check_inputs=CheckInputs.OFF)
         outside = targets_outside_filter(merged.logprobs, t, -100, CheckInputs.OFF)
         ctx.save_for_backward(x, t, merged.row_max, merged.log_sum, merged.complement, merged.entropy, merged.centered,
                               threshold, outside)

@@ -123,7 +123,7 @@ from mp_grpo.ops.captured_support import (
 )
 from mp_grpo.ops.logprob_launch import (
     flat_upstream_grads,
-    gather_and_merge_with,
+    gather_and_merge,
     logprob_backward,
     narrowed_in_place,
     new_stats_buffer_with,
@@ -315,7 +315,7 @@ class FusedLinearLogProbs(torch.autograd.Function):
 
         # --- 2.–3. the one collective (all-gather of the [N + 1, 4] statistics, the payload with them) and the
         #          merge into log-prob, entropy, logZ = M + log S; raise on bad input ---
-        merged, gathered = gather_and_merge_with(
+        merged, gathered = gather_and_merge(
             buffer.buffer, t, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
             inv_temperature=inv_temperature, with_entropy=with_entropy, check_inputs=check_inputs,
             payload_rows=buffer.payload_rows,

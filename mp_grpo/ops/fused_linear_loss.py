@@ -96,7 +96,7 @@ from mp_grpo.ops.captured_support import (
     targets_outside_support,
 )
 from mp_grpo.ops.logprob_launch import (
-    gather_and_merge_with,
+    gather_and_merge,
     logprob_backward,
     narrowed_in_place,
     new_stats_buffer,
@@ -251,7 +251,7 @@ class FusedLinearLoss(torch.autograd.Function):
                 gather_logits_at_ids(x, payload, top_k_ids, csr_row_start=r0, vocab_start=vocab_start,
                                      threshold=threshold, support=captured_support)
             # --- 2. the TP merge (one all-gather of the chunk's statistics, the payload with them) ---
-            merged, gathered = gather_and_merge_with(
+            merged, gathered = gather_and_merge(
                 stats if payload is None else buffer.buffer, t[r0:r1], tp_group=tp_group, v_local=v_local,
                 ignore_index=ignore_index, inv_temperature=inv_temperature, with_entropy=with_entropy,
                 check_inputs=check_inputs, payload_rows=payload_rows,

@@ -196,24 +196,6 @@ def raise_on_merge_errors(gathered: Gathered, check_inputs: CheckInputs) -> None
 
 
 def gather_and_merge(
-    stats: torch.Tensor,  # [N + 1, 4] fp32, filled by shard_statistics
-    target: torch.Tensor,  # [N] int64
-    *,
-    tp_group: ProcessGroup | None,
-    v_local: int,
-    ignore_index: int,
-    inv_temperature: float,
-    with_entropy: bool,
-    check_inputs: CheckInputs,
-) -> Merged:
-    """Forward steps 2–3 of both log-prob ops: the one all-gather of the statistics over ``tp_group``,
-    the merge, and the merge's error counts to the ledger (``check_inputs``; no host read unless SYNC)."""
-    return gather_and_merge_with(stats, target, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
-                                 inv_temperature=inv_temperature, with_entropy=with_entropy,
-                                 check_inputs=check_inputs)[0]
-
-
-def gather_and_merge_with(
     stats: torch.Tensor,  # [N + 1, 4] fp32, filled by shard_statistics (+ payload_rows: a StatsBuffer's buffer)
     target: torch.Tensor,  # [N] int64
     *,
@@ -225,8 +207,9 @@ def gather_and_merge_with(
     check_inputs: CheckInputs,
     payload_rows: int = 0,
 ) -> tuple[Merged, Gathered]:
-    """:func:`gather_and_merge` that also returns what was gathered (the statistics of every rank and, with
-    ``payload_rows``, the payloads that travelled with them)."""
+    """Forward steps 2–3 of the log-prob ops: the one all-gather of the statistics over ``tp_group``, the merge, and
+    the merge's error counts to the ledger (``check_inputs``; no host read unless SYNC). Returns the merge and what was
+    gathered (the statistics of every rank and, with ``payload_rows``, the payloads that travelled with them)."""
     gathered = gather_statistics(stats, tp_group=tp_group, v_local=v_local, ignore_index=ignore_index,
                                  check_inputs=check_inputs, payload_rows=payload_rows)
     merged = merge_statistics(gathered.stats, target, v_local=v_local, ignore_index=ignore_index,
