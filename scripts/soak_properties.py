@@ -33,7 +33,10 @@ Schedule of ``run``
    failed without a failing test case (an error outside hypothesis) counts as a failure too.
 
 ``merge`` sums soaks of the same suites (a soak continued in another process or on another machine) into one
-JSON: counts, runs and failures added, each target checked against the sum.
+JSON: counts, runs and failures added, each target checked against the sum; soaks of different code are refused.
+
+``source`` prints the digest of this checkout's library and tests (the JSON keeps the one it ran: a GPU machine gets
+the working tree without its history) and, given JSONs, says which of them soaked other code.
 
 ``report`` renders such JSONs as a markdown table; with ``--md FILE`` it replaces the part of FILE between
 ``<!-- soak-results:begin -->`` and ``<!-- soak-results:end -->``.
@@ -42,6 +45,7 @@ JSON: counts, runs and failures added, each target checked against the sum.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -56,6 +60,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("mp_grpo", "tests")
+"""What a soak tests: the library and its tests. Their digest goes into the JSON, and ``merge`` sums only soaks of
+the same digest (a soak of other code is not more examples of this code)."""
 STATS_ENV = "MP_GRPO_PROPERTY_STATS"
 OUTPUT_TAIL = 6000
 """Characters kept of a failed run's output."""
@@ -505,8 +512,35 @@ def summarize(accounts: dict[str, Account], args, began: float, cpus: list[int])
         "started": datetime.fromtimestamp(began, timezone.utc).isoformat(timespec="seconds"),
         "wall_s": round(time.time() - began, 1), "cores": len(set(cpus)), "slots": len(cpus),
         "host": _host(args.gpu if any(a.suite.gpu for a in accounts.values()) else None),
+        "source": source_digest(),
         "suites": suites,
     }
+
+
+def source_digest(root: Path = REPO_ROOT) -> dict:
+    """The code a soak ran: for each of :data:`SOURCE_DIRS`, the SHA-256 (first 16 hex digits) of its Python files'
+    paths and contents in path order, and under ``files`` each file's own (so that a later checkout can name what
+    changed since: ``soak_properties.py source JSON``). A GPU machine gets the working tree without its git history, so
+    a commit id could not be read there."""
+    digest: dict = {}
+    files: dict[str, str] = {}
+    for name in SOURCE_DIRS:
+        h = hashlib.sha256()
+        for path in sorted((root / name).rglob("*.py")):
+            rel, data = path.relative_to(root).as_posix(), path.read_bytes()
+            h.update(rel.encode() + b"\0" + data + b"\0")
+            files[rel] = hashlib.sha256(data).hexdigest()[:16]
+        digest[name] = h.hexdigest()[:16]
+    return {**digest, "files": files}
+
+
+def source_changes(soaked: dict | None, here: dict) -> list[str]:
+    """The files added, removed or changed between a soak's ``source`` and ``here`` (all of them when the soak kept
+    none)."""
+    if not soaked:
+        return sorted(here["files"])
+    before, after = soaked.get("files", {}), here["files"]
+    return sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
 
 
 def _host(gpu: str | None) -> dict:
@@ -541,6 +575,11 @@ def merge(datas: list[dict]) -> dict:
     differ are refused (their examples are not the same draws)."""
     if not datas:
         raise ValueError("merge: no JSON given")
+    for data in datas[1:]:
+        if data.get("source") != datas[0].get("source"):
+            changed = source_changes(datas[0].get("source"), data.get("source") or {"files": {}})
+            raise ValueError(f"merge: the soaks ran different code ({', '.join(changed[:5]) or 'digests differ'}): "
+                             "only soaks of the same library and tests add up")
     suites: dict[str, dict] = {}
     for data in datas:
         for name, s in data["suites"].items():
@@ -570,7 +609,7 @@ def merge(datas: list[dict]) -> dict:
         "command": " + ".join(d["command"] for d in datas),
         "started": first["started"], "wall_s": round(sum(d["wall_s"] for d in datas), 1),
         "cores": max(d["cores"] for d in datas), "slots": max(d["slots"] for d in datas),
-        "host": first["host"], "merged_from": len(datas),
+        "host": first["host"], "source": first.get("source"), "merged_from": len(datas),
         "suites": suites,
     }
 
@@ -641,7 +680,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report", help="a markdown table of soak JSONs")
     p.add_argument("json", nargs="+", type=Path)
     p.add_argument("--md", type=Path, help="replace the table between the soak-results markers of this file")
+    c = sub.add_parser("source", help="this checkout's source digest; with JSONs: whether they soaked this code")
+    c.add_argument("json", nargs="*", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "source":
+        here = source_digest()
+        print(json.dumps({name: here[name] for name in SOURCE_DIRS}))
+        stale = 0
+        for path in args.json:
+            changed = source_changes(json.loads(path.read_text()).get("source"), here)
+            stale += bool(changed)
+            print(f"{path}: " + (f"{len(changed)} files differ from this checkout: {', '.join(changed[:20])}"
+                                 f"{' …' if len(changed) > 20 else ''}" if changed else "soaked this code"))
+        return 1 if stale else 0
     if args.command == "merge":
         merged = merge([json.loads(path.read_text()) for path in args.json])
         args.out.write_text(json.dumps(merged, indent=1) + "\n")

@@ -29,7 +29,7 @@ read and write nothing (the sampling filter's candidate kernel wrote their stati
 The loop is an online softmax over BLOCK_V-column chunks with a scalar running maximum: per element
 one max, one subtract, one multiply, one exp2 and one add (two more for the entropy), which keeps
 the kernel under the memory roofline rather than the FP32 pipe; only the chunk holding the target
-compares its columns with the target's (a uniform branch per chunk). Two details keep it exact for
+compares its columns with the target's (that chunk is peeled off the loop). Two details keep it exact for
 extreme logits: the maximum is tracked on the raw logits (so z_t - m is exact when the target is
 the maximum), and each exponent is formed as (x - m) * log2(e) / T, subtracting before scaling.
 """
@@ -67,6 +67,16 @@ def online_sums(m, s, u, x, is_target, scale, HAS_ENTROPY: tl.constexpr, HAS_TAR
         u = alpha * (u + shift * s) + tl.sum(e_t, axis=0)
     s = s * alpha + tl.sum(e, axis=0)
     return m_new, s, u
+
+
+@triton.jit
+def load_block(x_row_ptr, cols, V_local, threshold, HAS_THRESHOLD: tl.constexpr):
+    """The fp32 logits of one block of a row: -inf past the shard's end and (with HAS_THRESHOLD) below the kept set's
+    threshold, so that they count neither in the maximum nor in the sums."""
+    x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf")).to(tl.float32)
+    if HAS_THRESHOLD:
+        x = tl.where(x >= threshold, x, float("-inf"))
+    return x
 
 
 @triton.jit
@@ -111,24 +121,31 @@ def logprob_stats_kernel(
         threshold = tl.load(threshold_ptr + row, mask=has_row, other=float("-inf"))
         # A target outside the kept set has probability 0: x_t = -inf makes the merged log-prob -inf.
         x_target = tl.where(owns_target & (x_target < threshold), float("-inf"), x_target)
+    else:
+        threshold = float("-inf")  # unread: load_block compares with it only under HAS_THRESHOLD
 
     # --- 2. one pass over the row: online max (raw units), sum of 2^t and (entropy) sum of 2^t * t, t's column apart ---
     # t = (x - m) * scale is z - m/T in log2 units; s, u are relative to the running maximum m.
     m = tl.full([], MAX_SENTINEL, dtype=tl.float32)
     s = tl.zeros([], dtype=tl.float32)
     u = tl.zeros([], dtype=tl.float32)
-    for start in range(0, v_end, BLOCK_V):
+    # The block holding the target is peeled off the loop: the blocks before it and after it run the plain loop
+    # body, and that one block alone compares its columns with the target's. A compare and a select per element in
+    # every block cost the statistics pass 24 % at V_local = 151936 on an H200, a uniform branch inside the loop 9 %
+    # (A/Bs against the kernels before; docs/benchmarks/logprob_exact_ab.md is the shipped one).
+    target_block = tl.where(owns_target, (local_target // BLOCK_V) * BLOCK_V, v_end)
+    for start in range(0, target_block, BLOCK_V):
         cols = start + offs
-        x = tl.load(x_row_ptr + cols, mask=cols < V_local, other=float("-inf")).to(tl.float32)
-        if HAS_THRESHOLD:
-            x = tl.where(x >= threshold, x, float("-inf"))
-        # Only the block holding the target compares columns with it (a uniform branch, once a block): a compare and
-        # a select per element in every block cost the statistics pass 24 % at V_local = 151936 on an H200 (an A/B of the
-        # two versions; docs/benchmarks/logprob_exact_ab.md is the shipped one against the kernels before).
-        if (local_target >= start) & (local_target < start + BLOCK_V):
-            m, s, u = online_sums(m, s, u, x, cols == local_target, scale, HAS_ENTROPY, True)
-        else:
-            m, s, u = online_sums(m, s, u, x, cols, scale, HAS_ENTROPY, False)
+        x = load_block(x_row_ptr, cols, V_local, threshold, HAS_THRESHOLD)
+        m, s, u = online_sums(m, s, u, x, cols, scale, HAS_ENTROPY, False)
+    if owns_target:
+        cols = target_block + offs
+        x = load_block(x_row_ptr, cols, V_local, threshold, HAS_THRESHOLD)
+        m, s, u = online_sums(m, s, u, x, cols == local_target, scale, HAS_ENTROPY, True)
+    for start in range(target_block + BLOCK_V, v_end, BLOCK_V):
+        cols = start + offs
+        x = load_block(x_row_ptr, cols, V_local, threshold, HAS_THRESHOLD)
+        m, s, u = online_sums(m, s, u, x, cols, scale, HAS_ENTROPY, False)
 
     # --- 3. store m and x_t in raw units, s, u * ln 2 (natural units); program 0 also writes the shard size ---
     stats_row_ptr = stats_ptr + (row_start + row) * stride_stats_row

@@ -151,6 +151,31 @@ def test_merge_refuses_different_draws() -> None:
         S.merge([_soak_json(1, 1, 0, 10, 1), other])
 
 
+def test_merge_refuses_soaks_of_different_code() -> None:
+    one, other = _soak_json(1, 1, 0, 10, 1), _soak_json(1, 1, 0, 10, 2)
+    one["source"] = {"mp_grpo": "a", "tests": "t", "files": {"mp_grpo/x.py": "1", "tests/y.py": "2"}}
+    other["source"] = {"mp_grpo": "b", "tests": "t", "files": {"mp_grpo/x.py": "3", "tests/y.py": "2"}}
+    with pytest.raises(ValueError, match=r"ran different code \(mp_grpo/x.py\)"):
+        S.merge([one, other])
+    other["source"] = dict(one["source"])
+    assert S.merge([one, other])["source"] == one["source"]
+
+
+def test_source_digest_follows_every_file_of_the_library_and_tests(tmp_path: Path) -> None:
+    for name in S.SOURCE_DIRS:
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub" / "a.py").write_text("x = 1\n")
+    before = S.source_digest(tmp_path)
+    (tmp_path / "mp_grpo" / "sub" / "a.py").write_text("x = 2\n")
+    changed = S.source_digest(tmp_path)
+    assert changed["mp_grpo"] != before["mp_grpo"] and changed["tests"] == before["tests"]
+    assert S.source_changes(before, changed) == ["mp_grpo/sub/a.py"] and S.source_changes(changed, changed) == []
+    (tmp_path / "tests" / "sub" / "a.py").rename(tmp_path / "tests" / "sub" / "b.py")  # a rename is other code too
+    assert S.source_digest(tmp_path)["tests"] != before["tests"]
+    (tmp_path / "mp_grpo" / "notes.txt").write_text("not code")
+    assert S.source_digest(tmp_path)["mp_grpo"] == changed["mp_grpo"]
+
+
 def test_gpu_runs_go_to_the_least_busy_gpu() -> None:
     def run(gpu):
         return S.Run(S.SUITES["gpu:logprob"], 0, [0], Path("."), Path("."), None, 0.0, gpu=gpu)
