@@ -219,10 +219,12 @@ def grpo_loss_combine_kernel(
             old_given = tl.load(lp_ptr + offs, mask=valid, other=0.0).to(tl.float64)
         rollout_given = tl.load(rollout_ptr + offs, mask=valid, other=0.0).to(tl.float64)
         d_given, _ = clamp_sym(tl.where(valid, old_given - rollout_given, 0.0), tl.load(params_ptr + K.P_LOG_RATIO_CLAMP))
+        # The advantage's sign in float64 (exact for every input dtype): Triton's interpreter compares a loaded bf16
+        # value as its raw 16 bits, so that a negative bf16 advantage would not be < 0 there.
         if ADV_PER_TOKEN:
-            adv_given = tl.load(adv_ptr + offs, mask=valid, other=0.0)
+            adv_given = tl.load(adv_ptr + offs, mask=valid, other=0.0).to(tl.float64)
         else:
-            adv_given = tl.load(adv_ptr + seq, mask=valid, other=0.0)
+            adv_given = tl.load(adv_ptr + seq, mask=valid, other=0.0).to(tl.float64)
         keep_m2po = m2po_keep(d_given, tl.load(m2po_threshold_ptr), adv_given, M2PO == K.M2PO_CLIP_QUADRANTS)
     keep = valid & keep_rollout & keep_opsm & keep_entropy & keep_trust & keep_m2po
     policy = tl.where(keep, term, 0.0)

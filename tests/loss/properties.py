@@ -651,5 +651,24 @@ def logits_reference(cfg, logits: torch.Tensor, target: torch.Tensor, inputs: di
     per_token = sum((t.grad.detach().abs() * (1.0 if t is lp_r else spread_of_logits))
                     for t in (lp_r, ent_r) if t.grad is not None)
     atol = torch.finfo(torch.float32).eps * per_token.reshape(B, W, 1)
+    # ∂J/∂log π itself moves with that rounding of log π, the kernel's float32 output (~eps32 · (|log π| + the
+    # spread)): k2's coefficient is log π − ref, of which it is the absolute error — at log π = −78.6 and
+    # log π − ref = 0.02, fp32's rounding of log π alone is 2e-4 of it. Bound it by ∂J/∂log π taken again at log π
+    # moved by that much either way; a logit's share of it is at most 1 / T.
+    if lp_r.grad is not None:
+        lp_d = lp_r.detach()
+        shift = torch.where(torch.isfinite(lp_d),
+                            torch.finfo(torch.float32).eps * (lp_d.abs() + spread_of_logits), 0.0)
+        moved = torch.zeros_like(lp_d)
+        for sign in (1.0, -1.0):
+            lp_s = (lp_d + sign * shift).requires_grad_()
+            j_s = grpo_objective_reference(cfg, lp_s, ref_inputs.get("old_logprobs"), ref_inputs["advantages"], mask,
+                                           rollout_logprobs=ref_inputs.get("rollout_logprobs"),
+                                           ref_logprobs=ref_inputs.get("ref_logprobs"), entropy=ent_r.detach(),
+                                           topk=topk)
+            (j_s * upstream).backward()
+            if lp_s.grad is not None:
+                moved = torch.maximum(moved, torch.nan_to_num((lp_s.grad - lp_r.grad).abs(), nan=0.0))
+        atol = atol + (moved / temperature).reshape(B, W, 1)
     grad_mask = (mask | (target.cpu().reshape(shape) != -100)).unsqueeze(-1).expand(B, W, V)
     return LogitsReference(j.detach(), r.grad, size, atol, grad_mask, representable)

@@ -262,3 +262,57 @@ def test_on_logits_forms_differences_of_logits_before_the_temperature(backend: L
     # the log-prob itself: exact to fp32 rounding of its own magnitude, not of the logits'
     want = torch.log_softmax(logits.double() / temperature, -1)[0, 0, 1]
     assert abs(float(lp[0, 0]) - float(want)) < 2e-7, (float(lp[0, 0]), float(want))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+def test_on_logits_gradient_is_exact_to_its_float32_log_prob(backend: LossBackend) -> None:
+    """The GPU soak's second on_logits failure (seed 2008789365): a target 55 logits below the maximum at T = 0.7,
+    log π = −78.618, and a k2 KL alone (advantage 0) whose coefficient 0.05·(log π − ref) sees log π's absolute
+    error. fp32 spaces values near 78.6 by 7.6e-6, so that the float32 log-prob the op returns is 5.7e-6 off the
+    float64 one (0.75 of a spacing) and the gradient 2.7e-4 off the float64 reference's — a limit of the float32
+    output, not of the kernels: the gradient equals the float64 one taken at the op's own log-prob to 1e-6. (The
+    property's tolerance now counts this: ∂J/∂log π moved by the rounding of log π.)"""
+    from mp_grpo import vocab_parallel_logprobs
+
+    cfg = load_config(None, ["policy.objective=cispo", "kl.coef=0.05", "kl.estimator=k2"])
+    temperature = 0.7
+    logits = torch.tensor([[[46.229881286621094, -8.80286693572998]]], dtype=torch.float32)  # the example's, exact
+    target, mask, advantages = torch.tensor([[1]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([0.0])
+    exact = torch.log_softmax(logits.double() / temperature, -1)[0, 0, 1]
+    ref = (exact + 0.021).reshape(1, 1)  # log π − ref = −0.021, as in the shrunk example
+    lp, entropy = vocab_parallel_logprobs(logits, target, with_entropy=True, temperature=temperature)
+    batch = GlobalBatch.from_rollouts(cfg, [mask], old_logprobs=[lp], entropies=[entropy])
+    x = logits.clone().requires_grad_()
+    loss, _ = GRPOLoss(cfg, backend=backend).on_logits(x, target, None, advantages, mask, batch=batch,
+                                                       temperature=temperature, ref_logprobs=ref.float())
+    loss.backward()
+
+    def k2_gradient(log_prob: torch.Tensor) -> torch.Tensor:  # 0.05·(log π − ref)·(onehot − p) / T, float64
+        p = torch.softmax(logits.double() / temperature, -1)[0, 0]
+        return 0.05 * (log_prob - float(ref.float())) * (torch.tensor([0.0, 1.0], dtype=torch.float64) - p) / temperature
+
+    torch.testing.assert_close(x.grad[0, 0].double(), k2_gradient(lp.double()[0, 0]), rtol=1e-6, atol=0)
+    # the float32 log-prob: within one spacing of fp32 at 78.6 (2**6 eps), yet off enough to move the k2 coefficient
+    assert 2e-6 < abs(float(lp[0, 0]) - float(exact)) <= 64 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.value)
+@pytest.mark.parametrize("adv_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_m2po_clip_quadrants_reads_the_sign_of_16bit_advantages(backend: LossBackend, adv_dtype: torch.dtype) -> None:
+    """m2po.scope=clip_quadrants with 16-bit per-token advantages: a token with A < 0 and d < 0 is a candidate. The
+    fused kernel compared the loaded advantage with 0 in its own dtype, which Triton's interpreter does on a bf16
+    value's raw 16 bits (a negative bf16 is never < 0 there): it kept the A < 0 candidates (the shrunk example:
+    rejected_frac/m2po 0.275 vs the reference's 0.3). Compiled kernels compare bf16 by value; the sign is now read
+    in float64 on both."""
+    cfg = load_config(None, ["m2po.bound=0.0", "m2po.scope=clip_quadrants"])
+    lp = torch.tensor([[-1.0, -2.0, -0.5, -1.5]], requires_grad=True)
+    old = lp.detach().clone()
+    rollout = old + torch.tensor([[0.25, -0.25, 0.5, -0.125]])  # d = old − rollout: −0.25, 0.25, −0.5, 0.125
+    adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0]], dtype=adv_dtype)  # quadrants: tokens 0 and 1 are candidates
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    batch = GlobalBatch.from_rollouts(cfg, [mask], old_logprobs=[old], rollout_logprobs=[rollout], advantages=[adv])
+    loss, metrics = GRPOLoss(cfg, backend=backend)(lp, old, adv, mask, rollout_logprobs=rollout, batch=batch)
+    loss.backward()
+    # bound 0: every candidate is dropped (its d² > 0); the others keep −A·r/N with r = 1
+    assert metrics["rejected_frac/m2po"].tolist() == [2.0, 4.0]
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 0.0, -0.25, 0.25]]))
