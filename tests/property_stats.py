@@ -113,4 +113,13 @@ def install() -> None:
         observability.add_observability_callback(recorder, all_threads=True)
     else:
         observability.TESTCASE_CALLBACKS.append(recorder)
+    # HYPOTHESIS_EXPERIMENTAL_OBSERVABILITY_NOCOVER (which the soak driver sets) also makes hypothesis write every test
+    # case as JSON to .hypothesis/observed/ (~7 kB each): nobody reads them; only the variable that asks for them
+    # keeps them.
+    deliver = getattr(observability, "_deliver_to_file", None)
+    if deliver is not None and "HYPOTHESIS_EXPERIMENTAL_OBSERVABILITY" not in os.environ:
+        if hasattr(observability, "remove_observability_callback"):
+            observability.remove_observability_callback(deliver)
+        elif deliver in getattr(observability, "TESTCASE_CALLBACKS", []):
+            observability.TESTCASE_CALLBACKS.remove(deliver)
     _installed = True

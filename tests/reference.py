@@ -496,6 +496,11 @@ def grpo_objective_reference(
     step, rows = _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
                                  ref_logprobs=ref_logprobs, entropy=entropy, kl_logprobs=kl_logprobs,
                                  entropy_coef=entropy_coef, topk=topk)
+    return _objective_of_rows(cfg, step, rows, positive, magnitude)
+
+
+def _objective_of_rows(cfg, step, rows, positive: torch.Tensor | None, magnitude: bool) -> torch.Tensor:
+    """:func:`grpo_objective_reference` of the quantities :func:`_reference_rows` gave."""
     total = _zero_on_graph(step.lp_all, step.valid)
     if step.skip:
         return total
@@ -545,13 +550,36 @@ def grpo_metrics_reference(
     error; the value itself for the extremes and counts). Means over nothing are NaN, extremes over nothing ±inf.
 
     Not covered: clip_cov / kl_cov (``cov/selected_frac``)."""
+    return grpo_reference(cfg, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=rollout_logprobs,
+                          ref_logprobs=ref_logprobs, entropy=entropy, kl_logprobs=kl_logprobs,
+                          entropy_coef=entropy_coef, positive=positive, topk=topk)[2]
+
+
+def grpo_reference(
+    cfg,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    kl_logprobs: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
+    positive: torch.Tensor | None = None,
+    topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[float, float]]]:
+    """(:func:`grpo_objective_reference`, the same with ``magnitude=True``, :func:`grpo_metrics_reference`) of the
+    same inputs, from one pass over the rows: J keeps its graph (differentiable as J alone is), the magnitude and
+    the metrics have none. The same operations on the same values as the three calls: the same numbers."""
     args = dict(rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
                 kl_logprobs=kl_logprobs, entropy_coef=entropy_coef, topk=topk)
     step, rows = _reference_rows(cfg, logprobs, old_logprobs, advantages, loss_mask, **args)
+    j_graph = _objective_of_rows(cfg, step, rows, positive, False)
     with torch.no_grad():
-        j = grpo_objective_reference(cfg, logprobs, old_logprobs, advantages, loss_mask, positive=positive, **args)
-        j_size = grpo_objective_reference(cfg, logprobs, old_logprobs, advantages, loss_mask, positive=positive,
-                                          magnitude=True, **args)
+        j = j_graph.detach()
+        j_size = _objective_of_rows(cfg, step, rows, positive, True)
     out: dict[str, tuple[float, float]] = {"loss": (float(j), float(j_size)),
                                            "valid_tokens": (float(step.n_tokens), float(step.n_tokens))}
     # trained positions where any input is NaN / ±inf (the loss drops them; per-sequence advantages broadcast)
@@ -631,7 +659,7 @@ def grpo_metrics_reference(
         mean("entropy", cat("ent"))
         if cfg.entropy.adaptive and cfg.entropy.top_quantile < 1.0:
             mean("entropy/selected", cat("ent", "keep_ent_or_all"))
-    return out
+    return j_graph, j_size, out
 
 
 def _has_clip(cfg, name: str) -> bool:

@@ -18,7 +18,7 @@ import torch
 from mp_grpo.loss import GlobalBatch, GRPOLoss, LossBackend, PackedSequences, PaddedSequences, reduce_metrics
 from mp_grpo.loss.trust_region import TopKLogprobs
 from tests.loss.strategies import MicroBatch, Step
-from tests.reference import grpo_metrics_reference, grpo_objective_reference
+from tests.reference import grpo_objective_reference, grpo_reference
 from tests.tolerances import tolerance
 
 LEAVES = ("logprobs", "entropy", "kl_logprobs")
@@ -233,15 +233,12 @@ def reference(step: Step) -> tuple[Result, float, dict]:
     old = d.get("old_logprobs")
     old = None if old is None else old.double()
     adv = d["advantages"].double()
-    j = grpo_objective_reference(step.cfg, leaves["logprobs"], old, adv, d["loss_mask"], **args)
+    # J (differentiated below), its magnitude and the metrics from one pass over the rows (grpo_reference: the same
+    # numbers as grpo_objective_reference, its magnitude=True and grpo_metrics_reference of the detached inputs)
+    j, size, metrics = grpo_reference(step.cfg, leaves["logprobs"], old, adv, d["loss_mask"], **args)
     (j * step.upstream).backward()
     grads = {n: (leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])) if n in leaves
              else None for n in LEAVES}
-    with torch.no_grad():
-        detached = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-        size = grpo_objective_reference(step.cfg, leaves["logprobs"].detach(), old, adv, d["loss_mask"],
-                                        magnitude=True, **detached)
-        metrics = grpo_metrics_reference(step.cfg, leaves["logprobs"].detach(), old, adv, d["loss_mask"], **detached)
     return Result(j.detach(), grads, {}), float(size), metrics
 
 

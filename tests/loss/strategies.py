@@ -18,13 +18,19 @@ reproduces from what hypothesis prints) and rounded to each input's dtype; the r
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import math
+import typing
 from dataclasses import dataclass, field
 
 import torch
 from hypothesis import strategies as st
 
 from mp_grpo.config import LossConfig, load_config
+from mp_grpo.config.loading import _field_types as _uncached_field_types
+from mp_grpo.config.loading import _strip_optional
 
 OBJECTIVES_FUSED = ["ppo_clip", "cispo", "sapo", "gspo", "gmpo", "reinforce"]
 OBJECTIVES_TORCH = OBJECTIVES_FUSED + ["vespo"]
@@ -37,19 +43,58 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 INPUTS = ("logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy", "kl_logprobs", "advantages")
 
 
+_STRATEGIES: dict = {}
+"""Strategies built once (:func:`_memo`)."""
+
+
+def _strategy_key(value):
+    """A key equal only for equal arguments of the same types (``0.0`` / ``-0.0``, ``1`` / ``1.0`` / ``True`` differ);
+    other objects (strategies, dtypes) by their own equality — the cache keeps them alive."""
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_strategy_key(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value).__name__, repr(value)
+    return "object", value
+
+
+def _memo(build, *args):
+    """``build(*args)``, built once per distinct arguments. A strategy is a description of its draws (no state), so
+    the same one serves every draw; building it anew each time (validation, its recursive properties) was ~2/3 of
+    drawing a loss config."""
+    key = (build, _strategy_key(args))
+    strategy = _STRATEGIES.get(key)
+    if strategy is None:
+        strategy = _STRATEGIES[key] = build(*args)
+    return strategy
+
+
+def _sampled(values):
+    """``st.sampled_from(values)``, built once per distinct ``values``."""
+    return _memo(st.sampled_from, values)
+
+
+def _one_of(*strategies):
+    """``st.one_of(*strategies)``, built once per distinct ``strategies``."""
+    return _memo(st.one_of, *strategies)
+
+
 def _maybe(strategy, none_weight: int = 1):
     """``None`` or a value of ``strategy`` (``none_weight`` : 1 odds towards None … here 1:1 by default)."""
-    return st.one_of(*([st.none()] * none_weight), strategy)
+    return _one_of(*([st.none()] * none_weight), strategy)
 
 
 def _positive(lo: float, hi: float, specials=()):
     """A float in [lo + 1e-3, hi] (bounds of a config are never tiny: float32 would round them to 0), biased
     towards a few meaningful values."""
-    return st.one_of(st.sampled_from(list(specials)) if specials else st.nothing(), _floats(lo + 1e-3, hi))
+    return _one_of(_sampled(list(specials)) if specials else st.nothing(), _floats(lo + 1e-3, hi))
 
 
 def _floats(lo: float, hi: float):
     """A float in [lo, hi] with four decimals (what a config holds; never a tiny non-zero)."""
+    return _memo(_rounded_floats, lo, hi)
+
+
+def _rounded_floats(lo: float, hi: float):
     return st.floats(lo, hi, allow_nan=False, allow_infinity=False).map(lambda x: min(max(round(x, 4), lo), hi))
 
 
@@ -58,7 +103,7 @@ def _floats(lo: float, hi: float):
 def loss_configs(draw, backend: str = "torch") -> dict:
     """A valid loss config as a nested dict; ``backend="triton"``: only what the fused kernels implement."""
     fused = backend == "triton"
-    objective = draw(st.sampled_from(OBJECTIVES_FUSED if fused else OBJECTIVES_TORCH))
+    objective = draw(_sampled(OBJECTIVES_FUSED if fused else OBJECTIVES_TORCH))
     policy: dict = {"objective": objective}
     clip_family = objective in ("ppo_clip", "gspo")
     policy["eps_low"] = draw(_maybe(_positive(0.0, 1.0, [0.0, 0.2, 1.0]) if objective != "gmpo"
@@ -72,17 +117,17 @@ def loss_configs(draw, backend: str = "torch") -> dict:
         policy["sapo_tau_neg"] = draw(_positive(0.05, 10.0, [1.05]))
     if objective == "vespo":
         for sign in ("pos", "neg"):
-            policy[f"vespo_k_{sign}"] = draw(st.one_of(st.sampled_from([0.0, 2.0, 3.0]), _floats(0.0, 6.0)))
-            policy[f"vespo_lambda_{sign}"] = draw(st.one_of(st.sampled_from([0.0, 2.0, 3.0]), _floats(0.0, 6.0)))
+            policy[f"vespo_k_{sign}"] = draw(_one_of(_sampled([0.0, 2.0, 3.0]), _floats(0.0, 6.0)))
+            policy[f"vespo_lambda_{sign}"] = draw(_one_of(_sampled([0.0, 2.0, 3.0]), _floats(0.0, 6.0)))
     if objective == "gspo" and not fused:
-        policy["gspo_gradient"] = draw(st.sampled_from(["sequence", "token"]))
-    policy["log_ratio_clamp"] = draw(st.sampled_from([20.0, 20.0, None, 1.0, 5.0]))
+        policy["gspo_gradient"] = draw(_sampled(["sequence", "token"]))
+    policy["log_ratio_clamp"] = draw(_sampled([20.0, 20.0, None, 1.0, 5.0]))
 
     modes = AGGREGATIONS
-    aggregation: dict = {"mode": draw(st.sampled_from(modes)),
+    aggregation: dict = {"mode": draw(_sampled(modes)),
                          "count_empty_sequences": draw(st.booleans())}
     if not fused and draw(st.booleans()):
-        aggregation["regularizer_mode"] = draw(st.sampled_from(modes))
+        aggregation["regularizer_mode"] = draw(_sampled(modes))
     if "seq_mean_token_sum_norm" in (aggregation["mode"], aggregation.get("regularizer_mode")):
         aggregation["norm_constant"] = draw(_positive(0.01, 64.0, [1.0, 7.0]))
 
@@ -90,58 +135,58 @@ def loss_configs(draw, backend: str = "torch") -> dict:
     bypass = draw(st.booleans()) if draw(st.integers(0, 4)) == 0 else False
     levels = ["token"] if objective == "vespo" else LEVELS
     if (not bypass or objective == "reinforce") and draw(st.booleans()):
-        rc["weight_level"] = draw(st.sampled_from(levels))
-        lo = draw(_maybe(st.one_of(st.sampled_from([0.0, 0.5, 0.95]), _floats(0.0, 2.0))))
+        rc["weight_level"] = draw(_sampled(levels))
+        lo = draw(_maybe(_one_of(_sampled([0.0, 0.5, 0.95]), _floats(0.0, 2.0))))
         hi = draw(_maybe(_positive(0.0, 10.0, [1.05, 2.0])))
         if lo is not None and hi is not None and lo > hi:
             lo, hi = hi, lo
         rc["weight_min"], rc["weight_max"] = lo, hi
         rc["normalize_weights"] = not bypass and objective != "vespo" and draw(st.booleans())
     if draw(st.booleans()):
-        rc["reject_level"] = draw(st.sampled_from(levels))
-        lo = draw(_maybe(st.one_of(st.sampled_from([0.0, 0.5, 0.9, 0.999]), _floats(0.0, 2.0))))
+        rc["reject_level"] = draw(_sampled(levels))
+        lo = draw(_maybe(_one_of(_sampled([0.0, 0.5, 0.9, 0.999]), _floats(0.0, 2.0))))
         hi = draw(_positive(0.0, 10.0, [1.001, 1.1, 2.0]) if lo is None else _maybe(_positive(0.0, 10.0, [1.1, 2.0])))
         if lo is not None and hi is not None and lo > hi:
             lo, hi = hi, lo
         rc["reject_min"], rc["reject_max"] = lo, hi
     rc["bypass"] = bypass
 
-    kl: dict = {"coef": draw(st.sampled_from([0.0, 0.0, 0.05, 1.0])),
-                "estimator": draw(st.sampled_from(["k1", "k2", "k3"])),
-                "input_clamp": draw(st.sampled_from([20.0, 20.0, None, 2.0])),
-                "output_clamp": draw(st.sampled_from([10.0, 10.0, None, 0.5]))}
-    weight = draw(st.sampled_from(["none", "none", "bias_correction", "score_function"]))
+    kl: dict = {"coef": draw(_sampled([0.0, 0.0, 0.05, 1.0])),
+                "estimator": draw(_sampled(["k1", "k2", "k3"])),
+                "input_clamp": draw(_sampled([20.0, 20.0, None, 2.0])),
+                "output_clamp": draw(_sampled([10.0, 10.0, None, 0.5]))}
+    weight = draw(_sampled(["none", "none", "bias_correction", "score_function"]))
     if weight == "bias_correction":
         kl["bias_correction"] = True
-        kl["bias_correction_level"] = "token" if fused else draw(st.sampled_from(LEVELS))
+        kl["bias_correction_level"] = "token" if fused else draw(_sampled(LEVELS))
     elif weight == "score_function":
         kl["score_function"] = True
     kl["straight_through"] = kl["estimator"] == "k3" and draw(st.booleans())
 
-    entropy: dict = {"bonus_coef": draw(st.sampled_from([0.0, 0.0, 0.01, -0.05, 1.0])),
-                     "top_quantile": draw(st.sampled_from([1.0, 1.0, 0.0, 0.2, 0.5, 0.99]))}
+    entropy: dict = {"bonus_coef": draw(_sampled([0.0, 0.0, 0.01, -0.05, 1.0])),
+                     "top_quantile": draw(_sampled([1.0, 1.0, 0.0, 0.2, 0.5, 0.99]))}
     if not fused and entropy["top_quantile"] < 1.0:
         entropy["bonus_on_selected"] = draw(st.booleans())
     if not fused and draw(st.integers(0, 5)) == 0:
         entropy["adaptive"] = True
         entropy["coef_min"], entropy["coef_max"] = 0.0, 1.0
-        entropy["bonus_coef"] = draw(st.sampled_from([0.0, 0.01, 1.0]))
+        entropy["bonus_coef"] = draw(_sampled([0.0, 0.01, 1.0]))
 
-    opsm = {"delta": draw(_maybe(st.one_of(st.sampled_from([0.0, 0.05, 0.5]), _floats(0.0, 5.0)), 2))}
+    opsm = {"delta": draw(_maybe(_one_of(_sampled([0.0, 0.05, 0.5]), _floats(0.0, 5.0)), 2))}
     mismatch = {"skip_threshold": None if bypass else draw(_maybe(_positive(0.0, 2.0, [1e-4, 0.01, 0.1]), 2))}
-    nll = {"positive_coef": 0.0 if fused else draw(st.sampled_from([0.0, 0.0, 0.0, 0.3]))}
-    trust_region: dict = {"mode": draw(st.sampled_from(["none"] * 8 + TRUST_REGIONS))}
+    nll = {"positive_coef": 0.0 if fused else draw(_sampled([0.0, 0.0, 0.0, 0.3]))}
+    trust_region: dict = {"mode": draw(_sampled(["none"] * 8 + TRUST_REGIONS))}
     if trust_region["mode"] != "none":
-        trust_region["direction"] = draw(st.sampled_from(["directional", "symmetric"]))
+        trust_region["direction"] = draw(_sampled(["directional", "symmetric"]))
         deltas = [0.02, 0.05, 0.15, 0.2] if trust_region["mode"].endswith("kl") else [0.05, 0.15, 0.2, 0.5]
-        low = draw(_maybe(st.one_of(st.sampled_from(deltas), _floats(1e-3, 1.0)), 1))
+        low = draw(_maybe(_one_of(_sampled(deltas), _floats(1e-3, 1.0)), 1))
         trust_region["delta_low"] = low
-        trust_region["delta_high"] = draw(st.one_of(st.sampled_from(deltas), _floats(1e-3, 1.0)) if low is None
-                                          else _maybe(st.one_of(st.sampled_from(deltas), _floats(1e-3, 1.0)), 1))
+        trust_region["delta_high"] = draw(_one_of(_sampled(deltas), _floats(1e-3, 1.0)) if low is None
+                                          else _maybe(_one_of(_sampled(deltas), _floats(1e-3, 1.0)), 1))
     m2po: dict = {}
     if not bypass and draw(st.integers(0, 4)) == 0:
-        m2po = {"bound": draw(st.one_of(st.sampled_from([0.0, 0.01, 0.04, 1.0]), _floats(0.0, 10.0))),
-                "scope": draw(st.sampled_from(["all", "clip_quadrants"]))}
+        m2po = {"bound": draw(_one_of(_sampled([0.0, 0.01, 0.04, 1.0]), _floats(0.0, 10.0))),
+                "scope": draw(_sampled(["all", "clip_quadrants"]))}
     return {"policy": policy, "aggregation": aggregation, "rollout_correction": rc, "kl": kl, "entropy": entropy,
             "opsm": opsm, "mismatch": mismatch, "nll": nll, "trust_region": trust_region, "m2po": m2po}
 
@@ -203,17 +248,76 @@ RAW_KEYS: dict[str, list] = {
 @st.composite
 def raw_config_overrides(draw) -> dict:
     """A nested dict of a few keys of :data:`RAW_KEYS`, valid or not, alone or in combination."""
-    keys = draw(st.lists(st.sampled_from(sorted(RAW_KEYS)), min_size=1, max_size=6, unique=True))
+    keys = draw(st.lists(_sampled(sorted(RAW_KEYS)), min_size=1, max_size=6, unique=True))
     out: dict = {}
     for key in keys:
         section, name = key.split(".")
-        out.setdefault(section, {})[name] = draw(st.sampled_from(RAW_KEYS[key]))
+        out.setdefault(section, {})[name] = draw(_sampled(RAW_KEYS[key]))
     return out
 
 
 def build_config(sections: dict) -> LossConfig:
-    """``load_config`` of a nested dict (the path a YAML takes)."""
-    return load_config(sections)
+    """The config ``load_config`` makes of a nested dict (the path a YAML takes), and refuses what it refuses.
+
+    OmegaConf's merge took ~40 % of a GPU-profile example's host time, so a dict of plain sections whose values
+    already have their fields' types (an int for a float field, a member's value for an enum field, ``None`` for
+    an optional one) builds the dataclasses directly (:func:`_direct_config`; their ``__post_init__`` runs every
+    value and combination check, as ``OmegaConf.to_object`` does); anything else — unknown sections or keys, other
+    types, a check that fails — goes through ``load_config`` itself, so a refusal is always its own ConfigError.
+    ``tests/loss/test_strategies.py`` checks that both give the same config (its ``repr``, types included) for
+    every drawn config."""
+    try:
+        cfg = _direct_config(sections)
+    except Exception:  # a check failed: load_config refuses it in its own words
+        cfg = None
+    return load_config(sections) if cfg is None else cfg
+
+
+_field_types = functools.lru_cache(maxsize=None)(_uncached_field_types)
+
+
+def _direct_config(sections) -> LossConfig | None:
+    """``LossConfig`` built from ``sections`` without OmegaConf; None where a value is not of its field's type
+    (or names no field): :func:`build_config` then asks ``load_config``."""
+    if not isinstance(sections, dict):
+        return None
+    section_types = _field_types(LossConfig)
+    built = {}
+    for name, values in sections.items():
+        section = section_types.get(name) if isinstance(name, str) else None
+        if section is None or not dataclasses.is_dataclass(section) or not isinstance(values, dict):
+            return None
+        hints = _field_types(section)
+        kwargs = {}
+        for key, value in values.items():
+            if not isinstance(key, str) or key not in hints:
+                return None
+            ok, typed = _typed_value(hints[key], value)
+            if not ok:
+                return None
+            kwargs[key] = typed
+        built[name] = section(**kwargs)
+    return LossConfig(**built)
+
+
+def _typed_value(annotation, value) -> tuple[bool, object]:
+    """(True, the value as OmegaConf stores it in a field of ``annotation``) for a value of that type; (False,
+    None) for anything else."""
+    if value is None:
+        return type(None) in typing.get_args(annotation), None
+    inner = _strip_optional(annotation)
+    if isinstance(inner, type) and issubclass(inner, enum.Enum):
+        member = next((m for m in inner if isinstance(value, str) and m.value == value), None)
+        return member is not None, member
+    if inner is bool:
+        return type(value) is bool, value
+    if inner is float:
+        return type(value) in (int, float), float(value) if type(value) in (int, float) else None
+    if inner is int:
+        return type(value) is int, value
+    if inner is str:
+        return type(value) is str, value
+    return False, None
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -243,6 +347,9 @@ class Step:
 
     def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis' printer
         printer.text(repr(self))
+
+    def to_json(self) -> str:  # hypothesis' observability (tests/property_stats.py): the same, not every tensor's repr
+        return repr(self)
 
     @property
     def rows(self) -> int:
@@ -288,26 +395,26 @@ def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_prec
     B = draw(st.integers(1, max_rows))
     T = max_len
     lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
-    hole_p = draw(st.sampled_from([0.0, 0.0, 0.2, 0.6]))
-    regimes = draw(st.lists(st.sampled_from(("typical",) if tie_free else _LP_REGIMES), min_size=B, max_size=B))
+    hole_p = draw(_sampled([0.0, 0.0, 0.2, 0.6]))
+    regimes = draw(st.lists(_sampled(("typical",) if tie_free else _LP_REGIMES), min_size=B, max_size=B))
     lp_dtypes = {None: [torch.float64, torch.float64, torch.float32, torch.bfloat16, torch.float16],
                  torch.float64: [torch.float64], torch.float32: [torch.float32, torch.bfloat16, torch.float16]}[compute]
     if low_precision:
-        base = draw(st.sampled_from(lp_dtypes))
+        base = draw(_sampled(lp_dtypes))
     else:
         base = torch.float64
     dtypes = {name: base for name in INPUTS}
     if mixed_dtypes and low_precision and draw(st.integers(0, 3)) == 0:
         for name in INPUTS:
-            dtypes[name] = draw(st.sampled_from(DTYPES if name != "logprobs" or compute is None else lp_dtypes))
+            dtypes[name] = draw(_sampled(DTYPES if name != "logprobs" or compute is None else lp_dtypes))
     # A float16 gradient holds at most 65504: float16 leaves get ratios and advantages whose gradients fit.
     half = torch.float16 in (dtypes["logprobs"], dtypes["entropy"], dtypes["kl_logprobs"])
     clamped = cfg.policy.log_ratio_clamp is not None
     scales = [s for s in _DELTA_SCALES if (clamped and not half) or s <= 1.0]
-    old_scale, roll_scale = draw(st.sampled_from(scales)), draw(st.sampled_from(scales))
-    ref_scale = draw(st.sampled_from([0.1, 1.0, 30.0] if cfg.kl.input_clamp is not None and not half else [0.1, 1.0]))
-    adv_scale = draw(st.sampled_from([1.0, 1.0, 1e-3, 1e3] + ([] if half else [1e6])))
-    adv_zero_p = 0.0 if tie_free else draw(st.sampled_from([0.0, 0.0, 0.3, 1.0]))
+    old_scale, roll_scale = draw(_sampled(scales)), draw(_sampled(scales))
+    ref_scale = draw(_sampled([0.1, 1.0, 30.0] if cfg.kl.input_clamp is not None and not half else [0.1, 1.0]))
+    adv_scale = draw(_sampled([1.0, 1.0, 1e-3, 1e3] + ([] if half else [1e6])))
+    adv_zero_p = 0.0 if tie_free else draw(_sampled([0.0, 0.0, 0.3, 1.0]))
     per_token = tie_free or draw(st.booleans())
     tied_entropy = draw(st.booleans())
     give_old = rc.bypass is False and draw(st.integers(0, 4)) > 0
@@ -317,7 +424,7 @@ def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_prec
     give_kl_lp = kl_logprobs and give_ref and draw(st.integers(0, 3)) == 0
     seed = draw(st.integers(0, 2**32 - 1))
     edges = not tie_free and base == torch.float64 and all(d == torch.float64 for d in dtypes.values()) and draw(st.booleans())
-    upstream = draw(st.sampled_from([1.0, 0.7, -2.5, 1e-3]))
+    upstream = draw(_sampled([1.0, 0.7, -2.5, 1e-3]))
 
     gen = torch.Generator().manual_seed(seed)
     W = T + 2
@@ -383,10 +490,10 @@ def steps(draw, cfg_dict: dict, *, max_rows: int = 5, max_len: int = 7, low_prec
         positive = torch.rand(B, generator=gen) < 0.5
     entropy_coef = None
     if cfg.entropy.adaptive:
-        entropy_coef = draw(st.sampled_from([0.0, 0.02, 0.5]))
+        entropy_coef = draw(_sampled([0.0, 0.02, 0.5]))
     topk = None
     if cfg.needs_topk_logprobs:
-        topk = _topk_inputs(gen, mask, draw(st.sampled_from([0.0, 0.1, 1.0, 5.0])), draw(st.booleans()))
+        topk = _topk_inputs(gen, mask, draw(_sampled([0.0, 0.1, 1.0, 5.0])), draw(st.booleans()))
     if cfg.m2po.bound is not None and "rollout_logprobs" in data and draw(st.booleans()):
         data["rollout_logprobs"] = _tied_rollout(gen, data, mask)
         notes["m2po_ties"] = True
