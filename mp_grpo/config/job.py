@@ -305,7 +305,17 @@ class EngineConfig:
     and ``nonfinite_inputs`` count it. The ops therefore run unchecked while replaying; any other non-finite
     input stops the step (:func:`mp_grpo.train.loop.check_replayed_step`)."""
 
+    topk_logprobs: int = 0
+    """K: the engine also returns, for every sampled token, the K most probable ids of the distribution it sampled
+    from and its log-probs at them (vLLM's ``SamplingParams(logprobs=K)``; with ``top_k`` / ``top_p`` the filtered
+    distribution, as its sampled log-prob), and the loop hands them to the loss
+    (:meth:`~mp_grpo.megatron.MicroBatch.with_rollout_top_k`): the input of ``loss.trust_region.mode`` topk_tv /
+    topk_kl, which need K ≥ 1 (DPPO and TRL: 20); 0 = off, required with every other mode. An integer ≤
+    ``model.vocab_size``."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.topk_logprobs, bool) or not isinstance(self.topk_logprobs, int) or self.topk_logprobs < 0:
+            raise ConfigError(f"engine.topk_logprobs: got {self.topk_logprobs!r}; allowed: an integer ≥ 0 (0 = off)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"engine.top_p: got {self.top_p!r}; allowed: a float in (0, 1] (1 = off)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -387,6 +397,18 @@ class JobConfig:
         if longest > self.model.max_sequence_length:
             raise ConfigError(f"model.max_sequence_length: {self.model.max_sequence_length} is shorter than the longest "
                               f"rollout (rollout.prompt_max_length + task.completion_length = {longest}); allowed: ≥ {longest}")
+        k = self.engine.topk_logprobs
+        if k > self.model.vocab_size:
+            raise ConfigError(f"engine.topk_logprobs: {k} exceeds model.vocab_size {self.model.vocab_size}; allowed: "
+                              "an integer ≤ the vocabulary size")
+        mode = self.loss.trust_region.mode.value
+        if self.loss.needs_topk_logprobs and k == 0:
+            raise ConfigError(f"engine.topk_logprobs: 0, but loss.trust_region.mode={mode} takes its divergence over "
+                              "the engine's top-K log-probs; allowed: an integer K ≥ 1 (DPPO: 20)")
+        if not self.loss.needs_topk_logprobs and k > 0:
+            raise ConfigError(f"engine.topk_logprobs: {k} has no effect with loss.trust_region.mode={mode} (only "
+                              "topk_tv | topk_kl read the engine's top-K log-probs); allowed: 0, or set "
+                              "loss.trust_region.mode to topk_tv | topk_kl")
         if self.task.modulus is not None and self.task.modulus > self.model.vocab_size:
             raise ConfigError(f"task.modulus: {self.task.modulus} exceeds model.vocab_size {self.model.vocab_size}; "
                               "allowed: ≤ the vocabulary size")

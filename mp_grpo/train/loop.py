@@ -25,8 +25,12 @@ Schedule of :func:`run`
    ``engine.replay_filter`` is false; old log-probs (and entropies) from the trainer's forward-only pass
    (:func:`mp_grpo.megatron.forward_only.forward_logprobs`), of the filtered distribution when replayed;
    the boundary rule (:func:`drop_outside_filter`): sampled tokens outside the trainer's replayed filter
-   leave the loss mask, counted over DP×CP (one all-reduce of two numbers); reference log-probs of the
-   full vocabulary from the initial weights when the loss has a KL term.
+   leave the loss mask, counted over DP×CP (one all-reduce of two numbers); with the loss's
+   ``rollout_correction.bypass`` the old log-probs are then left out (the rollout's are the old ones: the pass
+   above still runs for the boundary rule and the entropies); with ``engine.topk_logprobs`` the engine's top-K
+   ids and log-probs of each micro-batch's sequences (:meth:`~mp_grpo.megatron.MicroBatch.with_rollout_top_k`,
+   the loss's top-K trust region); reference log-probs of the full vocabulary from the initial weights when the
+   loss has a KL term.
 4. The optimizer step: the GlobalBatch, ``forward_backward_func`` with MegatronGRPO's
    ``forward_step_func``, metrics reduced over DP×CP, gradient clipping and the step (skipped when the
    mismatch monitor says so).
@@ -241,9 +245,16 @@ def rollout_batch(cfg: JobConfig, rollout_index: int, trainer: Trainer, engine: 
                           advantages=advantages.cpu(), rollout_logprobs=gen.rollout_logprobs.cpu())
     first = ps.get_data_parallel_rank() * m * mbs
     sp = groups.tp_size if cfg.parallel.sequence_parallel else 1
-    micro = [prepare_micro_batch(everything.select(slice(first + i * mbs, first + (i + 1) * mbs)),
-                                 sequence_format=cfg.parallel.sequence_format, cp_group=groups.cp,
-                                 sequence_parallel_size=sp).to(device) for i in range(m)]
+
+    def micro_batch(start: int) -> MicroBatch:
+        mb = prepare_micro_batch(everything.select(slice(start, start + mbs)), sequence_format=cfg.parallel.sequence_format,
+                                 cp_group=groups.cp, sequence_parallel_size=sp)
+        if gen.top_ids is not None:  # engine.topk_logprobs: the loss's top-K trust region reads them
+            ids, logprobs = gen.top_k_rows(start, start + mbs)
+            mb = mb.with_rollout_top_k(ids.to("cpu"), logprobs.cpu())
+        return mb.to(device)
+
+    micro = [micro_batch(first + i * mbs) for i in range(m)]
     filt = replayed_filter(cfg, engine)
     if filt is not None:  # the training pass and the old-log-prob pass both read mb.sampling_filter
         micro = [mb.with_sampling_filter(top_k=filt.top_k, top_p=filt.top_p) for mb in micro]
@@ -256,6 +267,8 @@ def rollout_batch(cfg: JobConfig, rollout_index: int, trainer: Trainer, engine: 
     else:
         dropped = torch.zeros_like(sampled)
     counts = all_reduce_sum(torch.stack([dropped, sampled]).to(torch.float64), groups.dp_cp).tolist()
+    if cfg.loss.rollout_correction.bypass:  # the rollout log-probs are the old ones: the loss takes no others
+        micro = [replace(mb, old_logprobs=None) for mb in micro]
     if trainer.reference is not None:  # KL(π_θ ‖ π_ref) to the reference's full-vocabulary log-probs
         unfiltered = [replace(mb, sampling_filter=None) for mb in micro]
         ref = forward_logprobs(grpo, trainer.forward_backward, trainer.reference, unfiltered, model_kwargs=trainer.model_kwargs)

@@ -26,7 +26,10 @@ Schedule of :meth:`RolloutEngine.generate` (every TP rank of a replica calls it 
    all-gathered: every rank holds the same :class:`~mp_grpo.ops.token_ids.CapturedSupport`).
 4. Its log-prob log softmax(z)[token] over the sharded vocabulary — with a filter, of the filtered,
    renormalized distribution, as vLLM reports it: all-reduce MAX of the shard maxima, all-reduce SUM of
-   the shards' sums of exp, all-reduce SUM of the owning shard's z[token].
+   the shards' sums of exp, all-reduce SUM of the owning shard's z[token]. With ``topk_logprobs = K`` also the
+   K largest z of the whole vocabulary and their log-probs (vLLM's ``logprobs=K``, of the same distribution):
+   each shard's K largest, all-gathered, the K largest of those (:func:`_top_k`); every rank holds the same
+   ids, CSR over the ``[N, S]`` positions (:attr:`Generation.top_ids`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from mp_grpo.collectives import ProcessGroup, all_gather_stacked, all_reduce_max
 from mp_grpo.config.job import EngineConfig, EngineDtype
 from mp_grpo.config.precision import LogitDtype
 from mp_grpo.ops.sampling_filter import SamplingFilter
-from mp_grpo.ops.token_ids import CapturedSupport
+from mp_grpo.ops.token_ids import CapturedSupport, TokenIds
 from mp_grpo.train.sampler import gumbel_max_sample, keyed_normal, sampling_filter_keep
 
 _DTYPES = {EngineDtype.BF16: torch.bfloat16, EngineDtype.FP32: torch.float32}
@@ -64,6 +67,25 @@ class Generation:
     support: CapturedSupport | None = None
     """With ``generate(capture_support=True)`` and a sampling filter: the kept set each sampled token was drawn from,
     CSR over the ``[N, S]`` positions (row-major; no ids for prompt and padding positions), ids increasing."""
+    top_ids: TokenIds | None = None
+    """With ``engine.topk_logprobs = K``: each sampled token's K most probable ids of the distribution it was drawn
+    from (most probable first), CSR over the ``[N, S]`` positions (row-major; K entries at every completion position,
+    none elsewhere)."""
+    top_logprobs: torch.Tensor | None = None
+    """``[nnz]`` float32, aligned with :attr:`top_ids`: the engine's log-probs at those ids (−inf: outside its
+    sampling filter)."""
+
+    def top_k_rows(self, start: int, stop: int) -> tuple[TokenIds, torch.Tensor]:
+        """:attr:`top_ids` and :attr:`top_logprobs` of the rows ``start:stop``, as a CSR over their ``[stop − start,
+        S]`` positions (what :meth:`~mp_grpo.megatron.MicroBatch.with_rollout_top_k` takes for those sequences)."""
+        if self.top_ids is None or self.top_logprobs is None:
+            raise ValueError("top_k_rows: this generation has no top-K log-probs (engine.topk_logprobs = 0)")
+        n, width = self.tokens.shape
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"top_k_rows: rows {start}:{stop} are not a non-empty range of the {n} rows")
+        indptr = self.top_ids.indptr[start * width: stop * width + 1]
+        first, last = int(indptr[0]), int(indptr[-1])
+        return TokenIds(indptr - first, self.top_ids.ids[first:last]), self.top_logprobs[first:last]
 
 
 class RolloutEngine:
@@ -128,6 +150,7 @@ class RolloutEngine:
         ``capture_support`` (and a sampling filter) also the kept set of each sampled token
         (:attr:`Generation.support`)."""
         captured: list[torch.Tensor] = []  # per completion token: [kept entries, 3] (row, position, id)
+        top: list[tuple[torch.Tensor, torch.Tensor]] = []  # per completion token: [N, K] ids and log-probs
         n, p_max = prompts.shape
         device = prompts.device
         # --- 1. the buffer ---
@@ -166,20 +189,44 @@ class RolloutEngine:
             token = gumbel_max_sample(z, vocab_start=vocab_start, seed=self.seed, step=step, sequence=sequence_ids,
                                       position=pos, tp_group=self.tp_group)
             tokens[rows, pos] = token
-            # --- 4. its log-prob over the sharded vocabulary ---
+            # --- 4. its log-prob over the sharded vocabulary (and its top-K ones) ---
             zmax = all_reduce_max(z.max(dim=1).values, self.tp_group)
             sumexp = all_reduce_sum(torch.exp(z - zmax.unsqueeze(1)).sum(dim=1), self.tp_group)
             local = token - vocab_start
             owned = (local >= 0) & (local < v_local)
             picked = z.gather(1, torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)).squeeze(1)
             picked = all_reduce_sum(torch.where(owned, picked, torch.zeros_like(picked)), self.tp_group)
-            logprobs[rows, pos] = picked - zmax - torch.log(sumexp)
+            log_normalizer = zmax + torch.log(sumexp)
+            logprobs[rows, pos] = picked - log_normalizer
+            if self.config.topk_logprobs > 0:
+                top_z, top_id = _top_k(z, self.config.topk_logprobs, vocab_start, self.tp_group)
+                top.append((top_id, top_z - log_normalizer.unsqueeze(1)))
         lengths = prompt_lengths + completion_length
         col = torch.arange(width, device=device).unsqueeze(0)
         mask = (col >= prompt_lengths.unsqueeze(1)) & (col < lengths.unsqueeze(1))
         support = _support_of(captured, n, width) if captured else None
+        top_ids = top_logprobs = None
+        if top:  # step k's entries sit at (row, prompt_length + k): rows first, then k, is row-major position order
+            ids, values = (torch.stack([t[i] for t in top], dim=1).reshape(-1) for i in (0, 1))
+            counts = mask.reshape(-1).to(torch.int64) * self.config.topk_logprobs
+            top_ids = TokenIds(torch.cat([torch.zeros(1, dtype=torch.int64, device=device), counts.cumsum(0)]), ids)
+            top_logprobs = values
         return Generation(tokens=tokens, lengths=lengths, completion_mask=mask, rollout_logprobs=logprobs,
-                          support=support)
+                          support=support, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _top_k(z: torch.Tensor, k: int, vocab_start: int, tp_group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row of the vocab-parallel ``z`` (``[N, V_local]``) over the whole vocabulary, largest
+    first, and their global ids (``[N, k]`` each; the same on every rank): each shard's min(k, V_local) largest,
+    all-gathered over ``tp_group``, then the ``k`` largest of those."""
+    n, v_local = z.shape
+    values, index = z.topk(min(k, v_local), dim=1)
+    values = all_gather_stacked(values, tp_group).permute(1, 0, 2).reshape(n, -1)
+    if values.shape[1] < k:
+        raise ValueError(f"engine.topk_logprobs: {k} exceeds the vocabulary ({values.shape[1]} ids); allowed: ≤ it")
+    ids = all_gather_stacked(index + vocab_start, tp_group).permute(1, 0, 2).reshape(n, -1)
+    best, which = values.topk(k, dim=1)
+    return best, ids.gather(1, which)
 
 
 def _support_of(captured: list[torch.Tensor], n: int, width: int) -> CapturedSupport:

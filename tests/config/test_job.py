@@ -57,11 +57,23 @@ def test_preset_is_the_base_of_the_inline_loss() -> None:
         (["engine.logits_dtype=fp32"], "logits_dtype"),
         (["model.cpu_logit_offset=nan"], "model.cpu_logit_offset"),
         (["model.cpu_logit_offset=big"], "model.cpu_logit_offset"),
+        (["engine.topk_logprobs=-1"], "engine.topk_logprobs"),
+        (["engine.topk_logprobs=true"], "engine.topk_logprobs"),
+        (["loss_preset=trl_dppo", "loss.trust_region.mode=topk_tv"], "engine.topk_logprobs: 0"),
+        (["loss_preset=trl_dppo", "engine.topk_logprobs=20"], "engine.topk_logprobs: 20 has no effect"),
+        (["loss_preset=trl_dppo", "loss.trust_region.mode=topk_kl", "engine.topk_logprobs=2000"],
+         "engine.topk_logprobs: 2000 exceeds model.vocab_size"),
     ],
 )
 def test_errors_name_the_key(overrides, match) -> None:
     with pytest.raises(ConfigError, match=match):
         load_job_config({}, overrides)
+
+
+def test_topk_logprobs_with_a_topk_trust_region() -> None:
+    cfg = load_job_config({}, ["loss_preset=trl_dppo", "loss.trust_region.mode=topk_tv", "engine.topk_logprobs=20"])
+    assert cfg.engine.topk_logprobs == 20 and cfg.loss.needs_topk_logprobs
+    assert load_job_config({}).engine.topk_logprobs == 0
 
 
 def test_unknown_preset_lists_the_presets() -> None:

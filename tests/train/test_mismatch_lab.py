@@ -1,4 +1,4 @@
-"""The mismatch lab's experiments (a)–(g) at tiny sizes: the qualitative effects the docs report."""
+"""The mismatch lab's experiments (a)–(i) at tiny sizes: the qualitative effects the docs report."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from mp_grpo.train.mismatch_lab import (
     top_p_loop,
     top_p_replay,
     training,
+    trust_region_loop,
 )
 from mp_grpo.train.mismatch_lab.policy import PolicyShape, RolloutEngine, TinyPolicy, make_rollouts
 from tests.tolerances import tolerance
@@ -281,3 +282,72 @@ def test_captured_support_of_the_engine_is_its_kept_set(world_of_one):
         k = i * gen.tokens.shape[1] + j
         ids = gen.support.ids[gen.support.indptr[k]:gen.support.indptr[k + 1]]
         assert int(gen.tokens[i, j]) in ids.tolist() and bool((ids.diff() > 0).all())
+
+
+# ------------------------------------------------------------------------------------------ (i) trust regions
+TINY_TRUST_REGION = trust_region_loop.TrustRegionLoopSetup(
+    steps=2, noise_levels=(2.0,), seeds=(0,),
+    extra_overrides=("parallel.tensor_model_parallel_size=1", "parallel.sequence_format=padded", *TINY_JOB))
+"""(i) at test size: every arm, σ = 2 (a mismatch where every rule acts on some tokens, not all), 2 steps."""
+
+
+def test_trust_region_loop_masks_what_the_float64_rules_mask(world_of_one, monkeypatch):
+    """(i) at test size, every arm: the loss's masked fraction is, token for token in count, the float64 rule's on the
+    policy's own log-probs (the clip's active side; |π − μ| > δ in the advantage's direction; the top-K TV from the
+    engine's 20 ids); no NaN / Inf anywhere; the loop's own vllm-kl is the lab's float64 one. On the captured micro-
+    batches, with the loss called directly: its zero-gradient tokens (A ≠ 0) are exactly the rule's, and its top-K
+    divergence is the float64 recomputation's from the same ids."""
+    from mp_grpo.config.loss import TrustRegion
+    from mp_grpo.loss import GRPOLoss, TopKLogprobs
+    from mp_grpo.loss.trust_region import topk_divergence
+    from mp_grpo.ops.checks import CheckInputs
+
+    captured: dict[str, list] = {}
+    measure = trust_region_loop.rollout_statistics
+
+    def capture(policy, micro, loss_cfg, temperature):
+        captured.setdefault(loss_cfg.trust_region.mode.value, []).append(
+            (policy_state(policy), micro, loss_cfg, temperature, policy))
+        return measure(policy, micro, loss_cfg, temperature)
+
+    def policy_state(policy):
+        return {k: v.detach().clone() for k, v in policy.state_dict().items() if torch.is_tensor(v)}
+
+    monkeypatch.setattr(trust_region_loop, "rollout_statistics", capture)
+    result = trust_region_loop.run(TINY_TRUST_REGION)
+    assert [r["arm"] for r in result["runs"]] == list(trust_region_loop.ARMS)
+    for run in result["runs"]:
+        for s in run["steps"]:
+            assert s["nonfinite"] == 0 and s["nonfinite_inputs"] == 0, run["arm"]
+            assert s["tokens"] == 24
+            assert s["masked_frac"] * s["tokens"] == pytest.approx(s["expected_masked"], abs=1e-6), run["arm"]
+            assert s["vllm_kl_loss"] == pytest.approx(s["vllm_kl"], rel=1e-4)
+        assert 0 < sum(s["expected_masked"] for s in run["steps"]) < 2 * 24, run["arm"]
+    report = trust_region_loop.report(result)
+    assert "| 2 | DPPO top-K TV (K = 20) |" in report and "differs from the float64 recomputation: 0." in report
+    # --- the loss called directly on the first step's micro-batches, at the policy they were measured with ---
+    assert sorted(captured) == ["binary_tv", "none", "topk_tv"]
+    for mode, calls in captured.items():
+        state, micro, loss_cfg, temperature, policy = calls[0]
+        policy.load_state_dict(state, strict=False)
+        for mb in micro:
+            full = trust_region_loop.policy_logprobs(policy, mb, temperature)
+            valid = mb.loss_mask
+            lp = full.gather(-1, torch.where(valid, mb.targets, 0).unsqueeze(-1)).squeeze(-1).requires_grad_(True)
+            adv = mb.sequences.broadcast(mb.advantages, valid.shape).double()
+            topk = divergence = None
+            if mode == "topk_tv":
+                top = mb.rollout_top_k
+                counts = top.ids.indptr.diff()
+                position = torch.repeat_interleave(torch.arange(valid.numel()), counts, output_size=top.ids.nnz)
+                topk = TopKLogprobs(top.ids.indptr, top.logprobs.double(), full.reshape(-1, full.shape[-1])[position, top.ids.ids])
+                divergence = trust_region_loop.topk_tv(full, top)
+                from_loss = topk_divergence(TrustRegion.TOPK_TV, topk, valid, CheckInputs.OFF)
+                assert torch.allclose(from_loss[valid], divergence[valid], rtol=0, atol=1e-12)
+            loss, _ = GRPOLoss(loss_cfg)(lp, None, mb.advantages, valid, rollout_logprobs=mb.rollout_logprobs.double(),
+                                         topk_logprobs=topk)
+            loss.backward()
+            rule = trust_region_loop.masked_by_rule(loss_cfg, lp.detach(), mb.rollout_logprobs.double(), adv, divergence)
+            moving = valid & (adv != 0)
+            assert torch.equal((lp.grad == 0)[moving], rule[moving]), mode
+            assert bool(rule[moving].any()) and not bool(rule[moving].all()), mode

@@ -153,6 +153,8 @@ def test_engine_config_errors_name_the_key() -> None:
     for bad in (-1, True):
         with pytest.raises(ConfigError, match="engine.top_k"):
             EngineConfig(top_k=bad)
+        with pytest.raises(ConfigError, match="engine.topk_logprobs"):
+            EngineConfig(topk_logprobs=bad)
 
 
 def test_engine_filter_keys_checked_at_load_time() -> None:
@@ -166,6 +168,73 @@ def test_engine_filter_keys_checked_at_load_time() -> None:
                           ("engine.replay_filtr=false", "engine.replay_filtr")):
         with pytest.raises(ConfigError, match=key):
             load_job_config(config_path("cpu"), [override])
+
+
+# ------------------------------------------------------------------------------------------ top-K log-probs
+def _dense_top_k(gen, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, S, k]`` ids and log-probs of the generation's top-K CSR (K entries at every completion position, checked)."""
+    counts = gen.top_ids.indptr.diff().view(gen.tokens.shape)
+    assert torch.equal(counts, gen.completion_mask.to(torch.int64) * k)
+    n, width = gen.tokens.shape
+    ids = torch.full((n, width, k), -1, dtype=torch.int64)
+    lp = torch.zeros(n, width, k, dtype=gen.top_logprobs.dtype)
+    ids[gen.completion_mask] = gen.top_ids.ids.view(-1, k)
+    lp[gen.completion_mask] = gen.top_logprobs.view(-1, k)
+    return ids, lp
+
+
+def test_engine_top_k_logprobs_are_the_float64_top_k() -> None:
+    """fp32 engine, K = 5: at every completion position its 5 ids are the float64 reference's 5 most probable (the
+    logit at s − 1 scores the token at s), most probable first, with the reference's log-probs; none elsewhere."""
+    trainer = _model()
+    gen, _ = _generate(EngineConfig(dtype=EngineDtype.FP32, topk_logprobs=5), trainer)
+    ids, lp = _dense_top_k(gen, 5)
+    with torch.no_grad():
+        logits = trainer(gen.tokens, torch.arange(gen.tokens.shape[1]).expand_as(gen.tokens))
+    ref = torch.log_softmax(logits.double() / T, -1)
+    ref = torch.cat([torch.zeros_like(ref[:, :1]), ref[:, :-1]], dim=1)  # position s: the distribution of token s
+    mask = gen.completion_mask
+    best = ref.topk(5, dim=-1)
+    assert torch.equal(ids[mask], best.indices[mask])
+    assert_close(lp[mask], best.values[mask], torch.float32, msg="engine top-K log-probs vs float64")
+    assert bool((lp[mask].diff(dim=-1) <= 0).all())
+    assert torch.equal(gen.top_ids.indptr[-1], torch.tensor(int(mask.sum()) * 5))
+    assert _generate(EngineConfig(dtype=EngineDtype.FP32), trainer)[0].top_ids is None
+
+
+def test_engine_top_k_logprobs_under_a_filter_are_of_the_filtered_distribution() -> None:
+    """K = the vocabulary with top-p 0.8: the ids outside the kept set have log-prob −inf, the sampled token's entry is
+    its reported (filtered) log-prob, and the kept ids' probabilities sum to 1."""
+    trainer = _model()
+    gen, _ = _generate(EngineConfig(dtype=EngineDtype.FP32, top_p=0.8, topk_logprobs=VOCAB), trainer)
+    ids, lp = _dense_top_k(gen, VOCAB)
+    mask = gen.completion_mask
+    sampled = (ids == gen.tokens.unsqueeze(-1))[mask]
+    assert torch.equal(sampled.sum(-1), torch.ones(int(mask.sum()), dtype=torch.int64))
+    assert torch.equal(lp[mask][sampled], gen.rollout_logprobs[mask])
+    kept = torch.isfinite(lp[mask])
+    assert bool((kept.sum(-1) < VOCAB).any()), "top-p 0.8 should drop some ids"
+    assert_close(torch.where(kept, lp[mask].double().exp(), 0.0).sum(-1), torch.ones(int(mask.sum()), dtype=torch.float64),
+                 torch.float32, msg="kept mass")
+
+
+def test_top_k_rows_cut_the_csr_by_sequence() -> None:
+    trainer = _model()
+    gen, _ = _generate(EngineConfig(dtype=EngineDtype.FP32, topk_logprobs=3), trainer)
+    ids, lp = _dense_top_k(gen, 3)
+    part_ids, part_lp = gen.top_k_rows(4, 7)
+    width = gen.tokens.shape[1]
+    assert part_ids.indptr.shape == (3 * width + 1,) and int(part_ids.indptr[0]) == 0
+    mask = gen.completion_mask[4:7]
+    assert torch.equal(part_ids.ids, ids[4:7][mask].reshape(-1))
+    assert torch.equal(part_lp, lp[4:7][mask].reshape(-1))
+    for bad in ((7, 4), (0, 13), (-1, 2)):
+        with pytest.raises(ValueError, match="top_k_rows"):
+            gen.top_k_rows(*bad)
+    with pytest.raises(ValueError, match="engine.topk_logprobs = 0"):
+        _generate(EngineConfig(dtype=EngineDtype.FP32), trainer)[0].top_k_rows(0, 1)
+    with pytest.raises(ValueError, match="engine.topk_logprobs"):
+        _generate(EngineConfig(dtype=EngineDtype.FP32, topk_logprobs=VOCAB + 1), trainer)
 
 
 # ------------------------------------------------------------------------------------------ the head's precision

@@ -3,7 +3,7 @@
 Schedule
     1. Parse the experiments to run and the output folder.
     2. For each experiment: run it, print its markdown table, write ``<out>/<name>.json``, ``<out>/<name>.md``
-       and (a, b, d, f, g, h) ``<out>/<name>.png``. (d)–(h) run quick sizes unless ``--full``.
+       and (a, b, d, f, g, h, i) ``<out>/<name>.png``. (d)–(i) run quick sizes unless ``--full``.
 """
 
 from __future__ import annotations
@@ -70,6 +70,17 @@ def _run_h(args: argparse.Namespace) -> tuple[dict, str]:
     return result, support_replay.report(result)
 
 
+def _run_i(args: argparse.Namespace) -> tuple[dict, str]:
+    from mp_grpo.train.mismatch_lab import trust_region_loop
+    result = trust_region_loop.run(trust_region_loop.TrustRegionLoopSetup() if args.full else trust_region_loop.QUICK)
+    return result, trust_region_loop.report(result)
+
+
+def _plot_i(result: dict, path: Path) -> None:
+    from mp_grpo.train.mismatch_lab import trust_region_loop
+    trust_region_loop.plot(result, path)
+
+
 def _plot_h(result: dict, path: Path) -> None:
     from mp_grpo.train.mismatch_lab import support_replay
     support_replay.plot(result, path)
@@ -97,7 +108,8 @@ EXPERIMENTS = {"a": ("is_correction", _run_a, report.plot_is_correction),
                "e": ("top_p_replay", _run_e, None),
                "f": ("top_p_loop", _run_f, _plot_f),
                "g": ("pairing", _run_g, _plot_g),
-               "h": ("support_replay", _run_h, _plot_h)}
+               "h": ("support_replay", _run_h, _plot_h),
+               "i": ("trust_region_loop", _run_i, _plot_i)}
 """Letter → (output name, runner, plotter or None)."""
 
 
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which experiments to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path("docs/mismatch"), help="output folder")
     parser.add_argument("--full", action="store_true",
-                        help="(d)–(h): the documented sizes (default: quick runs of a few minutes)")
+                        help="(d)–(i): the documented sizes (default: quick runs of a few minutes)")
     parser.add_argument("--training-steps", type=int, default=None, help="(d): optimizer steps per run")
     parser.add_argument("--training-variants", nargs="+", default=None, help="(d): variant names (default: all)")
     args = parser.parse_args(argv)
