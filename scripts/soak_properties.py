@@ -421,6 +421,7 @@ def run_suites(args) -> dict:
           f"({len(cpus)} processes), "
           f"{args.time_limit:.0f} s; work directory {work}", flush=True)
     last_print = 0.0
+    source, changed = source_digest(), None
     while True:
         track(running)
         for run in [r for r in running if reap(r)]:
@@ -434,6 +435,14 @@ def run_suites(args) -> dict:
             print(f"[{now - began:5.0f} s] " + ", ".join(f"{n} {fractions[n]:.0%}" for n in accounts)
                   + f"; {len(running)} runs", flush=True)
         if now >= deadline:
+            break
+        # The code under test changed on disk (a checkout, a copy over the tree): runs started from now on would test
+        # other code than those before. Stop, keeping what was counted, and say so.
+        current = source_digest()
+        if current != source:
+            changed = {"after_s": round(now - began, 1), "files": source_changes(source, current)}
+            print(f"[{now - began:5.0f} s] the code under test changed ({', '.join(changed['files'][:5])}): "
+                  "stopping the soak", flush=True)
             break
         # A suite at its target: its runs stop (what they counted stays), their cores go to the others — except a run
         # that has failed, which goes on until hypothesis has shrunk and reported its failing example (or the time
@@ -465,7 +474,7 @@ def run_suites(args) -> dict:
             running.append(run)
         time.sleep(POLL_S)
     stop(running)
-    return summarize(accounts, args, began, cpus)
+    return summarize(accounts, args, began, cpus, source, changed)
 
 
 def _run_record(run: Run) -> dict:
@@ -476,7 +485,8 @@ def _run_record(run: Run) -> dict:
             "passed": c["passed"], "failed": c["failed"], "gave_up": c["gave_up"]}
 
 
-def summarize(accounts: dict[str, Account], args, began: float, cpus: list[int]) -> dict:
+def summarize(accounts: dict[str, Account], args, began: float, cpus: list[int], source: dict,
+              changed: dict | None = None) -> dict:
     suites = {}
     for name, account in accounts.items():
         suite = account.suite
@@ -512,7 +522,8 @@ def summarize(accounts: dict[str, Account], args, began: float, cpus: list[int])
         "started": datetime.fromtimestamp(began, timezone.utc).isoformat(timespec="seconds"),
         "wall_s": round(time.time() - began, 1), "cores": len(set(cpus)), "slots": len(cpus),
         "host": _host(args.gpu if any(a.suite.gpu for a in accounts.values()) else None),
-        "source": source_digest(),
+        "source": source,  # read when the soak began: every run of it imported this code
+        **({"stopped_on_source_change": changed} if changed else {}),
         "suites": suites,
     }
 

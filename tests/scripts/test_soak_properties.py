@@ -194,3 +194,19 @@ def test_a_failing_run_is_not_stopped_at_its_suites_target(monkeypatch, tmp_path
     assert rc == 1
     assert suite["failing_runs"] == 1 and suite["failures"][0]["falsifying"], suite["failures"]
     assert "x=5" in suite["failures"][0]["falsifying"][0]["representation"]
+
+
+def test_a_soak_stops_when_the_code_under_test_changes(monkeypatch, tmp_path: Path) -> None:
+    """The digest is read when the soak begins and watched: a tree copied over mid-soak (a second device call sending
+    other code) stops it, the counts so far kept, the JSON naming the files — runs started after the change would
+    have imported other code than those before."""
+    _suites(monkeypatch)
+    digests = iter([{"mp_grpo": "a", "tests": "t", "files": {"mp_grpo/x.py": "1"}}] * 4)
+    changed = {"mp_grpo": "b", "tests": "t", "files": {"mp_grpo/x.py": "2"}}
+    monkeypatch.setattr(S, "source_digest", lambda root=S.REPO_ROOT: next(digests, changed))
+    out = tmp_path / "soak.json"
+    S.main(["run", "dummy=100000", "--cpus", "0", "--time-limit", "240", "--nice", "0", "--print-every", "0",
+            "--work", str(tmp_path / "work"), "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["source"]["mp_grpo"] == "a" and data["stopped_on_source_change"]["files"] == ["mp_grpo/x.py"]
+    assert data["wall_s"] < 60 and not data["suites"]["dummy"]["reached"]
